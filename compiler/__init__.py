@@ -1,0 +1,1 @@
+"""meshc.compiler: tracing, the Program, the pass driver, verify, explain and show."""

@@ -1,0 +1,62 @@
+"""The one place where meshc touches private torch APIs.
+
+Every private import lives here, each with the public alternative it stands in for, so that a torch
+upgrade is checked in one file. Nothing here has behaviour of its own beyond thin adaptation.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as _pytree  # no public pytree module in torch 2.13
+from torch.distributed import distributed_c10d as _c10d
+
+tree_flatten = _pytree.tree_flatten
+tree_unflatten = _pytree.tree_unflatten
+tree_map = _pytree.tree_map
+TreeSpec = _pytree.TreeSpec
+
+# torch's functional collectives: the ops the graphs call (DESIGN.md §4, "Collectives in graphs").
+c10d_functional = torch.ops._c10d_functional
+
+
+def all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Out-of-place sum all-reduce over the named group (gloo has no "avg"), waited."""
+    return c10d_functional.wait_tensor(c10d_functional.all_reduce(t, "sum", group_name))
+
+
+def all_gather(t: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Concatenate every rank's `t` along dim 0, waited."""
+    out = c10d_functional.all_gather_into_tensor(t.contiguous(), group_size, group_name)
+    return c10d_functional.wait_tensor(out)
+
+
+def reduce_scatter_sum(t: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Sum over the group, each rank keeping its dim-0 slice, waited."""
+    out = c10d_functional.reduce_scatter_tensor(t.contiguous(), "sum", group_size, group_name)
+    return c10d_functional.wait_tensor(out)
+
+
+def resolve_process_group(group_name: str) -> dist.ProcessGroup:
+    """The ProcessGroup registered under `group_name` (torch has no public lookup by name)."""
+    return _c10d._resolve_process_group(group_name)
+
+
+def fake_store():
+    """torch's FakeStore for the in-process fake backend ("fake"), used for simulated compiles."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def fake_tensor_mode():
+    """A FakeTensorMode that also fakes tensors created from real ones (used to trace without memory)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def dispatch_mode_base():
+    """torch's TorchDispatchMode (no public home in torch 2.13), for intercepting collectives."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode

@@ -1,0 +1,29 @@
+"""meshc.compile: the main door."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from meshc.runtime.job import Job
+from meshc.runtime.mesh import Mesh
+
+from .plan import Plan
+
+
+def compile(model: torch.nn.Module, mesh: Mesh, *, example_inputs: Any, example_kwargs: dict | None = None,
+            plan: Plan | None = None) -> Job:
+    """Compile `model` for this rank of `mesh` and return the Job that trains it.
+
+    `example_inputs` is this rank's dp-local batch (a tensor or a tuple of positional inputs), as the
+    job will be called; `example_kwargs` holds keyword inputs if the model takes any.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"meshc.compile: expected an nn.Module, got {type(model).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"meshc.compile: expected a meshc Mesh (from meshc.mesh(...)), got {type(mesh).__name__}")
+    plan = Plan() if plan is None else plan
+    if not isinstance(plan, Plan):
+        raise TypeError(f"meshc.compile: expected plan to be a meshc.Plan, got {type(plan).__name__}")
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    return Job(model, mesh, plan, args, dict(example_kwargs or {}))

@@ -1,0 +1,116 @@
+"""explain(): the printable report of a compiled job for one rank.
+
+It says what the compiler decided and what that costs: the mesh and plan, what each pass did, the
+bytes this rank holds in parameters, gradients and optimizer states, every collective per step (kind,
+mesh axis, bytes, count, and why it exists), and every parameter's placement.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from .placement import format_placements
+from .program import CommRecord, Program
+from .show import human_bytes
+
+
+@dataclass
+class Collective:
+    kind: str
+    axis: str
+    bytes: int
+    count: int
+    phase: str
+    why: str
+    node: str
+
+
+@dataclass
+class Report:
+    header: str
+    plan: str
+    passes: list[str]
+    memory: dict[str, int]  # params / grads / optimizer bytes this rank holds
+    optimizer_note: str
+    collectives: list[Collective]
+    params: list[tuple[str, tuple, tuple, str]]  # fqn, global shape, local shape, placements
+    warnings: list[str] = field(default_factory=list)
+
+    def bytes_per_step(self) -> dict[str, int]:
+        """Collective payload bytes per step, summed by mesh axis."""
+        out: dict[str, int] = defaultdict(int)
+        for c in self.collectives:
+            out[c.axis] += c.bytes * c.count
+        return dict(out)
+
+    def __str__(self) -> str:
+        lines = [self.header, f"plan: {self.plan}", "", "passes:"]
+        lines += [f"  {p}" for p in self.passes] or ["  (none)"]
+        m = self.memory
+        lines += ["", "memory held by this rank:",
+                  f"  parameters        {human_bytes(m['params']):>12}",
+                  f"  gradients         {human_bytes(m['grads']):>12}",
+                  f"  optimizer states  {human_bytes(m['optimizer']):>12}  ({self.optimizer_note})",
+                  f"  total             {human_bytes(sum(m.values())):>12}", "",
+                  "collectives per step:"]
+        if self.collectives:
+            lines.append(f"  {'kind':<15}{'axis':<6}{'bytes':>11}{'count':>7}  {'phase':<9} why")
+            for c in self.collectives:
+                lines.append(f"  {c.kind:<15}{c.axis:<6}{human_bytes(c.bytes):>11}{c.count:>7}  {c.phase:<9} {c.why}")
+            totals = ", ".join(f"{axis}: {human_bytes(b)}" for axis, b in self.bytes_per_step().items())
+            lines.append(f"  total payload per step: {totals}")
+        else:
+            lines.append("  (none)")
+        lines += ["", f"parameters ({len(self.params)}):",
+                  f"  {'fqn':<44}{'global shape':<18}{'local shape':<18}placement"]
+        for fqn, g, l, p in self.params:
+            lines.append(f"  {fqn:<44}{str(tuple(g)):<18}{str(tuple(l)):<18}{p}")
+        if self.warnings:
+            lines += ["", "warnings:"] + [f"  {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def explain(program: Program, optimizers: list[torch.optim.Optimizer] = ()) -> Report:
+    """The report for `program`; live optimizers, if given, give measured optimizer-state bytes."""
+    mesh = program.mesh
+    sizes = mesh.sizes
+    trainable = [s for s in program.params.values() if s.requires_grad]
+    params_bytes = sum(s.local_bytes(sizes) for s in program.params.values())
+    grads_bytes = sum(s.local_bytes(sizes) for s in trainable)
+    opt_bytes, note = _optimizer_bytes(optimizers, grads_bytes)
+    collectives = [
+        Collective(r.kind, r.axis, r.bytes, r.count, r.phase, r.why, node.name)
+        for node, r in program.comm_records()
+    ]
+    params = [(s.fqn, s.shape, s.local_shape(sizes), format_placements(s.placements))
+              for s in program.params.values()]
+    n_nodes = len(program.gm.graph.nodes)
+    header = (f"meshc job: rank {program.rank} of {mesh.world_size}, mesh {mesh.describe()}\n"
+              f"graph: {n_nodes} nodes, traced by torch.export ({program.trace_mode})")
+    return Report(
+        header=header, plan=program.plan.describe(),
+        passes=[r.summary() for r in program.pass_log],
+        memory={"params": params_bytes, "grads": grads_bytes, "optimizer": opt_bytes},
+        optimizer_note=note, collectives=collectives, params=params, warnings=list(program.warnings),
+    )
+
+
+def _optimizer_bytes(optimizers, grads_bytes: int) -> tuple[int, str]:
+    measured = 0
+    for opt in optimizers:
+        for state in opt.state.values():
+            measured += sum(v.numel() * v.element_size() for v in state.values()
+                            if isinstance(v, torch.Tensor) and v.dim() > 0)
+    if measured:
+        return measured, "measured on the live optimizer"
+    return 2 * grads_bytes, "estimate for Adam: 2 states per trainable element, before its first step"
+
+
+def comm_summary(records: list[CommRecord]) -> dict[tuple[str, str, str], int]:
+    """(kind, axis, phase) -> payload bytes per step."""
+    out: dict[tuple[str, str, str], int] = defaultdict(int)
+    for r in records:
+        out[(r.kind, r.axis, r.phase)] += r.bytes * r.count
+    return dict(out)

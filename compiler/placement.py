@@ -1,0 +1,42 @@
+"""Placements of a tensor on one mesh axis: R (replicate), S(d) (shard tensor dim d), P (partial sum).
+
+They live only in `node.meta["meshc.placement"]` (a dict axis -> placement) and in ParamSpec; never as
+attributes on nodes (DESIGN.md §4).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Partial:
+    def __str__(self) -> str:
+        return "P"
+
+
+Placement = Replicate | Shard | Partial
+R = Replicate()
+P = Partial()
+
+
+def S(dim: int) -> Shard:
+    return Shard(dim)
+
+
+def format_placements(placements: dict[str, Placement]) -> str:
+    """`{"dp": R, "tp": S(0)}` -> "dp:R tp:S(0)"."""
+    return " ".join(f"{axis}:{p}" for axis, p in placements.items())

@@ -1,0 +1,119 @@
+"""Program: the unit every pass takes and returns.
+
+A Program is an ATen-level fx.GraphModule in the *lifted* calling convention
+
+    gm(*parameters, *buffers, *user_inputs) -> (*mutated_buffers, *user_outputs)
+
+plus a ParamSpec for every parameter and buffer (FQN, global shape, dtype, placement per mesh axis),
+the Mesh, the Plan and the rank it is compiled for. The graph holds no tensors: the runtime feeds each
+rank's local shards in the order of `Program.params` then `Program.buffers`.
+
+Node metadata keys meshc writes (always namespaced):
+    "meshc.role"       on placeholders: "param", "buffer" or "input"
+    "meshc.fqn"        on param/buffer placeholders: the canonical FQN
+    "meshc.placement"  dict axis -> Placement of the value a node produces
+    "meshc.why"        on every node a pass inserts: the rule and the tensor that made it necessary
+    "meshc.comm"       on collective nodes: list of CommRecord (forward and backward traffic)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+
+from .placement import Placement, Replicate, Shard
+
+if TYPE_CHECKING:
+    from meshc.runtime.mesh import Mesh
+
+    from .plan import Plan
+
+
+@dataclass
+class ParamSpec:
+    """One parameter or buffer: its global facts and its placement on every mesh axis."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    placements: dict[str, Placement]
+    kind: str = "param"  # "param" | "buffer" | "constant"
+    requires_grad: bool = True
+    aliases: tuple[str, ...] = ()  # other FQNs of the same tensor (tied weights)
+
+    def local_shape(self, mesh_sizes: dict[str, int]) -> tuple[int, ...]:
+        """The shape one rank holds, given the size of every mesh axis."""
+        shape = list(self.shape)
+        for axis, p in self.placements.items():
+            if isinstance(p, Shard):
+                shape[p.dim] //= mesh_sizes[axis]
+        return tuple(shape)
+
+    def local_bytes(self, mesh_sizes: dict[str, int]) -> int:
+        return math.prod(self.local_shape(mesh_sizes)) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective a graph node causes per step: what, over which axis, how many bytes, and why."""
+
+    kind: str  # "all_reduce" | "all_gather" | "reduce_scatter" | ...
+    axis: str
+    bytes: int  # payload of one call: the tensor each rank contributes
+    phase: str  # "forward" | "backward"
+    why: str
+    count: int = 1
+
+
+@dataclass
+class Program:
+    gm: fx.GraphModule
+    params: dict[str, ParamSpec]  # in placeholder order
+    buffers: dict[str, ParamSpec]  # in placeholder order, after the params
+    input_names: list[str]
+    in_spec: Any  # pytree spec of (args, kwargs)
+    out_spec: Any  # pytree spec of the user outputs
+    mutated_buffers: list[str]  # FQNs of buffers written by forward: the first graph outputs
+    mesh: "Mesh"
+    plan: "Plan"
+    rank: int
+    trace_mode: str = "strict"
+    notes: list[str] = field(default_factory=list)  # what passes changed, in words
+    warnings: list[str] = field(default_factory=list)  # what a user should look at
+    pass_log: list[Any] = field(default_factory=list)  # driver.PassRecord per pass run
+
+    def replace(self, **changes: Any) -> "Program":
+        return dataclasses.replace(self, **changes)
+
+    def copy(self) -> "Program":
+        """A program with its own graph (node meta copied shallowly) and its own lists, for a pass to edit."""
+        graph = fx.Graph()
+        out = graph.graph_copy(self.gm.graph, {})
+        graph.output(out)
+        gm = fx.GraphModule(self.gm, graph)
+        return self.replace(
+            gm=gm,
+            params={k: dataclasses.replace(v, placements=dict(v.placements)) for k, v in self.params.items()},
+            buffers={k: dataclasses.replace(v, placements=dict(v.placements)) for k, v in self.buffers.items()},
+            notes=list(self.notes),
+            warnings=list(self.warnings),
+            pass_log=list(self.pass_log),
+        )
+
+    def placeholders(self, role: str | None = None) -> list[fx.Node]:
+        nodes = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        return [n for n in nodes if role is None or n.meta.get("meshc.role") == role]
+
+    def param_nodes(self) -> dict[str, fx.Node]:
+        return {n.meta["meshc.fqn"]: n for n in self.placeholders("param")}
+
+    def comm_records(self) -> list[tuple[fx.Node, CommRecord]]:
+        return [(n, r) for n in self.gm.graph.nodes for r in n.meta.get("meshc.comm", ())]
+
+
+def replicated(mesh_axes: tuple[str, ...]) -> dict[str, Placement]:
+    return {axis: Replicate() for axis in mesh_axes}

@@ -1,0 +1,199 @@
+"""Tracing: nn.Module + example inputs -> Program, through torch.export (ATen training IR).
+
+Strict export (TorchDynamo) is tried first; if it fails, non-strict export (which runs the model's
+Python directly) follows. If both fail, a TraceError names the cause, the innermost module that was
+running and the model's source line, not a torch stack dump.
+
+Parameters and buffers arrive as placeholders carrying their FQNs. Tied weights (one tensor under
+several FQNs, e.g. an embedding shared with the LM head) get one placeholder per alias from
+torch.export; they are merged here into one placeholder under the canonical FQN (the name
+`named_parameters()` reports), so that no later pass shards or reduces a tied weight twice.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.export.graph_signature import InputKind, OutputKind
+
+from .errors import TraceError
+from .program import ParamSpec, Program, replicated
+
+log = logging.getLogger("meshc.trace")
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_MESHC_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_MESHC_DIRS = tuple(os.path.join(_MESHC_ROOT, d) + os.sep for d in ("meshc", "compiler", "passes", "kernels", "runtime"))
+
+
+def export(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.export.ExportedProgram, str]:
+    """torch.export, strict first then non-strict; returns the program and the mode that worked."""
+    try:
+        return torch.export.export(model, args, kwargs, strict=True), "strict"
+    except Exception as strict_error:  # noqa: BLE001 - any failure sends us to the fallback
+        log.info("strict export failed (%s: %s); trying non-strict", type(strict_error).__name__,
+                 _first_line(strict_error))
+    tracker = _ModuleTracker(model)
+    try:
+        with tracker:
+            return torch.export.export(model, args, kwargs, strict=False), "non-strict"
+    except Exception as error:  # noqa: BLE001 - turned into a readable TraceError below
+        raise TraceError(_describe_failure(model, error, tracker.innermost()), error) from None
+
+
+def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, mesh, plan,
+          rank: int | None = None) -> tuple[Program, dict[str, torch.Tensor]]:
+    """Trace `model(*args, **kwargs)` into a Program; also return the full tensors by canonical FQN."""
+    kwargs = dict(kwargs or {})
+    t0 = time.perf_counter()
+    ep, mode = export(model, tuple(args), kwargs)
+    program, tensors = _program_from_export(ep, model, mesh, plan, mesh.rank if rank is None else rank, mode)
+    program.notes.append(f"trace: torch.export ({mode}) in {time.perf_counter() - t0:.2f} s, "
+                         f"{len(program.gm.graph.nodes)} nodes")
+    return program, tensors
+
+
+def _program_from_export(ep, model, mesh, plan, rank, mode) -> tuple[Program, dict[str, torch.Tensor]]:
+    gm: fx.GraphModule = ep.graph_module
+    nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    canonical, aliases, by_name = _canonical_names(model)
+    axes = tuple(mesh.sizes)
+    params: dict[str, ParamSpec] = {}
+    buffers: dict[str, ParamSpec] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    placed: dict[str, fx.Node] = {}
+    input_names: list[str] = []
+    for spec in ep.graph_signature.input_specs:
+        node = nodes[spec.arg.name]
+        if spec.kind == InputKind.USER_INPUT:
+            node.meta["meshc.role"] = "input"
+            input_names.append(node.name)
+            continue
+        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            raise TraceError(f"trace: expected parameters, buffers, constants and tensor inputs, got a "
+                             f"{spec.kind.name} input {spec.arg.name!r}; meshc cannot run such a graph")
+        fqn = canonical.get(spec.target, spec.target)
+        if fqn in placed:  # a tied alias: route its uses to the canonical placeholder
+            node.replace_all_uses_with(placed[fqn])
+            gm.graph.erase_node(node)
+            continue
+        placed[fqn] = node
+        tensor = by_name[fqn] if fqn in by_name else ep.constants[spec.target]
+        tensors[fqn] = tensor
+        kind = {InputKind.PARAMETER: "param", InputKind.BUFFER: "buffer"}.get(spec.kind, "constant")
+        node.meta["meshc.role"] = "param" if kind == "param" else "buffer"
+        node.meta["meshc.fqn"] = fqn
+        target = params if kind == "param" else buffers
+        target[fqn] = ParamSpec(
+            fqn=fqn, shape=tuple(tensor.shape), dtype=tensor.dtype, placements=replicated(axes), kind=kind,
+            requires_grad=kind == "param" and tensor.requires_grad, aliases=aliases.get(fqn, ()),
+        )
+    mutated = []
+    for spec in ep.graph_signature.output_specs:
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            mutated.append(canonical.get(spec.target, spec.target))
+        elif spec.kind != OutputKind.USER_OUTPUT:
+            raise TraceError(f"trace: expected the model to return tensors, got a {spec.kind.name} output "
+                             f"{spec.arg.name!r}; if the model writes into an input in place, clone it first")
+    gm.graph.lint()
+    gm.recompile()
+    program = Program(
+        gm=gm, params=params, buffers=buffers, input_names=input_names,
+        in_spec=ep.call_spec.in_spec, out_spec=ep.call_spec.out_spec, mutated_buffers=mutated,
+        mesh=mesh, plan=plan, rank=rank, trace_mode=mode,
+    )
+    return program, tensors
+
+
+def _canonical_names(model: torch.nn.Module):
+    """FQN -> canonical FQN for every parameter and buffer alias; canonical -> other aliases; canonical -> tensor."""
+    canonical: dict[str, str] = {}
+    aliases: dict[str, tuple[str, ...]] = {}
+    by_name: dict[str, torch.Tensor] = {}
+    first_by_id: dict[int, str] = {}
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
+        first = first_by_id.setdefault(id(tensor), name)
+        canonical[name] = first
+        by_name.setdefault(first, tensor)
+        if first != name:
+            aliases[first] = aliases.get(first, ()) + (name,)
+    return canonical, aliases, by_name
+
+
+class _ModuleTracker:
+    """Remembers which submodule's forward was running when tracing failed (non-strict export only)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.stack: list[str] = []
+        self.failed_in: list[str] = []
+        self.handles: list[Any] = []
+
+    def __enter__(self):
+        for name, module in self.model.named_modules():
+            self.handles.append(module.register_forward_pre_hook(self._enter(name)))
+            self.handles.append(module.register_forward_hook(self._leave()))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        if exc[0] is not None and not self.failed_in:
+            self.failed_in = list(self.stack)
+        return False
+
+    def _enter(self, name):
+        def hook(module, args):
+            self.stack.append(name)
+        return hook
+
+    def _leave(self):
+        def hook(module, args, output):
+            if self.stack:
+                self.stack.pop()
+        return hook
+
+    def innermost(self) -> tuple[str, str] | None:
+        if not self.failed_in:
+            return None
+        name = self.failed_in[-1]
+        return (name or "<root>", type(self.model.get_submodule(name)).__name__)
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    lines = [ln.strip() for ln in str(error).strip().splitlines() if ln.strip()]
+    text = lines[0] if lines else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _user_frame(error: BaseException) -> str | None:
+    """The innermost frame of the traceback that is model code (not torch's, not meshc's)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(_TORCH_DIR) or path.startswith(_MESHC_DIRS) or frame.filename.startswith("<"):
+            continue
+        code = f": `{frame.line.strip()}`" if frame.line else ""
+        return f"{frame.filename}:{frame.lineno} in {frame.name}{code}"
+    return None
+
+
+def _describe_failure(model, error: BaseException, module: tuple[str, str] | None) -> str:
+    where = []
+    if module:
+        where.append(f"in module '{module[0]}' ({module[1]})")
+    frame = _user_frame(error)
+    if frame:
+        where.append(f"at {frame}")
+    return (
+        f"trace: torch.export could not trace {type(model).__name__}: {type(error).__name__}: "
+        f"{_first_line(error)}\n  {' '.join(where) or 'outside any submodule'}\n"
+        "  What to do: make that code traceable (data-dependent Python branches -> torch.where or "
+        "torch.cond; .item()/.tolist() on tensors -> keep values as tensors), or move it out of forward."
+    )

@@ -1,0 +1,74 @@
+"""The invariants every pass must leave true; `verify(program)` raises MeshcInternalError if one is broken.
+
+1. The graph lints (fx's own checks: defined-before-use, one output, well-formed nodes).
+2. Placeholders come first, in the order params, buffers, user inputs, and match the Program's specs
+   one to one (every spec has exactly one placeholder with its FQN).
+3. Every ParamSpec has a placement for every mesh axis, and each Shard dim divides evenly.
+4. Every node meshc inserted (a meshc.* call, or a node with "meshc.comm") says why ("meshc.why").
+5. Node metadata meshc writes uses only its known keys.
+6. The value meta of each param placeholder, where present, has the local shape its placements imply.
+"""
+from __future__ import annotations
+
+from .errors import MeshcInternalError
+from .placement import Shard
+from .program import Program
+
+KNOWN_META = {"meshc.role", "meshc.fqn", "meshc.placement", "meshc.why", "meshc.comm", "meshc.bucket"}
+
+
+def verify(program: Program, after_pass: str | None = None) -> None:
+    problems = list(_problems(program))
+    if problems:
+        where = f" after pass {after_pass!r}" if after_pass else ""
+        raise MeshcInternalError(f"verify{where}: {len(problems)} broken invariant(s):\n  " + "\n  ".join(problems))
+
+
+def _problems(program: Program):
+    graph = program.gm.graph
+    try:
+        graph.lint()
+    except Exception as e:  # noqa: BLE001 - reported as a broken invariant
+        yield f"graph lint: {e}"
+    roles = []
+    seen_call = False
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if seen_call:
+                yield f"placeholder after a computation: {node.format_node()}"
+            roles.append((node.meta.get("meshc.role"), node.meta.get("meshc.fqn"), node))
+        else:
+            seen_call = True
+        for key in node.meta:
+            if key.startswith("meshc.") and key not in KNOWN_META:
+                yield f"unknown meta key {key!r} on {node.format_node()}"
+        inserted = node.op == "call_function" and getattr(node.target, "__module__", "").startswith("meshc.")
+        if (inserted or "meshc.comm" in node.meta) and not node.meta.get("meshc.why"):
+            yield f"inserted node without meshc.why: {node.format_node()}"
+    rank = {"param": 0, "buffer": 1, "input": 2}
+    order = [rank.get(r, -1) for r, _, _ in roles]
+    if -1 in order:
+        bad = roles[order.index(-1)][2]
+        yield f"placeholder without a meshc.role: {bad.format_node()}"
+    elif order != sorted(order):
+        yield "placeholders are not ordered params, buffers, inputs"
+    for role, specs in (("param", program.params), ("buffer", program.buffers)):
+        fqns = [fqn for r, fqn, _ in roles if r == role]
+        if fqns != list(specs):
+            missing = set(specs) - set(fqns)
+            extra = set(fqns) - set(specs)
+            yield f"{role} placeholders differ from the specs (missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]})"
+    if len([r for r, _, _ in roles if r == "input"]) != len(program.input_names):
+        yield "user-input placeholders differ from Program.input_names"
+    sizes = program.mesh.sizes
+    nodes = {fqn: n for _, fqn, n in roles if fqn}
+    for spec in list(program.params.values()) + list(program.buffers.values()):
+        if set(spec.placements) != set(sizes):
+            yield f"{spec.fqn}: placements {spec.placements} do not cover the mesh axes {tuple(sizes)}"
+            continue
+        for axis, p in spec.placements.items():
+            if isinstance(p, Shard) and spec.shape[p.dim] % sizes[axis]:
+                yield f"{spec.fqn}: dim {p.dim} of size {spec.shape[p.dim]} sharded over {axis}={sizes[axis]} unevenly"
+        val = nodes[spec.fqn].meta.get("val") if spec.fqn in nodes else None
+        if val is not None and hasattr(val, "shape") and tuple(val.shape) != spec.local_shape(sizes):
+            yield f"{spec.fqn}: placeholder shape {tuple(val.shape)} != local shape {spec.local_shape(sizes)}"

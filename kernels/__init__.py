@@ -1,0 +1,1 @@
+"""meshc.kernels: fused ops next to communication (one torch.library custom op per file)."""

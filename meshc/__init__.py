@@ -1,0 +1,17 @@
+"""meshc: turn one PyTorch training program into a distributed one, as a compiler.
+
+    mesh = meshc.mesh(dp=2)
+    job = meshc.compile(model, mesh, example_inputs=(x,))
+    opt = job.optimizer(torch.optim.AdamW, lr=3e-4)
+    loss = job.step(x, y, loss_fn); opt.step(); opt.zero_grad()
+    print(job.explain())
+"""
+from meshc.compiler.api import compile
+from meshc.compiler.errors import MeshcInternalError, TraceError
+from meshc.compiler.plan import Plan
+from meshc.compiler.show import show
+from meshc.runtime.job import Job
+from meshc.runtime.mesh import Mesh, mesh
+
+__all__ = ["compile", "mesh", "Plan", "Job", "Mesh", "show", "TraceError", "MeshcInternalError"]
+__version__ = "0.1.0"

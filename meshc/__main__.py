@@ -1,0 +1,28 @@
+"""The meshc command line.
+
+    meshc demo [--nproc 2] [--steps 300] [--mesh dp=2]      train a small GPT over local processes
+    meshc explain --model gpt2-small --mesh dp=2            the plan for one rank, without launching processes
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="meshc", description="meshc: a compiler for distributed training")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from meshc import demo, explain_cli
+
+    demo.add_arguments(sub.add_parser("demo", help="train a small GPT over local CPU processes"))
+    explain_cli.add_arguments(sub.add_parser("explain", help="explain the plan of a built-in model on a mesh"))
+    args = parser.parse_args(argv)
+    try:
+        return {"demo": demo.run, "explain": explain_cli.run}[args.command](args)
+    except (ValueError, TypeError) as e:
+        print(f"meshc {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

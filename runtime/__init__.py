@@ -1,0 +1,1 @@
+"""meshc.runtime: the mesh and its process groups, collectives, the per-rank job."""

@@ -1,0 +1,145 @@
+"""Job: one rank's compiled model, holding its local shards and running its transformed graph.
+
+    job = meshc.compile(model, mesh, example_inputs=(x,))
+    opt = job.optimizer(torch.optim.AdamW, lr=3e-4)
+    loss = job.step(x, y, loss_fn)       # forward + backward; returns the loss averaged over dp
+    opt.step(); opt.zero_grad()
+
+Conventions (DESIGN.md §1): each rank passes its own dp-local batch; `loss_fn(outputs, targets)`
+returns the mean over that batch; gradients come out averaged over dp, so training matches one process
+running the global batch. A call with new input shapes compiles again and keeps the same parameters.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+
+from meshc.compiler import _torch_compat as compat
+from meshc.compiler.compile import compile_program, passes_for_rank
+from meshc.compiler.explain import Report, explain
+from meshc.compiler.program import Program
+
+from .sharding import full_tensor, local_shard
+
+
+class Job:
+    def __init__(self, model: torch.nn.Module, mesh, plan, example_args: tuple, example_kwargs: dict):
+        self.mesh = mesh
+        self.plan = plan
+        self._model = model
+        self._traced: dict[Any, Program] = {}
+        self._programs: dict[Any, Program] = {}
+        self._optimizers: list[weakref.ref] = []
+        key = _signature(example_args, example_kwargs)
+        traced, program, tensors = compile_program(model, example_args, example_kwargs, mesh=mesh, plan=plan)
+        self._traced[key], self._programs[key] = traced, program
+        self._params: dict[str, torch.nn.Parameter] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
+        for fqn, spec in program.params.items():
+            shard = local_shard(tensors[fqn], spec, mesh).to(mesh.device)
+            self._params[fqn] = torch.nn.Parameter(shard, requires_grad=spec.requires_grad)
+        for fqn, spec in program.buffers.items():
+            self._buffers[fqn] = local_shard(tensors[fqn], spec, mesh).to(mesh.device)
+        self._state_keys = _state_dict_keys(model, program)
+
+    # ------------------------------------------------------------------------------ running
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward on this rank's local batch; returns what the model returns."""
+        program = self._program_for(args, kwargs)
+        flat, _ = compat.tree_flatten((args, kwargs))
+        flat = [x.to(self.mesh.device) if isinstance(x, torch.Tensor) else x for x in flat]
+        values = [self._params[f] for f in program.params] + [self._buffers[f] for f in program.buffers]
+        outs = program.gm(*values, *flat)
+        n = len(program.mutated_buffers)
+        with torch.no_grad():
+            for fqn, value in zip(program.mutated_buffers, outs[:n]):
+                self._buffers[fqn].copy_(value)
+        return compat.tree_unflatten(list(outs[n:]), program.out_spec)
+
+    def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        """Forward and backward on this rank's batch; gradients land on `parameters()`, averaged over dp.
+
+        Returns the loss averaged over dp (detached): the single-process loss of the global batch.
+        """
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        if isinstance(targets, torch.Tensor):
+            targets = targets.to(self.mesh.device)
+        loss = loss_fn(self(*args), targets)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"job.step: expected loss_fn to return a scalar tensor, got {shape}; "
+                             "reduce the loss to its mean over the batch")
+        loss.backward()
+        return self._average(loss.detach(), "dp")
+
+    def _average(self, value: torch.Tensor, axis: str) -> torch.Tensor:
+        n = self.mesh.size(axis)
+        if n == 1:
+            return value
+        return compat.all_reduce_sum(value.clone(), self.mesh.group_name(axis)) / n
+
+    # ------------------------------------------------------------------------------ parameters
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """This rank's local parameter shards, by canonical FQN."""
+        return iter(self._params.items())
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        return iter(self._params.values())
+
+    def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
+        """`cls` over this rank's trainable local parameters (any torch.optim optimizer)."""
+        opt = cls([p for p in self._params.values() if p.requires_grad], **kwargs)
+        self._optimizers.append(weakref.ref(opt))
+        return opt
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full parameters and persistent buffers under the model's own keys (tied aliases included).
+
+        Gathers shards from the other ranks where a placement shards them: call it on every rank.
+        """
+        program = self.program
+        full = {fqn: full_tensor(p, program.params[fqn], self.mesh) for fqn, p in self._params.items()}
+        full.update({fqn: full_tensor(b, program.buffers[fqn], self.mesh) for fqn, b in self._buffers.items()})
+        return {key: full[fqn] for key, fqn in self._state_keys.items()}
+
+    # ------------------------------------------------------------------------------ inspection
+    @property
+    def program(self) -> Program:
+        """The transformed program of the first compilation (this rank)."""
+        return next(iter(self._programs.values()))
+
+    def explain(self) -> Report:
+        """The plan, per-rank memory, every collective and why: print it."""
+        live = [opt for ref in self._optimizers if (opt := ref()) is not None]
+        return explain(self.program, live)
+
+    def graph(self, rank: int | None = None, stage: int = 0) -> torch.fx.GraphModule:
+        """The transformed GraphModule that `rank` (default: this one) runs for pipeline stage `stage`."""
+        if stage != 0:
+            raise ValueError(f"job.graph: expected stage 0 (this plan has one pipeline stage), got {stage}")
+        if rank is None or rank == self.mesh.rank:
+            return self.program.gm
+        return passes_for_rank(next(iter(self._traced.values())), rank).gm
+
+    def _program_for(self, args: tuple, kwargs: dict) -> Program:
+        key = _signature(args, kwargs)
+        if key not in self._programs:
+            traced, program, _ = compile_program(self._model, args, kwargs, mesh=self.mesh, plan=self.plan)
+            self._traced[key], self._programs[key] = traced, program
+        return self._programs[key]
+
+
+def _signature(args: tuple, kwargs: dict) -> Any:
+    """What a compiled graph is specialized on: the input structure, tensor shapes and dtypes, other values."""
+    flat, spec = compat.tree_flatten((args, kwargs))
+    leaves = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", repr(x)) for x in flat)
+    return (str(spec), leaves)
+
+
+def _state_dict_keys(model: torch.nn.Module, program: Program) -> dict[str, str]:
+    """model.state_dict() key -> canonical FQN of the tensor the job holds for it."""
+    alias = {a: spec.fqn for spec in list(program.params.values()) + list(program.buffers.values())
+             for a in (spec.fqn, *spec.aliases)}
+    return {key: alias[key] for key in model.state_dict() if key in alias}

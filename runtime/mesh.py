@@ -1,0 +1,233 @@
+"""The device mesh: named axes pp × dp × tp over the ranks of a torch.distributed world.
+
+Ranks are laid out with tp innermost (consecutive ranks share a tp group, as Megatron-LM places tensor
+parallelism inside a node), then dp, then pp outermost. The Mesh creates one process group per group
+of every axis, on every rank, so that it knows each rank's group names: graphs compiled for any rank
+name the exact groups that rank will use. Nothing here lives in a global: the Mesh is passed
+explicitly wherever a group is needed.
+"""
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshc.compiler import _torch_compat as compat
+
+AXES = ("pp", "dp", "tp")  # outermost first
+
+
+class Mesh:
+    """Named axes over an initialized process group. Build it with `meshc.mesh(...)`."""
+
+    def __init__(self, sizes: dict[str, int], *, device: torch.device, timeout: timedelta):
+        if not dist.is_initialized():
+            raise ValueError("Mesh: expected an initialized torch.distributed world; use meshc.mesh(...)")
+        self.sizes = {axis: int(sizes.get(axis, 1)) for axis in AXES}
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.device = device
+        self.backend = dist.get_backend()
+        self.timeout = timeout
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        for axis in AXES:
+            for row in self.all_groups(axis):  # every rank creates every group, in the same order
+                group = dist.new_group(list(row), timeout=timeout)
+                if self.rank in row:
+                    self._groups[axis] = group
+        self._group_names = self._exchange_group_names()
+        self._device_mesh = None
+
+    # ----------------------------------------------------------------------------- coordinates
+    def size(self, axis: str) -> int:
+        self._check_axis(axis)
+        return self.sizes[axis]
+
+    def coords(self, rank: int | None = None) -> dict[str, int]:
+        """This rank's (or `rank`'s) index along every axis."""
+        rank = self.rank if rank is None else rank
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"Mesh.coords: expected a rank in [0, {self.world_size}), got {rank}")
+        out = {}
+        for axis in reversed(AXES):  # tp varies fastest
+            rank, out[axis] = divmod(rank, self.sizes[axis])
+        return {axis: out[axis] for axis in AXES}
+
+    def rank_at(self, coords: dict[str, int]) -> int:
+        """The rank at the given index along every axis."""
+        rank = 0
+        for axis in AXES:
+            rank = rank * self.sizes[axis] + coords[axis]
+        return rank
+
+    def all_groups(self, axis: str) -> list[tuple[int, ...]]:
+        """Every group along `axis` (each a tuple of ranks in axis order), in a fixed order."""
+        self._check_axis(axis)
+        firsts = [r for r in range(self.world_size) if self.coords(r)[axis] == 0]
+        return [self.group_ranks(axis, r) for r in firsts]
+
+    def coord(self, axis: str, rank: int | None = None) -> int:
+        self._check_axis(axis)
+        return self.coords(rank)[axis]
+
+    def group_ranks(self, axis: str, rank: int | None = None) -> tuple[int, ...]:
+        """The ranks that share `rank`'s group along `axis`, in axis order."""
+        c = self.coords(rank)
+        return tuple(self.rank_at({**c, axis: i}) for i in range(self.sizes[axis]))
+
+    def group_name(self, axis: str, rank: int | None = None) -> str:
+        """The registered name of `rank`'s process group along `axis` (what functional collectives take)."""
+        self._check_axis(axis)
+        return self._group_names[(axis, self.group_ranks(axis, rank))]
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """This rank's process group along `axis`."""
+        self._check_axis(axis)
+        return self._groups[axis]
+
+    @property
+    def device_mesh(self):
+        """The equivalent torch DeviceMesh (built on first use, from the groups above)."""
+        if self._device_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._device_mesh = DeviceMesh.from_group(
+                [self._groups[a] for a in AXES], self.device.type,
+                mesh=torch.arange(self.world_size).view(*(self.sizes[a] for a in AXES)), mesh_dim_names=AXES,
+            )
+        return self._device_mesh
+
+    # ----------------------------------------------------------------------------- data
+    def shard_batch(self, batch: Any, dim: int = 0) -> Any:
+        """This rank's dp slice of a global batch (any pytree of tensors), moved to the mesh's device.
+
+        Every tp and pp rank of one dp group gets the same slice, as DDP and FSDP expect.
+        """
+        n, i = self.sizes["dp"], self.coord("dp")
+
+        def take(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.shape[dim] % n:
+                raise ValueError(
+                    f"shard_batch: expected dim {dim} divisible by dp={n}, got a tensor of shape "
+                    f"{tuple(t.shape)}; make the global batch a multiple of {n}"
+                )
+            return t.chunk(n, dim)[i].to(self.device)
+
+        return compat.tree_map(take, batch)
+
+    def describe(self) -> str:
+        axes = " × ".join(f"{a}={self.sizes[a]}" for a in ("dp", "tp", "pp"))
+        return f"{axes} ({self.world_size} ranks, {self.backend} on {self.device.type})"
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.describe()}, rank={self.rank})"
+
+    def _exchange_group_names(self) -> dict[tuple[str, tuple[int, ...]], str]:
+        """Every group's registered name, keyed by (axis, member ranks), known on every rank.
+
+        A rank only gets a handle (and so a name) for the groups it belongs to; one all_gather_object
+        shares them. On torch's "fake" backend (simulated compiles) nothing can be exchanged, and other
+        ranks' groups get a readable label instead.
+        """
+        mine = {axis: (_members(g), g.group_name) for axis, g in self._groups.items()}
+        if dist.get_backend() == "fake":
+            everyone = [mine]
+        else:
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, mine)
+        names = {(axis, row): f"{axis}:{','.join(map(str, row))}" for axis in AXES for row in self.all_groups(axis)}
+        for theirs in everyone:
+            for axis, (members, name) in theirs.items():
+                names[(axis, members)] = name
+        return names
+
+    def _check_axis(self, axis: str) -> None:
+        if axis not in AXES:
+            raise ValueError(f"mesh axis: expected one of {', '.join(AXES)}, got {axis!r}")
+
+
+def _members(group: dist.ProcessGroup) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def mesh(*, dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float = 300.0,
+         **unknown_axes: int) -> Mesh:
+    """The mesh of this process's world: `meshc.mesh(dp=2, tp=2, pp=2)`.
+
+    Reads torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and initializes torch.distributed
+    if nothing has yet: NCCL when CUDA is available, else gloo. Without torchrun the world is this one
+    process. `dp` left unset takes what tp × pp leave of the world. `timeout_s` bounds every collective
+    (gloo's own default is 30 minutes).
+    """
+    if unknown_axes:
+        name = next(iter(unknown_axes))
+        raise ValueError(f"mesh: unknown axis {name!r}: expected axes among dp, tp, pp")
+    for name, value in (("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"mesh: expected {name} to be a positive int, got {value!r}")
+    timeout = timedelta(seconds=timeout_s)
+    device = _init_world(timeout)
+    world = dist.get_world_size()
+    if dp is None:
+        if world % (tp * pp):
+            raise ValueError(
+                f"mesh: tp×pp = {tp}×{pp} = {tp * pp} does not divide the world of {world} ranks; "
+                f"choose tp and pp whose product divides {world}"
+            )
+        dp = world // (tp * pp)
+    if dp * tp * pp != world:
+        raise ValueError(
+            f"mesh: expected dp×tp×pp to equal the world size {world}, got {dp}×{tp}×{pp} = "
+            f"{math.prod((dp, tp, pp))}; choose sizes whose product is {world}, or leave dp unset"
+        )
+    return Mesh({"dp": dp, "tp": tp, "pp": pp}, device=device, timeout=timeout)
+
+
+def _init_world(timeout: timedelta) -> torch.device:
+    """Initialize torch.distributed from torchrun's environment, or as a world of one; return the device."""
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            if use_cuda:
+                torch.cuda.set_device(local_rank)
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def simulated_mesh(*, dp: int = 1, tp: int = 1, pp: int = 1, rank: int = 0) -> Mesh:
+    """A mesh for compiling one rank of a large world in this process, on torch's "fake" backend.
+
+    Nothing is sent: collectives return garbage, so use it to inspect plans and graphs, never to train.
+    It initializes torch.distributed in this process; call `dist.destroy_process_group()` when done.
+    """
+    world = dp * tp * pp
+    if dist.is_initialized():
+        raise ValueError("simulated_mesh: expected no initialized torch.distributed world in this process, "
+                         "got one; destroy it first (torch.distributed.destroy_process_group())")
+    dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=world)
+    return Mesh({"dp": dp, "tp": tp, "pp": pp}, device=torch.device("cpu"), timeout=timedelta(minutes=5))
+
+
+def parse_sizes(text: str) -> dict[str, int]:
+    """"dp=2,tp=2" -> {"dp": 2, "tp": 2}, with errors that say what was expected."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise ValueError(f"mesh: expected 'axis=size' pairs such as dp=2,tp=2, got {part!r}")
+        if name.strip() not in AXES:
+            raise ValueError(f"mesh: unknown axis {name.strip()!r}: expected axes among dp, tp, pp")
+        sizes[name.strip()] = int(value)
+    return sizes

@@ -1,0 +1,37 @@
+"""Shared fixtures: an in-process fake world for rank-logic tests, torn down after each test."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+@pytest.fixture
+def fake_mesh():
+    """`fake_mesh(dp=2, tp=1, pp=1, rank=0)` -> a Mesh on torch's fake process group in this process."""
+    from meshc.runtime.mesh import simulated_mesh
+
+    def make(**sizes):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return simulated_mesh(**sizes)
+
+    yield make
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def single_mesh():
+    """The world-of-one mesh meshc.mesh() builds without torchrun."""
+    import meshc
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE") if k in os.environ}
+    yield meshc.mesh()
+    dist.destroy_process_group()
+    os.environ.update(env)

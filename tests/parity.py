@@ -1,0 +1,57 @@
+"""Parity runs: meshc on N ranks against one process training the same weights on the global batch.
+
+`reference(...)` trains in this process; `meshc_rank(...)` is the rank function handed to run_ranks.
+Both return {"losses": [...], "grads0": {fqn: grad after step 1}, "params": {fqn: final value}}.
+"""
+from __future__ import annotations
+
+import torch
+
+import meshc
+from tests import zoo
+
+LR = 1e-3
+
+
+def reference(model: str, steps: int, batch: int) -> dict:
+    m = zoo.build(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    losses, grads0 = [], {}
+    for i, (x, y) in enumerate(zoo.batches(steps, batch)):
+        loss = zoo.lm_loss(m(x), y)
+        loss.backward()
+        if i == 0:
+            grads0 = {n: p.grad.clone() for n, p in m.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grads0": grads0, "params": {k: v.clone() for k, v in m.state_dict().items()}}
+
+
+def meshc_rank(model: str, steps: int, batch: int, mesh_sizes: dict | None = None, plan: dict | None = None) -> dict:
+    mesh = meshc.mesh(timeout_s=90, **(mesh_sizes or {}))
+    m = zoo.build(model)
+    data = zoo.batches(steps, batch)
+    job = meshc.compile(m, mesh, example_inputs=(mesh.shard_batch(data[0][0]),),
+                        plan=meshc.Plan(verify=True, **(plan or {})))
+    opt = job.optimizer(torch.optim.AdamW, lr=LR)
+    losses, grads0 = [], {}
+    for i, (x, y) in enumerate(data):
+        loss = job.step(mesh.shard_batch(x), mesh.shard_batch(y), zoo.lm_loss)
+        if i == 0:
+            grads0 = {n: p.grad.clone() for n, p in job.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = job.state_dict()
+    return {"losses": losses, "grads0": grads0, "params": params, "report": str(job.explain())}
+
+
+def max_diff(a: dict, b: dict) -> tuple[float, str]:
+    """The largest absolute difference over the keys both share, and where."""
+    worst, where = 0.0, ""
+    for k in a.keys() & b.keys():
+        d = (a[k].float() - b[k].float()).abs().max().item()
+        if d > worst:
+            worst, where = d, k
+    return worst, where

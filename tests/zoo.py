@@ -1,0 +1,75 @@
+"""Small real models for tests, built from configs with random weights (nothing is downloaded).
+
+Every builder is deterministic in its seed, so a rank process and the test process build identical
+weights. Dropout is off: parity against one process needs the same arithmetic on both sides.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+VOCAB, SEQ = 64, 16
+
+
+def reference_transformer(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """torch's own reference Transformer (tied embedding and output, LayerNorm, GELU MLP)."""
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    torch.manual_seed(seed)
+    return Transformer(ModelArgs(n_layers=layers, vocab_size=VOCAB, max_seq_len=SEQ, dim=32, n_heads=4,
+                                 dropout_p=0.0))
+
+
+def gpt2(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face GPT-2: fused c_attn Conv1D, tied LM head."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def llama(seed: int = 0, layers: int = 2, kv_heads: int = 2) -> torch.nn.Module:
+    """Hugging Face Llama: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=kv_heads,
+                      intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def bert(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face BERT for masked LM."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                     vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, pad_token_id=0)
+    return BertForMaskedLM(cfg)
+
+
+MODELS = {"reference": reference_transformer, "gpt2": gpt2, "llama": llama, "bert": bert}
+
+
+def build(name: str, seed: int = 0, **kwargs) -> torch.nn.Module:
+    return MODELS[name](seed, **kwargs)
+
+
+def batches(steps: int, batch: int, seed: int = 1, seq: int = SEQ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` global batches of (tokens, next-token targets)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=g)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def lm_loss(outputs, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every token; takes a logits tensor or a transformers ModelOutput."""
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
