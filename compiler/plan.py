@@ -19,12 +19,15 @@ class Plan:
         disable: names of passes to switch off (see `meshc.compiler.driver.PASS_NAMES`); for debugging.
         debug_dir: if set, the driver writes each pass's graph before and after into this folder.
         verify: check the compiler's invariants after every pass (tests turn this on).
+        trace: "auto" tries strict torch.export (TorchDynamo) and falls back to non-strict; "strict" or
+            "non-strict" forces one (non-strict is several times faster on Hugging Face models).
     """
 
     bucket_mb: float = 25.0
     disable: tuple[str, ...] = field(default=())
     debug_dir: str | None = None
     verify: bool = False
+    trace: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
@@ -35,6 +38,8 @@ class Plan:
                 f"write disable=({self.disable!r},) for one pass"
             )
         object.__setattr__(self, "disable", tuple(self.disable))
+        if self.trace not in ("auto", "strict", "non-strict"):
+            raise ValueError(f"Plan.trace: expected 'auto', 'strict' or 'non-strict', got {self.trace!r}")
 
     def describe(self) -> str:
         """One line with the fields that differ from their defaults."""

@@ -31,13 +31,17 @@ _MESHC_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MESHC_DIRS = tuple(os.path.join(_MESHC_ROOT, d) + os.sep for d in ("meshc", "compiler", "passes", "kernels", "runtime"))
 
 
-def export(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[torch.export.ExportedProgram, str]:
-    """torch.export, strict first then non-strict; returns the program and the mode that worked."""
-    try:
-        return torch.export.export(model, args, kwargs, strict=True), "strict"
-    except Exception as strict_error:  # noqa: BLE001 - any failure sends us to the fallback
-        log.info("strict export failed (%s: %s); trying non-strict", type(strict_error).__name__,
-                 _first_line(strict_error))
+def export(model: torch.nn.Module, args: tuple, kwargs: dict,
+           mode: str = "auto") -> tuple[torch.export.ExportedProgram, str]:
+    """torch.export, strict first then non-strict (mode "auto"); returns the program and the mode that worked."""
+    if mode in ("auto", "strict"):
+        try:
+            return torch.export.export(model, args, kwargs, strict=True), "strict"
+        except Exception as strict_error:  # noqa: BLE001 - any failure sends us to the fallback
+            if mode == "strict":
+                raise TraceError(_describe_failure(model, strict_error, None), strict_error) from None
+            log.info("strict export failed (%s: %s); trying non-strict", type(strict_error).__name__,
+                     _first_line(strict_error))
     tracker = _ModuleTracker(model)
     try:
         with tracker:
@@ -51,7 +55,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, me
     """Trace `model(*args, **kwargs)` into a Program; also return the full tensors by canonical FQN."""
     kwargs = dict(kwargs or {})
     t0 = time.perf_counter()
-    ep, mode = export(model, tuple(args), kwargs)
+    ep, mode = export(model, tuple(args), kwargs, plan.trace)
     program, tensors = _program_from_export(ep, model, mesh, plan, mesh.rank if rank is None else rank, mode)
     program.notes.append(f"trace: torch.export ({mode}) in {time.perf_counter() - t0:.2f} s, "
                          f"{len(program.gm.graph.nodes)} nodes")
