@@ -16,10 +16,14 @@ class Replicate:
 
 @dataclass(frozen=True)
 class Shard:
+    """Tensor dim `dim` split evenly over the axis. With chunks=c the dim is c equal blocks, each split
+    evenly, and a rank holds its part of every block (a fused qkv projection's output is 3 blocks)."""
+
     dim: int
+    chunks: int = 1
 
     def __str__(self) -> str:
-        return f"S({self.dim})"
+        return f"S({self.dim})" if self.chunks == 1 else f"S({self.dim})x{self.chunks}"
 
 
 @dataclass(frozen=True)
@@ -33,8 +37,8 @@ R = Replicate()
 P = Partial()
 
 
-def S(dim: int) -> Shard:
-    return Shard(dim)
+def S(dim: int, chunks: int = 1) -> Shard:
+    return Shard(dim, chunks)
 
 
 def format_placements(placements: dict[str, Placement]) -> str:

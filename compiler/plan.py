@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 
+TP_STYLES = ("colwise", "rowwise", "vocab", "replicate")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """How to parallelize one model.
@@ -19,6 +22,16 @@ class Plan:
         disable: names of passes to switch off (see `meshc.compiler.driver.PASS_NAMES`); for debugging.
         debug_dir: if set, the driver writes each pass's graph before and after into this folder.
         verify: check the compiler's invariants after every pass (tests turn this on).
+        tp: explicit tensor-parallel styles by module FQN glob, e.g. {"*.attn.c_attn": "colwise",
+            "*.mlp.c_proj": "rowwise", "*.lm_head": "replicate"}; styles: colwise (split output
+            features), rowwise (split input features), vocab (embedding rows / LM head vocabulary),
+            replicate. They override the automatic Megatron plan for the modules they match (later
+            entries win). The automatic plan makes q/k/v and MLP up/gate column-parallel and the
+            attention output and MLP down row-parallel, wherever the graph shows that pattern.
+        sequence_parallel: keep activations between tensor-parallel regions sharded on the sequence
+            dim (norms, dropout, residual adds on sequence shards): all-gather before column-parallel
+            and reduce-scatter after row-parallel layers instead of all-reduce.
+        vocab_parallel: shard the token embedding and the LM head over the vocabulary.
         trace: "auto" tries strict torch.export (TorchDynamo) and falls back to non-strict; "strict" or
             "non-strict" forces one (non-strict is several times faster on Hugging Face models).
     """
@@ -28,6 +41,9 @@ class Plan:
     debug_dir: str | None = None
     verify: bool = False
     trace: str = "auto"
+    tp: dict[str, str] | None = None
+    sequence_parallel: bool = False
+    vocab_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
@@ -38,6 +54,13 @@ class Plan:
                 f"write disable=({self.disable!r},) for one pass"
             )
         object.__setattr__(self, "disable", tuple(self.disable))
+        if self.tp is not None:
+            if not isinstance(self.tp, dict):
+                raise TypeError(f"Plan.tp: expected a dict of module glob -> style, got {type(self.tp).__name__}")
+            bad = {k: v for k, v in self.tp.items() if v not in TP_STYLES}
+            if bad:
+                glob, style = next(iter(bad.items()))
+                raise ValueError(f"Plan.tp[{glob!r}]: expected a style among {', '.join(TP_STYLES)}, got {style!r}")
         if self.trace not in ("auto", "strict", "non-strict"):
             raise ValueError(f"Plan.trace: expected 'auto', 'strict' or 'non-strict', got {self.trace!r}")
 

@@ -45,11 +45,11 @@ class ParamSpec:
     requires_grad: bool = True
     aliases: tuple[str, ...] = ()  # other FQNs of the same tensor (tied weights)
 
-    def local_shape(self, mesh_sizes: dict[str, int]) -> tuple[int, ...]:
-        """The shape one rank holds, given the size of every mesh axis."""
+    def local_shape(self, mesh_sizes: dict[str, int], axes=None) -> tuple[int, ...]:
+        """The shape one rank holds, given the size of every mesh axis (only `axes`, if given)."""
         shape = list(self.shape)
         for axis, p in self.placements.items():
-            if isinstance(p, Shard):
+            if isinstance(p, Shard) and (axes is None or axis in axes):
                 shape[p.dim] //= mesh_sizes[axis]
         return tuple(shape)
 
@@ -82,6 +82,7 @@ class Program:
     plan: "Plan"
     rank: int
     trace_mode: str = "strict"
+    local_axes: frozenset = frozenset()  # axes whose sharding the graph already runs on (local shapes)
     notes: list[str] = field(default_factory=list)  # what passes changed, in words
     warnings: list[str] = field(default_factory=list)  # what a user should look at
     pass_log: list[Any] = field(default_factory=list)  # driver.PassRecord per pass run

@@ -6,7 +6,9 @@
 3. Every ParamSpec has a placement for every mesh axis, and each Shard dim divides evenly.
 4. Every node meshc inserted (a meshc.* call, or a node with "meshc.comm") says why ("meshc.why").
 5. Node metadata meshc writes uses only its known keys.
-6. The value meta of each param placeholder, where present, has the local shape its placements imply.
+6. The value meta of each param placeholder, where present, has the local shape its placements imply on
+   the axes the graph has been made local for (Program.local_axes); every value with a tp placement has
+   the local shape of its global "meshc.shape".
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from .errors import MeshcInternalError
 from .placement import Shard
 from .program import Program
 
-KNOWN_META = {"meshc.role", "meshc.fqn", "meshc.placement", "meshc.why", "meshc.comm", "meshc.bucket"}
+KNOWN_META = {"meshc.role", "meshc.fqn", "meshc.placement", "meshc.why", "meshc.comm", "meshc.bucket",
+              "meshc.shape"}
 
 
 def verify(program: Program, after_pass: str | None = None) -> None:
@@ -70,5 +73,26 @@ def _problems(program: Program):
             if isinstance(p, Shard) and spec.shape[p.dim] % sizes[axis]:
                 yield f"{spec.fqn}: dim {p.dim} of size {spec.shape[p.dim]} sharded over {axis}={sizes[axis]} unevenly"
         val = nodes[spec.fqn].meta.get("val") if spec.fqn in nodes else None
-        if val is not None and hasattr(val, "shape") and tuple(val.shape) != spec.local_shape(sizes):
-            yield f"{spec.fqn}: placeholder shape {tuple(val.shape)} != local shape {spec.local_shape(sizes)}"
+        want = spec.local_shape(sizes, program.local_axes)
+        if val is not None and hasattr(val, "shape") and tuple(val.shape) != want:
+            yield f"{spec.fqn}: placeholder shape {tuple(val.shape)} != local shape {want}"
+    if "tp" in program.local_axes:
+        yield from _local_values(program)
+
+
+def _local_values(program: Program):
+    n = program.mesh.size("tp")
+    for node in program.gm.graph.nodes:
+        placement = node.meta.get("meshc.placement", {}).get("tp")
+        shape, val = node.meta.get("meshc.shape"), node.meta.get("val")
+        if placement is None or shape is None:
+            continue
+        pairs = zip(placement, shape, val) if isinstance(placement, tuple) else [(placement, shape, val)]
+        for p, s, v in pairs:
+            if s is None or not hasattr(v, "shape"):
+                continue
+            want = [int(d) for d in s]
+            if isinstance(p, Shard):
+                want[p.dim] //= n
+            if list(v.shape) != want:
+                yield f"{node.format_node()}: local shape {tuple(v.shape)} != {tuple(want)} for {p} of {tuple(s)}"

@@ -47,3 +47,138 @@ def grad_sync(*params: torch.Tensor, group: str, size: int) -> tuple[torch.Tenso
     uses is reduced as soon as backward leaves that block.
     """
     return _GradSync.apply(group, size, *params)
+
+
+# ------------------------------------------------------------------------------------------------
+# Redistributions between placements on one mesh axis (tensor parallelism, sequence parallelism).
+#
+# Each is identity, gather, slice or reduction in forward and its conjugate in backward, so that a
+# value's gradient always has the placement its forward value has (R -> R, S -> S, P -> R):
+#
+#   all_reduce        P -> R   forward all-reduce           backward identity        (Megatron g)
+#   grad_all_reduce   R -> R   forward identity             backward all-reduce      (Megatron f)
+#   all_gather        S -> R   forward all-gather           backward local slice
+#   local_slice       R -> S   forward local slice          backward all-gather
+#   reduce_scatter    P -> S   forward reduce-scatter       backward all-gather      (sequence parallel)
+#   all_gather_rs     S -> R   forward all-gather           backward reduce-scatter  (sequence parallel,
+#                                                            when only sharded consumers use the result)
+#
+# A shard S(dim, chunks=c) views `dim` as c equal blocks and shards each block over the axis; the local
+# tensor is the concatenation of this rank's part of every block (a fused qkv projection is 3 blocks).
+# ------------------------------------------------------------------------------------------------
+
+
+def gather_shard(x: torch.Tensor, dim: int, chunks: int, size: int, group: str) -> torch.Tensor:
+    moved = x.movedim(dim, 0).contiguous()  # (c*b, ...)
+    full = compat.all_gather(moved, size, group)  # (n*c*b, ...) in rank-major order
+    rest = moved.shape[1:]
+    block = moved.shape[0] // chunks
+    full = full.view(size, chunks, block, *rest).transpose(0, 1).reshape(chunks * size * block, *rest)
+    return full.movedim(0, dim)
+
+
+def slice_shard(x: torch.Tensor, dim: int, chunks: int, size: int, index: int) -> torch.Tensor:
+    moved = x.movedim(dim, 0)
+    rest = moved.shape[1:]
+    block = moved.shape[0] // (chunks * size)
+    part = moved.reshape(chunks, size, block, *rest)[:, index].reshape(chunks * block, *rest)
+    return part.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, chunks: int, size: int, group: str) -> torch.Tensor:
+    moved = x.movedim(dim, 0)
+    rest = moved.shape[1:]
+    block = moved.shape[0] // (chunks * size)
+    ordered = moved.reshape(chunks, size, block, *rest).transpose(0, 1).reshape(-1, *rest)  # rank-major
+    return compat.reduce_scatter_sum(ordered, size, group).movedim(0, dim)
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return compat.all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return compat.all_reduce_sum(grad.contiguous(), ctx.group), None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, chunks, size, index, group, scatter_grad):
+        ctx.args = (dim, chunks, size, index, group, scatter_grad)
+        return gather_shard(x, dim, chunks, size, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, chunks, size, index, group, scatter_grad = ctx.args
+        if scatter_grad:
+            out = _reduce_scatter(grad, dim, chunks, size, group)
+        else:
+            out = slice_shard(grad, dim, chunks, size, index)
+        return out, None, None, None, None, None, None
+
+
+class _LocalSlice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, chunks, size, index, group):
+        ctx.args = (dim, chunks, size, group)
+        return slice_shard(x, dim, chunks, size, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, chunks, size, group = ctx.args
+        return gather_shard(grad, dim, chunks, size, group), None, None, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, chunks, size, group):
+        ctx.args = (dim, chunks, size, group)
+        return _reduce_scatter(x, dim, chunks, size, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, chunks, size, group = ctx.args
+        return gather_shard(grad, dim, chunks, size, group), None, None, None, None
+
+
+def all_reduce(x: torch.Tensor, *, group: str) -> torch.Tensor:
+    """P -> R: sum the partial values of the group; backward passes the gradient through."""
+    return _AllReduce.apply(x, group)
+
+
+def grad_all_reduce(x: torch.Tensor, *, group: str) -> torch.Tensor:
+    """R -> R: identity; backward sums the partial gradients that sharded consumers produced."""
+    return _GradAllReduce.apply(x, group)
+
+
+def all_gather(x: torch.Tensor, *, dim: int, chunks: int, size: int, index: int, group: str) -> torch.Tensor:
+    """S(dim) -> R; backward keeps this rank's slice of the (replicated) gradient."""
+    return _AllGather.apply(x, dim, chunks, size, index, group, False)
+
+
+def all_gather_rs(x: torch.Tensor, *, dim: int, chunks: int, size: int, index: int, group: str) -> torch.Tensor:
+    """S(dim) -> R for sharded consumers only; backward reduce-scatters their partial gradients."""
+    return _AllGather.apply(x, dim, chunks, size, index, group, True)
+
+
+def local_slice(x: torch.Tensor, *, dim: int, chunks: int, size: int, index: int, group: str) -> torch.Tensor:
+    """R -> S(dim): this rank's part, no communication; backward all-gathers the gradient."""
+    return _LocalSlice.apply(x, dim, chunks, size, index, group)
+
+
+def reduce_scatter(x: torch.Tensor, *, dim: int, chunks: int, size: int, group: str) -> torch.Tensor:
+    """P -> S(dim): sum over the group, each rank keeping its part; backward all-gathers."""
+    return _ReduceScatter.apply(x, dim, chunks, size, group)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 import meshc
+from meshc.runtime.sharding import full_tensor
 from tests import zoo
 
 LR = 1e-3
@@ -38,8 +39,9 @@ def meshc_rank(model: str, steps: int, batch: int, mesh_sizes: dict | None = Non
     losses, grads0 = [], {}
     for i, (x, y) in enumerate(data):
         loss = job.step(mesh.shard_batch(x), mesh.shard_batch(y), zoo.lm_loss)
-        if i == 0:
-            grads0 = {n: p.grad.clone() for n, p in job.named_parameters()}
+        if i == 0:  # whole gradients, gathered from the shards
+            specs = job.program.params
+            grads0 = {n: full_tensor(p.grad, specs[n], mesh) for n, p in job.named_parameters()}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

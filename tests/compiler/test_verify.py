@@ -8,7 +8,7 @@ import torch
 
 import meshc
 from meshc.compiler.driver import run_passes
-from meshc.compiler.placement import S
+from meshc.compiler.placement import R, S
 from meshc.compiler.trace import trace
 from meshc.compiler.verify import verify
 from tests import zoo
@@ -49,11 +49,29 @@ def test_placement_that_does_not_cover_the_mesh(program):
         verify(program)
 
 
-def test_local_shape_disagrees_with_placement(program):
-    spec = program.params["layers.0.attention.wq.weight"]
-    spec.placements["dp"] = S(0)  # claims a shard, but the graph still holds the full weight
-    with pytest.raises(meshc.MeshcInternalError, match="placeholder shape .* != local shape"):
-        verify(program)
+@pytest.fixture
+def tp_program(fake_mesh):
+    mesh = fake_mesh(tp=2)
+    traced, _ = trace(zoo.reference_transformer(), (zoo.batches(1, 2)[0][0],), mesh=mesh, plan=meshc.Plan())
+    return run_passes(traced)
+
+
+def test_tp_program_verifies(tp_program):
+    verify(tp_program)
+
+
+def test_local_shape_disagrees_with_placement(tp_program):
+    spec = tp_program.params["layers.0.attention.wq.weight"]
+    spec.placements["tp"] = R  # claims the whole weight, but the graph holds a shard
+    with pytest.raises(meshc.MeshcInternalError, match=r"placeholder shape \(16, 32\) != local shape \(32, 32\)"):
+        verify(tp_program)
+
+
+def test_value_shape_disagrees_with_its_placement(tp_program):
+    node = next(n for n in tp_program.gm.graph.nodes if n.target == torch.ops.aten.gelu.default)
+    node.meta["meshc.placement"] = {"tp": S(1)}  # the real value is sharded on dim 2
+    with pytest.raises(meshc.MeshcInternalError, match=r"local shape \(2, 16, 64\) != \(2, 8, 128\)"):
+        verify(tp_program)
 
 
 def test_missing_parameter_placeholder(program):

@@ -1,0 +1,291 @@
+"""plan: decide every parameter's placement on the tp axis (the decision; tensor_parallel is the mechanism).
+
+Purpose: the automatic Megatron-LM plan, found from the graph rather than from module names: linear layers
+that read the same activation (q/k/v, MLP up/gate) are tried column-parallel together; their sharded
+outputs are followed op by op (with the same rules the tensor_parallel pass uses) and must reach linear
+layers that can consume them row-parallel (attention output, MLP down) without any communication in
+between. Members whose flow cannot stay sharded are dropped and the rest tried again: a k/v projection
+with fewer heads than tp is replicated (as for MQA), others that do not divide tp are an error. Explicit
+styles by module glob (Plan.tp) override the automatic ones; Plan.vocab_parallel shards the token
+embedding and the LM head over the vocabulary.
+
+Requires: "meshc.shape" on every value (shapes pass).
+Ensures: ParamSpec.placements["tp"] set for every parameter (R unless a style shards it); notes say which
+    modules became column/row-parallel and why others stayed replicated. With tp = 1, no change.
+Terms: colwise = output features split (weight S(out dim), bias S(0)); rowwise = input features split
+    (weight S(in dim), bias kept whole and added after the reduction); chunks = blocks of a fused
+    projection (GPT-2's c_attn holds q, k and v: each is split on its own).
+
+Before: p_layers_0_attention_wq_weight  tp:R          After: tp:S(0)
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from meshc.compiler.placement import Partial, Replicate, Shard
+from meshc.compiler.program import Program
+
+from . import tp_views  # noqa: F401  (registers the view rules)
+from .shapes import divides
+from .tp_rules import RuleCtx, infer, tensor_args
+
+AXIS = "tp"
+aten = torch.ops.aten
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+@dataclass
+class Weight:
+    fqn: str
+    module: str
+    kind: str  # "linear" (out, in) | "conv1d" (in, out) | "embedding" (rows, dim)
+    node: fx.Node  # the op that uses it
+    act: fx.Node | None  # the activation it multiplies
+    bias: str | None
+    chunks: int
+
+    @property
+    def out_dim(self) -> int:
+        return 1 if self.kind == "conv1d" else 0
+
+
+def plan_pass(program: Program) -> Program:
+    program = program.copy()
+    n = program.mesh.size(AXIS)
+    if n == 1:
+        program.notes.append("tp = 1: every parameter replicated on tp")
+        return program
+    weights = _weights(program)
+    styles: dict[str, str] = {}
+    if program.plan.vocab_parallel:
+        styles.update(_vocab_styles(program, weights))
+    styles.update({k: v for k, v in _megatron(program, weights, n).items() if k not in styles})
+    for glob, style in (program.plan.tp or {}).items():
+        matched = [w for w in weights.values() if fnmatch.fnmatchcase(w.module, glob) or fnmatch.fnmatchcase(w.fqn, glob)]
+        if not matched:
+            sample = ", ".join(sorted({w.module for w in weights.values()})[:6])
+            raise ValueError(f"Plan.tp[{glob!r}]: expected the glob to match a module with a weight, got no match; "
+                             f"modules look like: {sample}")
+        for w in matched:
+            styles[w.fqn] = style
+    for fqn, style in styles.items():
+        _apply(program, weights[fqn], style)
+    col = sorted({weights[f].module for f, s in styles.items() if s == "colwise"})
+    row = sorted({weights[f].module for f, s in styles.items() if s == "rowwise"})
+    program.notes.append(f"tp={n}: {len(col)} column-parallel, {len(row)} row-parallel modules, "
+                         f"{sum(s == 'vocab' for s in styles.values())} vocab-parallel")
+    return program
+
+
+def _apply(program: Program, w: Weight, style: str) -> None:
+    spec = program.params[w.fqn]
+    ndim = len(spec.shape)
+    if style == "replicate":
+        placement, bias = Replicate(), Replicate()
+    elif w.kind == "embedding":
+        placement = Shard(1) if style == "colwise" else Shard(0)
+        bias = Replicate()
+    elif style in ("colwise", "vocab"):
+        placement, bias = Shard(w.out_dim, w.chunks), Shard(0, w.chunks)
+    else:
+        placement, bias = Shard((1 - w.out_dim) if ndim == 2 else 0), Replicate()
+    spec.placements[AXIS] = placement
+    if w.bias:
+        program.params[w.bias].placements[AXIS] = bias
+
+
+# ---------------------------------------------------------------------------------------- weights
+def _weights(program: Program) -> dict[str, Weight]:
+    """Every 2-D trainable parameter used as a matmul weight or embedding table, by FQN."""
+    out: dict[str, Weight] = {}
+    for fqn, node in program.param_nodes().items():
+        spec = program.params[fqn]
+        if len(spec.shape) != 2:
+            continue
+        for use in node.users:
+            w = _as_weight(program, fqn, node, use)
+            if w and fqn not in out:
+                out[fqn] = w
+    return out
+
+
+def _as_weight(program, fqn, node, use) -> Weight | None:
+    module = fqn.rsplit(".", 1)[0]
+    bias_of = lambda b: b.meta.get("meshc.fqn") if isinstance(b, fx.Node) and b.op == "placeholder" else None
+    if use.target == aten.linear.default and use.args[1] is node:
+        bias = bias_of(use.args[2]) if len(use.args) > 2 else None
+        return Weight(fqn, module, "linear", use, use.args[0], bias, _chunks(use))
+    if use.target == aten.addmm.default and use.args[2] is node:
+        return Weight(fqn, module, "conv1d", use, use.args[1], bias_of(use.args[0]), _chunks(use))
+    if use.target in (aten.mm.default, aten.matmul.default) and use.args[1] is node:
+        return Weight(fqn, module, "conv1d", use, use.args[0], None, _chunks(use))
+    if use.target == aten.embedding.default and use.args[0] is node:
+        return Weight(fqn, module, "embedding", use, use.args[1], None, 1)
+    return None
+
+
+def _chunks(node: fx.Node) -> int:
+    """A fused projection: its output, through reshapes that keep the last dim, is split into k equal parts."""
+    width = int(node.meta["meshc.shape"][-1])
+    frontier = [node]
+    while frontier:
+        cur = frontier.pop()
+        for u in cur.users:
+            if u.target in VIEWS and int(u.meta["meshc.shape"][-1]) == width:
+                frontier.append(u)
+            elif u.target in (aten.split.Tensor, aten.split_with_sizes.default):
+                dim = u.args[2] if len(u.args) > 2 else 0
+                parts = [int(s[dim]) for s in u.meta["meshc.shape"]]
+                if dim % len(cur.meta["meshc.shape"]) == len(cur.meta["meshc.shape"]) - 1 and len(set(parts)) == 1:
+                    return len(parts)
+    return 1
+
+
+def _vocab_styles(program: Program, weights: dict[str, Weight]) -> dict[str, str]:
+    """The token embedding (indexed by a model input) and every matmul weight with that many output rows."""
+    tokens = [w for w in weights.values() if w.kind == "embedding" and w.act is not None and w.act.op == "placeholder"]
+    if not tokens:
+        raise ValueError("Plan.vocab_parallel: expected a token embedding indexed by a model input, got none")
+    vocab = program.params[tokens[0].fqn].shape[0]
+    out = {w.fqn: "vocab" for w in tokens}
+    for w in weights.values():
+        if w.kind != "embedding" and program.params[w.fqn].shape[w.out_dim] == vocab:
+            out[w.fqn] = "vocab"
+    return out
+
+
+# ---------------------------------------------------------------------------------------- Megatron
+def _megatron(program: Program, weights: dict[str, Weight], n: int) -> dict[str, str]:
+    candidates = [w for w in weights.values() if w.kind != "embedding" and program.params[w.fqn].requires_grad
+                  and len(program.param_nodes()[w.fqn].users) == 1]
+    groups: dict[fx.Node, list[Weight]] = {}
+    order = _order(program)
+    for w in sorted(candidates, key=lambda w: order[w.node]):
+        groups.setdefault(w.act, []).append(w)
+    styles: dict[str, str] = {}
+    for members in groups.values():
+        members = [m for m in members if m.fqn not in styles]
+        while members:
+            result = _trial(program, members, styles, n)
+            if result.rows:
+                styles.update({m.fqn: "colwise" for m in members})
+                styles.update({r.fqn: "rowwise" for r in result.rows})
+                program.notes.append(f"auto: {_names(members)} column-parallel -> {_names(result.rows)} row-parallel")
+                break
+            _explain_failure(program, result, members, n)
+            members = [m for m in members if m.fqn not in result.blamed]
+            if not result.blamed:
+                break
+    return styles
+
+
+@dataclass
+class _Trial:
+    rows: list[Weight]
+    blamed: set[str]
+    reason: str = ""
+    indivisible: tuple[str, int] | None = None
+
+
+def _trial(program: Program, members: list[Weight], styles: dict[str, str], n: int) -> _Trial:
+    """Follow the members' outputs, column-parallel, until row-parallel consumers; any needed
+    communication on the way fails the trial and blames the members whose flow needed it."""
+    placements: dict[fx.Node, object] = {}
+    blame: dict[fx.Node, set[str]] = {}
+    for m in members:
+        placements[m.node] = Shard(len(m.node.meta["meshc.shape"]) - 1, m.chunks)
+        blame[m.node] = {m.fqn}
+    ctx = RuleCtx(n, placements)
+    by_node = {w.node: w for w in _weights(program).values() if w.kind != "embedding"}
+    rows: list[Weight] = []
+    order = _order(program)
+    start = min(order[m.node] for m in members)
+    for node in list(program.gm.graph.nodes)[start + 1:]:
+        inputs = [a for a in node.all_input_nodes if _sharded(placements.get(a))]
+        if not inputs or node in placements:
+            continue
+        origin = set().union(*(blame[a] for a in inputs))
+        if node.op == "output":
+            return _Trial([], origin, f"reaches the graph output at {node.format_node()}")
+        w = by_node.get(node)
+        if w is not None and w.fqn not in styles and w.act in inputs and _row_ok(w, placements[w.act], members):
+            rows.append(w)
+            continue
+        dec = infer(node, ctx)
+        if dec.indivisible:
+            return _Trial([], origin, dec.indivisible[0], dec.indivisible)
+        if dec.out is None:  # no tensor output (an assertion): nothing to follow
+            continue
+        for path, req in dec.inputs.items():
+            src = _arg(node, path)
+            if _sharded(placements.get(src)) and placements[src] != req:
+                return _Trial([], blame[src], dec.note or f"{node.format_node()} needs it {req}")
+        if not _all_shard(dec.out):
+            return _Trial([], origin, f"{node.format_node()} would hold a partial sum")
+        size = _indivisible(node, dec.out, n)
+        if size:
+            return _Trial([], origin, f"{node.format_node()} has a dim of size {size}", (f"size {size}", size))
+        placements[node] = dec.out
+        blame[node] = origin
+    return _Trial(rows, set(), "" if rows else "no row-parallel layer consumes it")
+
+
+def _row_ok(w: Weight, act_placement, members) -> bool:
+    return (isinstance(act_placement, Shard) and w not in members
+            and act_placement.dim == len(w.act.meta["meshc.shape"]) - 1 and act_placement.chunks == 1)
+
+
+def _explain_failure(program: Program, result: _Trial, members: list[Weight], n: int) -> None:
+    blamed = [m for m in members if m.fqn in result.blamed]
+    if result.indivisible:
+        what, size = result.indivisible
+        if n % size == 0:  # fewer heads than ranks (MQA/GQA): replicate them, as Megatron does for kv
+            program.warnings.append(f"tp: {_names(blamed)} replicated: {what} < tp={n}")
+            return
+        raise ValueError(f"tp sharding: {_names(blamed)} cannot be split over tp={n}: {what}={n}. "
+                         f"Choose tp dividing {size}, or keep those modules replicated "
+                         f"(Plan(tp={{'{blamed[0].module}': 'replicate'}})).")
+    if blamed and len(blamed) < len(members):
+        program.notes.append(f"auto: {_names(blamed)} left replicated: {result.reason}")
+    elif members:
+        program.notes.append(f"auto: {_names(members)} replicated: {result.reason}")
+
+
+def _indivisible(node: fx.Node, out, n: int) -> int | None:
+    outs = out if isinstance(out, tuple) else (out,)
+    shapes = node.meta["meshc.shape"] if isinstance(out, tuple) else (node.meta["meshc.shape"],)
+    for p, shape in zip(outs, shapes):
+        if isinstance(p, Shard) and shape is not None and not divides(shape[p.dim], n * p.chunks):
+            return int(shape[p.dim])
+    return None
+
+
+def _sharded(p) -> bool:
+    return any(isinstance(x, (Shard, Partial)) for x in (p if isinstance(p, tuple) else (p,)))
+
+
+def _all_shard(p) -> bool:
+    xs = p if isinstance(p, tuple) else (p,)
+    return all(isinstance(x, Shard) for x in xs) if xs else False
+
+
+def _arg(node: fx.Node, path: tuple):
+    return dict(tensor_args(node))[path]
+
+
+def _order(program: Program) -> dict[fx.Node, int]:
+    return {node: i for i, node in enumerate(program.gm.graph.nodes)}
+
+
+def _names(ws: list[Weight]) -> str:
+    mods = [w.module for w in ws]
+    if len(mods) > 1:
+        prefix = mods[0].rsplit(".", 1)[0]
+        if all(m.rsplit(".", 1)[0] == prefix for m in mods):
+            return f"{prefix}.{{{','.join(m.rsplit('.', 1)[1] for m in mods)}}}"
+    return ", ".join(mods)
+

@@ -1,0 +1,350 @@
+"""tensor_parallel: propagate placements on the tp axis op by op and insert the collectives they need.
+
+Purpose: Megatron-style tensor parallelism on any traceable model. Parameters arrive with tp placements
+(from the plan pass); activations get theirs from the op rules (tp_rules, tp_views); where a value's
+placement differs from what its consumer needs, a redistribution node is inserted (all-reduce,
+all-gather, local slice, reduce-scatter); size arguments of views are rewritten to local sizes; graph
+outputs are made whole. Backward needs no pass: every inserted node is an autograd function whose
+backward is the conjugate collective, and a replicated value feeding sharded compute is routed through
+Megatron's f (identity forward, all-reduce of its partial gradient backward).
+
+Requires: "meshc.shape" on every value (shapes pass); ParamSpec.placements["tp"] decided (plan pass).
+Ensures: node.meta["meshc.placement"]["tp"] on every value; every value's "val" has its local shape;
+    inserted nodes carry "meshc.why" and CommRecords; outputs are replicated. With tp = 1, no change.
+Terms: R replicated, S(d) sharded on dim d (xc: c blocks), P partial sum (each rank holds a summand).
+
+Before (rowwise MLP output, tp=2):
+    %linear_5 = aten.linear(%gelu, %p_w2, %p_b2)
+After:
+    %linear_5 = aten.linear(%gelu, %p_w2)                        S(2) x S(1) -> P
+    %all_reduce = meshc.runtime.collectives.all_reduce(%linear_5, group='5')       P -> R
+    %add_9 = aten.add.Tensor(%all_reduce, %p_b2)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from meshc.compiler import _torch_compat as compat
+from meshc.compiler.errors import MeshcInternalError
+from meshc.compiler.placement import Partial, Replicate, Shard
+from meshc.compiler.program import CommRecord, Program
+from meshc.runtime import collectives as C
+from meshc.runtime.tp_ops import vocab_parallel_embedding
+
+from . import tp_views  # noqa: F401  (registers the view rules)
+from .shapes import check_divisible
+from .tp_rules import R, RuleCtx, infer
+
+AXIS = "tp"
+aten = torch.ops.aten
+COMM_FNS = (C.all_reduce, C.grad_all_reduce, C.all_gather, C.all_gather_rs, C.local_slice, C.reduce_scatter)
+
+
+def tensor_parallel_pass(program: Program) -> Program:
+    program = program.copy()
+    n = program.mesh.size(AXIS)
+    if n == 1:
+        program.notes.append("tp = 1: nothing to shard")
+        return program
+    graph = program.gm.graph
+    _split_rowwise_biases(program)
+    placements: dict[fx.Node, object] = {}
+    ctx = RuleCtx(n, placements, sp_dim=_sp_target(program))
+    red = _Redistributor(program, ctx)
+    origin: dict[fx.Node, str] = {}
+    for node in list(graph.nodes):
+        if node.op == "placeholder":
+            spec = program.params.get(node.meta.get("meshc.fqn")) or program.buffers.get(node.meta.get("meshc.fqn"))
+            placements[node] = spec.placements[AXIS] if spec else R
+            if spec and not isinstance(placements[node], Replicate):
+                origin[node] = spec.fqn
+        elif node.op == "call_function":
+            _place(program, node, ctx, red, origin)
+        elif node.op == "output":
+            outs = [(i, a) for i, a in enumerate(node.args[0]) if isinstance(a, fx.Node)]
+            for i, a in outs:
+                if not isinstance(ctx.pl(a), Replicate) and ctx.pl(a) is not None:
+                    new = red.convert(a, ctx.pl(a), R, node, "graph outputs are whole on every rank")
+                    node.update_arg(0, tuple(new if j == i else b for j, b in enumerate(node.args[0])))
+    _insert_f(program, ctx, red)
+    if program.plan.sequence_parallel:
+        _fuse_gather_f(program)
+    for node in graph.nodes:
+        if node in placements and placements[node] is not None:
+            node.meta["meshc.placement"] = {**node.meta.get("meshc.placement", {}), AXIS: placements[node]}
+    graph.lint()
+    program.gm.recompile()
+    program.local_axes = program.local_axes | {AXIS}
+    refresh_vals(program)
+    census = red.census()
+    program.notes.append(f"tp={n}: inserted {census or 'no collectives'}")
+    return program
+
+
+def _place(program, node, ctx, red, origin) -> None:
+    dec = infer(node, ctx)
+    if dec.indivisible:
+        srcs = [origin[a] for a in node.all_input_nodes if a in origin]
+        because = f"; it is sharded because {srcs[0]} is" if srcs else ""
+        raise ValueError(f"tp sharding: {node.format_node()} ({_where(node)}): {dec.indivisible[0]}={ctx.n}{because}. "
+                         f"Choose tp dividing that size, or keep the parameter replicated on tp "
+                         f"(Plan(tp={{'<module glob>': 'replicate'}})).")
+    for path, req in dec.inputs.items():
+        src = _get_arg(node, path)
+        cur = ctx.pl(src)
+        if cur != req:
+            why = dec.note or f"{_op(node)} needs {req} of %{src.name} ({cur})"
+            _set_arg(node, path, red.convert(src, cur, req, node, why))
+    if dec.note:
+        program.warnings.append(f"tp: {dec.note} at {_where(node)}: replicated there (correct, costs communication)")
+    ctx.placements[node] = dec.out
+    srcs = [origin[a] for a in node.all_input_nodes if a in origin]
+    if srcs:
+        origin[node] = srcs[0]
+    for placement, shape in _flat(dec.out, node.meta.get("meshc.shape")):
+        why = f"; it is sharded because {origin[node]} is" if node in origin else ""
+        check_divisible(shape, placement, ctx.n, AXIS, f"{node.format_node()} ({_where(node)})", why)
+    if dec.rewrite:
+        dec.rewrite(node)
+    if node.target == aten.embedding.default and isinstance(dec.out, Partial):
+        _vocab_parallel_lookup(program, node, ctx)
+
+
+def _flat(out, shape):
+    if isinstance(out, tuple):
+        return [(o, s) for o, s in zip(out, shape or ()) if s is not None]
+    return [(out, shape)] if shape is not None and out is not None else []
+
+
+def _vocab_parallel_lookup(program, node, ctx) -> None:
+    weight = node.args[0]
+    spec = program.params[weight.meta["meshc.fqn"]]
+    rows = spec.shape[0] // ctx.n
+    index = program.mesh.coord(AXIS, program.rank)
+    padding = node.args[2] if len(node.args) > 2 else -1
+    node.target = vocab_parallel_embedding
+    node.args = (weight, node.args[1])
+    node.kwargs = {"start": index * rows, "end": (index + 1) * rows, "padding_idx": padding}
+    node.meta["meshc.why"] = f"vocab-parallel embedding: this rank holds rows [{index * rows}, {(index + 1) * rows}) of {spec.fqn}"
+
+
+# ---------------------------------------------------------------------------------------- redistribution
+class _Redistributor:
+    """Inserts and caches the node that turns a value's placement into the one a consumer needs."""
+
+    def __init__(self, program: Program, ctx: RuleCtx):
+        self.program, self.ctx = program, ctx
+        self.group = program.mesh.group_name(AXIS, program.rank)
+        self.index = program.mesh.coord(AXIS, program.rank)
+        self.cache: dict[tuple[fx.Node, object], fx.Node] = {}
+        self.inserted: list[fx.Node] = []
+
+    def convert(self, src: fx.Node, cur, req, consumer: fx.Node, why: str) -> fx.Node:
+        key = (src, req)
+        if key in self.cache:
+            return self.cache[key]
+        if isinstance(cur, Shard) and isinstance(req, Shard):
+            whole = self.convert(src, cur, R, consumer, why)
+            return self.convert(whole, R, req, consumer, why)
+        n, group = self.ctx.n, self.group
+        if isinstance(cur, Partial) and isinstance(req, Replicate):
+            fn, kw, comm = C.all_reduce, {"group": group}, [("all_reduce", "forward", cur)]
+        elif isinstance(cur, Partial) and isinstance(req, Shard):
+            fn, kw = C.reduce_scatter, {"dim": req.dim, "chunks": req.chunks, "size": n, "group": group}
+            comm = [("reduce_scatter", "forward", cur), ("all_gather", "backward", req)]
+        elif isinstance(cur, Shard) and isinstance(req, Replicate):
+            fn = C.all_gather
+            kw = {"dim": cur.dim, "chunks": cur.chunks, "size": n, "index": self.index, "group": group}
+            comm = [("all_gather", "forward", cur)]
+        elif isinstance(cur, Replicate) and isinstance(req, Shard):
+            fn = C.local_slice
+            kw = {"dim": req.dim, "chunks": req.chunks, "size": n, "index": self.index, "group": group}
+            comm = [("all_gather", "backward", req)]
+        else:
+            raise MeshcInternalError(f"tensor_parallel: no redistribution from {cur} to {req} for {src.format_node()}")
+        with self.program.gm.graph.inserting_before(consumer):
+            node = self.program.gm.graph.call_function(fn, (src,), kw)
+        self._annotate(node, src, req, comm, f"tensor parallel: {why}")
+        self.ctx.placements[node] = req
+        self.cache[key] = node
+        self.inserted.append(node)
+        return node
+
+    def _annotate(self, node, src, req, comm, why) -> None:
+        node.meta["meshc.shape"] = src.meta["meshc.shape"]
+        node.meta["val"] = src.meta.get("val")
+        node.meta["meshc.why"] = why
+        node.meta["meshc.comm"] = [CommRecord(kind, AXIS, self.local_bytes(src, p), phase, why)
+                                   for kind, phase, p in comm]
+
+    def local_bytes(self, node: fx.Node, placement) -> int:
+        shape = [int(s) for s in node.meta["meshc.shape"]]
+        if isinstance(placement, Shard):
+            shape[placement.dim] //= self.ctx.n
+        return math.prod(shape) * node.meta["val"].dtype.itemsize
+
+    def census(self) -> str:
+        kinds: dict[str, int] = {}
+        for node in self.program.gm.graph.nodes:
+            if node.target in COMM_FNS:
+                kinds[node.target.__name__] = kinds.get(node.target.__name__, 0) + 1
+        return ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
+
+
+def _insert_f(program: Program, ctx: RuleCtx, red: _Redistributor) -> None:
+    """A replicated value that feeds sharded compute gets partial gradients from it: route those uses
+    through grad_all_reduce (Megatron's f) so that its gradient is whole again."""
+    graph = program.gm.graph
+    grad = _needs_grad(program)
+    for node in list(graph.nodes):
+        if not isinstance(ctx.placements.get(node), Replicate) or not grad.get(node):
+            continue
+        users = [u for u in node.users if u.op == "call_function" and u.target not in COMM_FNS
+                 and _sharded(ctx.placements.get(u))]
+        if not users:
+            continue
+        first = min(users, key=list(graph.nodes).index)
+        why = (f"tensor parallel (f): %{node.name} is replicated and feeds sharded {_op(users[0])}; "
+               "its gradient is a partial sum there")
+        with graph.inserting_before(first):
+            f = graph.call_function(C.grad_all_reduce, (node,), {"group": red.group})
+        red._annotate(f, node, R, [("all_reduce", "backward", R)], why)
+        ctx.placements[f] = R
+        for u in users:
+            u.replace_input_with(node, f)
+
+
+def _fuse_gather_f(program: Program) -> None:
+    """Sequence parallel: an all-gather whose result only feeds f becomes all_gather_rs (all-gather
+    forward, reduce-scatter backward) and the f disappears, as Megatron-SP does."""
+    graph = program.gm.graph
+    for node in list(graph.nodes):
+        if node.target is not C.all_gather or not node.users:
+            continue
+        if all(u.target is C.grad_all_reduce for u in node.users):
+            for f in list(node.users):
+                f.replace_all_uses_with(node)
+                graph.erase_node(f)
+            node.target = C.all_gather_rs
+            record = node.meta["meshc.comm"][0]
+            full = record.bytes * int(node.kwargs["size"])
+            node.meta["meshc.comm"] = [record, CommRecord("reduce_scatter", AXIS, full, "backward", record.why)]
+
+
+def _sharded(p) -> bool:
+    if isinstance(p, tuple):
+        return any(_sharded(x) for x in p)
+    return isinstance(p, (Shard, Partial))
+
+
+def _needs_grad(program: Program) -> dict[fx.Node, bool]:
+    out: dict[fx.Node, bool] = {}
+    for node in program.gm.graph.nodes:
+        if node.op == "placeholder":
+            spec = program.params.get(node.meta.get("meshc.fqn"))
+            out[node] = bool(spec and spec.requires_grad)
+        else:
+            val = node.meta.get("val")
+            floating = isinstance(val, torch.Tensor) and val.is_floating_point() or isinstance(val, (tuple, list))
+            out[node] = bool(floating) and any(out.get(a) for a in node.all_input_nodes)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- rewrites
+def _split_rowwise_biases(program: Program) -> None:
+    """linear(x, W, b) / addmm(b, x, W) with W split on its input dim: the bias joins after the reduction."""
+    graph = program.gm.graph
+    for node in list(graph.nodes):
+        if node.target == aten.linear.default and len(node.args) > 2 and node.args[2] is not None:
+            w, b, dim_in = node.args[1], node.args[2], 1
+            weight_args = (node.args[0], w)
+            target = aten.linear.default
+        elif node.target == aten.addmm.default:
+            b, w, dim_in = node.args[0], node.args[2], 0
+            weight_args = (node.args[1], w)
+            target = aten.mm.default
+        else:
+            continue
+        spec = program.params.get(w.meta.get("meshc.fqn")) if w.op == "placeholder" else None
+        p = spec.placements.get(AXIS) if spec else None
+        if not (isinstance(p, Shard) and p.dim == dim_in):
+            continue
+        with graph.inserting_after(node):
+            add = graph.call_function(aten.add.Tensor, (node, b))
+        node.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
+        node.target, node.args, node.kwargs = target, weight_args, {}
+        add.meta.update({k: node.meta[k] for k in ("val", "meshc.shape", "nn_module_stack") if k in node.meta})
+
+
+def _sp_target(program: Program):
+    """Sequence parallel: the shard a partial activation is reduce-scattered to (None: all-reduce)."""
+    if not program.plan.sequence_parallel:
+        return lambda node: None
+    first = next((n for n in program.placeholders("input") if isinstance(n.meta.get("val"), torch.Tensor)), None)
+    if first is None or first.meta["val"].dim() < 2:
+        return lambda node: None
+    batch, seq = (int(s) for s in first.meta["val"].shape[:2])
+
+    def target(node: fx.Node):
+        shape = node.meta.get("meshc.shape")
+        if not shape or isinstance(shape[0], tuple):
+            return None
+        shape = [int(s) for s in shape]
+        if len(shape) >= 3 and shape[0] == batch and shape[1] == seq:
+            return Shard(1)
+        if len(shape) == 2 and shape[0] == batch * seq:
+            return Shard(0, batch)
+        return None
+    return target
+
+
+def refresh_vals(program: Program) -> None:
+    """Recompute every node's "val" with local shapes (fake tensors), as the rank will see them."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = compat.fake_tensor_mode()
+    sizes = program.mesh.sizes
+    args = []
+    with mode:
+        for node in program.placeholders():
+            spec = program.params.get(node.meta.get("meshc.fqn")) or program.buffers.get(node.meta.get("meshc.fqn"))
+            val = node.meta.get("val")
+            if spec is not None:
+                args.append(torch.empty(spec.local_shape(sizes), dtype=spec.dtype, device=val.device))
+            elif isinstance(val, torch.Tensor):
+                args.append(torch.empty(val.shape, dtype=val.dtype, device=val.device))
+            else:
+                args.append(val)
+    FakeTensorProp(program.gm, mode).propagate_dont_convert_inputs(*args)
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def _get_arg(node: fx.Node, path: tuple):
+    if isinstance(path[0], str):
+        return node.kwargs[path[0]]
+    value = node.args[path[0]]
+    return value[path[1]] if len(path) > 1 else value
+
+
+def _set_arg(node: fx.Node, path: tuple, new) -> None:
+    if isinstance(path[0], str):
+        node.update_kwarg(path[0], new)
+    elif len(path) == 1:
+        node.update_arg(path[0], new)
+    else:
+        seq = list(node.args[path[0]])
+        seq[path[1]] = new
+        node.update_arg(path[0], type(node.args[path[0]])(seq))
+
+
+def _op(node: fx.Node) -> str:
+    return node.target.name() if hasattr(node.target, "name") else getattr(node.target, "__name__", str(node.target))
+
+
+def _where(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    module = list(stack.values())[-1][0] if stack else ""
+    return f"%{node.name}" + (f" in {module}" if module else "")

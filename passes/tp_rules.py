@@ -1,0 +1,389 @@
+"""Placement rules for tensor parallelism: for each ATen op family, given the placements of its inputs on
+one mesh axis, which placement each input must have and which placement the output gets.
+
+    rule(node, ctx) -> Decision(inputs={arg path: required placement}, out=placement, rewrite=...)
+
+An input whose placement differs from the requirement is redistributed by the tensor_parallel pass
+(gather, slice, reduce or reduce-scatter). Rules prefer keeping shards: a replicated operand next to a
+sharded one is sliced locally (free), a partial sum is reduced only where an op is not linear in it.
+An op without a rule gets all inputs replicated and a note: correct, but it costs communication, and
+explain() lists it. View-like ops are in tp_views.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from meshc.compiler.placement import Partial, Placement, Replicate, Shard
+
+aten = torch.ops.aten
+R, P = Replicate(), Partial()
+
+_RULES: dict[Any, Callable] = {}
+
+
+@dataclass
+class Decision:
+    inputs: dict[tuple, Placement]  # arg path -> the placement that input must have
+    out: Any  # a Placement, a tuple of them, or None for ops without a tensor output
+    rewrite: Callable[[fx.Node], None] | None = None  # local size arguments, applied after redistribution
+    note: str | None = None  # why a shard was given up (explain shows it)
+    indivisible: tuple[str, int] | None = None  # (what, size) when a shard could follow only on a smaller axis
+
+
+@dataclass
+class RuleCtx:
+    n: int  # axis size
+    placements: dict[fx.Node, Any]
+    sp_dim: Callable[[fx.Node], Shard | None] = lambda node: None  # sequence-parallel target, if on
+    fallbacks: list[str] = field(default_factory=list)
+
+    def pl(self, x: Any) -> Any:
+        return self.placements.get(x, R) if isinstance(x, fx.Node) else R
+
+
+def register(*targets):
+    def wrap(fn):
+        for t in targets:
+            _RULES[t] = fn
+        return fn
+    return wrap
+
+
+def infer(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """The rule for `node` (fallback: replicate every tensor input)."""
+    rule = _RULES.get(node.target)
+    if rule is None and hasattr(node.target, "tags") and torch.Tag.pointwise in node.target.tags:
+        rule = pointwise_rule
+    if rule is None:
+        tensors = tensor_args(node)
+        if all(isinstance(ctx.pl(t), Replicate) for _, t in tensors):
+            return Decision({}, _like(node, R))
+        return Decision({path: R for path, _ in tensors}, _like(node, R),
+                        note=f"no tensor-parallel rule for {_name(node)}: inputs replicated")
+    return rule(node, ctx)
+
+
+def tensor_args(node: fx.Node) -> list[tuple[tuple, fx.Node]]:
+    """(path, node) of every tensor-valued input: (i,) for args[i], (i, j) inside a list, (name,) for kwargs."""
+    out = []
+    for i, a in enumerate(node.args):
+        if isinstance(a, fx.Node) and _is_tensor(a):
+            out.append(((i,), a))
+        elif isinstance(a, (list, tuple)):
+            out += [((i, j), b) for j, b in enumerate(a) if isinstance(b, fx.Node) and _is_tensor(b)]
+    out += [((k,), v) for k, v in node.kwargs.items() if isinstance(v, fx.Node) and _is_tensor(v)]
+    return out
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _like(node: fx.Node, p: Placement):
+    shape = node.meta.get("meshc.shape")
+    if shape is not None and shape and (isinstance(shape[0], tuple) or shape[0] is None):
+        return tuple(p for _ in shape)
+    return p if shape is not None else None
+
+
+def _name(node: fx.Node) -> str:
+    return node.target.name() if hasattr(node.target, "name") else str(node.target)
+
+
+def _ndim(node: fx.Node) -> int:
+    return len(node.meta["meshc.shape"])
+
+
+def _shape(node: fx.Node) -> tuple[int, ...]:
+    return tuple(int(s) for s in node.meta["meshc.shape"])
+
+
+# ---------------------------------------------------------------------------------------- pointwise
+LINEAR_IN_PARTIAL = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.mul.Tensor, aten.div.Tensor,
+                     aten.clone.default, aten.alias.default, aten.contiguous.default, aten.detach.default}
+
+
+def pointwise_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """Broadcasting elementwise ops: shards align on the output dim; replicated operands are sliced."""
+    tensors = tensor_args(node)
+    out_ndim = _ndim(node)
+    pls = {path: ctx.pl(t) for path, t in tensors}
+    required: dict[tuple, Placement] = {}
+    if any(isinstance(p, Partial) for p in pls.values()):
+        if _partial_ok(node, tensors, pls):
+            return Decision({}, P)
+        target = _reduced(node, ctx)
+        for path, p in list(pls.items()):
+            if isinstance(p, Partial):
+                required[path] = pls[path] = target
+    sharded = [(path, t, pls[path]) for path, t in tensors if isinstance(pls[path], Shard)]
+    if not sharded:
+        return Decision(required, R)
+    path0, t0, s0 = sharded[0]
+    out_dim = s0.dim + out_ndim - _ndim(t0)
+    for path, t, p in tensors_with(tensors, pls):
+        offset = out_ndim - _ndim(t)
+        d = out_dim - offset
+        broadcast = d < 0 or _shape(t)[d] == 1
+        if isinstance(p, Shard):
+            if p.dim + offset == out_dim and p.chunks == s0.chunks:
+                continue
+            required[path] = R if broadcast else Shard(d, s0.chunks)
+        elif not broadcast:
+            required[path] = Shard(d, s0.chunks)
+    return Decision(required, Shard(out_dim, s0.chunks))
+
+
+def tensors_with(tensors, pls):
+    return [(path, t, pls[path]) for path, t in tensors]
+
+
+def _partial_ok(node, tensors, pls) -> bool:
+    """Is the op linear in its partial operand(s), so that P stays P?"""
+    if node.target not in LINEAR_IN_PARTIAL:
+        return False
+    partial = [path for path, _ in tensors if isinstance(pls[path], Partial)]
+    others = [path for path, _ in tensors if not isinstance(pls[path], Partial)]
+    if node.target in (aten.add.Tensor, aten.sub.Tensor):
+        scalar_other = any(not isinstance(a, fx.Node) for a in node.args[:2])
+        return not others and not scalar_other  # P + P; never P + R or P + scalar
+    if node.target in (aten.mul.Tensor, aten.div.Tensor):
+        if len(partial) != 1 or (node.target == aten.div.Tensor and partial[0] != (0,)):
+            return False
+        return all(isinstance(pls[o], Replicate) for o in others)
+    return True
+
+
+def _reduced(node: fx.Node, ctx: RuleCtx) -> Placement:
+    """Where a partial sum goes when an op needs it whole: R, or the sequence shard under SP."""
+    return ctx.sp_dim(node) or R
+
+
+@register(aten.dropout.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
+          aten.type_as.default, aten.alias.default, aten.contiguous.default, aten.detach.default,
+          aten.__and__.Tensor, aten.__or__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
+          aten.bitwise_not.default, aten.logical_not.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def same_as_input_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    if node.target == aten.dropout.default:
+        p, seq = ctx.pl(node.args[0]), ctx.sp_dim(node)
+        if (isinstance(p, Partial) and node.args[1] > 0) or (isinstance(p, Replicate) and seq):
+            return Decision({(0,): _reduced(node, ctx)}, _reduced(node, ctx))  # SP: dropout on sequence shards
+    return pointwise_rule(node, ctx)
+
+
+@register(aten._assert_tensor_metadata.default)
+def assert_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    return Decision({}, None)
+
+
+@register(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
+          aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default)
+def factory_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    return Decision({}, R)
+
+
+@register(aten.new_ones.default, aten.new_zeros.default, aten.new_empty.default, aten.new_full.default)
+def new_factory_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    return Decision({}, R)  # sizes come from the arguments (global), not from the (maybe sharded) input
+
+
+# ---------------------------------------------------------------------------------------- matmuls
+def _mm_operands(node: fx.Node):
+    """(a, a_path, b, b_path, b_transposed, bias_path) for the matmul family."""
+    t = node.target
+    if t == aten.linear.default:
+        return node.args[0], (0,), node.args[1], (1,), True, (2,) if len(node.args) > 2 and node.args[2] is not None else None
+    if t in (aten.addmm.default, aten.baddbmm.default):
+        return node.args[1], (1,), node.args[2], (2,), False, (0,)
+    return node.args[0], (0,), node.args[1], (1,), False, None
+
+
+@register(aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
+          aten.baddbmm.default)
+def matmul_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """a (..., m, k) @ b (..., k, n) (b given as (n, k) for linear). Shards follow the contraction:
+    k sharded on both -> partial sum; m (a's rows) or n (b's columns) sharded on one -> output sharded;
+    a batch dim sharded on both -> output sharded there."""
+    a, ap, b, bp, b_t, biasp = _mm_operands(node)
+    pa, pb = ctx.pl(a), ctx.pl(b)
+    na, nb, nout = _ndim(a), _ndim(b), _ndim(node)
+    b_k = nb - 1 if b_t else nb - 2
+    b_n = nb - 2 if b_t else nb - 1
+    req: dict[tuple, Placement] = {}
+    if isinstance(pa, Partial) and isinstance(pb, Partial):
+        req[bp], pb = R, R
+    if isinstance(pa, Partial) or isinstance(pb, Partial):
+        if biasp is None and not (isinstance(pa, Shard) or isinstance(pb, Shard)):
+            return Decision(req, P)
+        req.update({path: R for path, p in ((ap, pa), (bp, pb)) if isinstance(p, Partial)})
+        pa = R if isinstance(pa, Partial) else pa
+        pb = R if isinstance(pb, Partial) else pb
+    a_batch = isinstance(pa, Shard) and pa.dim < na - 2
+    b_batch = isinstance(pb, Shard) and pb.dim < nb - 2
+    if isinstance(pb, Shard) and pb.dim == b_k:  # contraction sharded: a must shard its k too
+        req[ap] = Shard(na - 1, pb.chunks)
+        if biasp is not None:
+            return _gather_all(node, ctx, "a bias added to a partial product")
+        return Decision(req, P)
+    if isinstance(pa, Shard) and pa.dim == na - 1:  # a's k sharded, b replicated: slice b's k
+        if biasp is not None:
+            return _gather_all(node, ctx, "a bias added to a partial product")
+        req[bp] = Shard(b_k, pa.chunks)
+        return Decision(req, P)
+    if isinstance(pb, Shard) and pb.dim == b_n:  # column parallel: a whole, output's last dim sharded
+        if isinstance(pa, Shard):
+            req[ap] = R
+        if biasp is not None:
+            req[biasp] = Shard(0, pb.chunks) if _ndim_of(node, biasp) == 1 else R
+        return Decision(req, Shard(nout - 1, pb.chunks))
+    if a_batch and (b_batch or nb == 2):
+        if b_batch and pb.dim - nb != pa.dim - na:
+            req[bp] = R
+        elif nb > 2 and not b_batch:
+            req[bp] = Shard(pa.dim - na + nb, pa.chunks)
+        return _with_bias(node, ctx, req, Shard(pa.dim + nout - na, pa.chunks), biasp)
+    if isinstance(pa, Shard) and pa.dim == na - 2:  # a's rows sharded: output rows sharded
+        if isinstance(pb, Shard):
+            req[bp] = R
+        return _with_bias(node, ctx, req, Shard(nout - 2, pa.chunks), biasp)
+    if b_batch and na > 2:
+        req[ap] = Shard(pb.dim - nb + na, pb.chunks)
+        return _with_bias(node, ctx, req, Shard(pb.dim - nb + nout, pb.chunks), biasp)
+    if isinstance(pa, Shard) or isinstance(pb, Shard):
+        return _gather_all(node, ctx, "operands sharded on dims that do not combine")
+    return Decision(req, R)
+
+
+def _ndim_of(node: fx.Node, path: tuple) -> int:
+    return _ndim(node.args[path[0]]) if isinstance(path[0], int) else _ndim(node.kwargs[path[0]])
+
+
+def _with_bias(node, ctx, req, out: Shard, biasp) -> Decision:
+    if biasp is not None:
+        bias = node.args[biasp[0]]
+        offset = _ndim(node) - _ndim(bias)
+        d = out.dim - offset
+        if d >= 0 and _shape(bias)[d] != 1:
+            req[biasp] = Shard(d, out.chunks)
+    return Decision(req, out)
+
+
+def _gather_all(node: fx.Node, ctx: RuleCtx, why: str) -> Decision:
+    return Decision({path: R for path, _ in tensor_args(node)}, _like(node, R), note=f"{_name(node)}: {why}")
+
+
+# ---------------------------------------------------------------------------------------- reductions
+def _dims(node: fx.Node, ndim: int) -> list[int]:
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None:
+        return list(range(ndim))
+    dims = [dims] if isinstance(dims, int) else dims
+    return [d % ndim for d in dims] or list(range(ndim))
+
+
+def _keepdim(node: fx.Node) -> bool:
+    return bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+
+
+@register(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
+          aten.amin.default, aten.var.correction, aten.std.correction, aten.argmax.default, aten.any.dim,
+          aten.all.dim, aten.max.dim, aten.min.dim)
+def reduction_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    x = node.args[0]
+    p = ctx.pl(x)
+    ndim = _ndim(x)
+    dims = _dims(node, ndim) if node.target not in (aten.sum.default, aten.mean.default) else list(range(ndim))
+    out = _like(node, R)
+    if isinstance(p, Partial):
+        if node.target in (aten.sum.dim_IntList, aten.sum.default):
+            return Decision({}, P)
+        return Decision({(0,): R}, out)
+    if not isinstance(p, Shard):
+        return Decision({}, out)
+    if p.dim in dims:
+        if node.target in (aten.sum.dim_IntList, aten.sum.default) and p.chunks == 1:
+            return Decision({}, P)
+        return Decision({(0,): R}, out, note=f"{_name(node)} over the sharded dim {p.dim}")
+    shifted = p.dim if _keepdim(node) else p.dim - sum(1 for d in dims if d < p.dim)
+    s = Shard(shifted, p.chunks)
+    return Decision({}, tuple(s for _ in out) if isinstance(out, tuple) else s)
+
+
+@register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
+          aten.cumsum.default)
+def softmax_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    x = node.args[0]
+    p = ctx.pl(x)
+    dim = node.args[1] % _ndim(x)
+    if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim == dim):
+        return Decision({(0,): R}, R, note=f"{_name(node)} along the sharded dim" if isinstance(p, Shard) else None)
+    return Decision({}, p)
+
+
+@register(aten.layer_norm.default, aten.rms_norm.default)
+def norm_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    x = node.args[0]
+    p = ctx.pl(x)
+    ndim = _ndim(x)
+    normalized = len(node.args[1])
+    req = {path: R for path, t in tensor_args(node)[1:] if not isinstance(ctx.pl(t), Replicate)}
+    seq = ctx.sp_dim(node)
+    if isinstance(p, Partial) or (isinstance(p, Replicate) and seq):  # SP: norms on sequence shards
+        target = _reduced(node, ctx)
+        req[(0,)] = target
+        return Decision(req, target)
+    if isinstance(p, Shard) and p.dim >= ndim - normalized:
+        req[(0,)] = R
+        return Decision(req, R, note=f"{_name(node)} over the sharded dim {p.dim}")
+    return Decision(req, p)
+
+
+# ---------------------------------------------------------------------------------------- attention
+@register(aten.scaled_dot_product_attention.default)
+def sdpa_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """q, k, v (B, H, T, D) sharded by heads (or batch) together; a mask broadcasting there stays whole."""
+    qkv = [((i,), node.args[i]) for i in range(3)]
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    mask_path = (3,) if len(node.args) > 3 else ("attn_mask",)
+    shards = [ctx.pl(t) for _, t in qkv if isinstance(ctx.pl(t), Shard)]
+    head = next((s for s in shards if s.dim in (0, 1)), None)
+    req: dict[tuple, Placement] = {}
+    if head is None or any(isinstance(ctx.pl(t), Partial) for _, t in qkv):
+        req = {path: R for path, t in qkv if not isinstance(ctx.pl(t), Replicate)}
+        if isinstance(mask, fx.Node) and not isinstance(ctx.pl(mask), Replicate):
+            req[mask_path] = R
+        return Decision(req, R, note="attention sharded on a dim other than batch or heads" if shards else None)
+    for path, t in qkv:
+        if ctx.pl(t) != head:
+            req[path] = head
+    if isinstance(mask, fx.Node):
+        offset = 4 - _ndim(mask)
+        d = head.dim - offset
+        want = R if d < 0 or _shape(mask)[d] == 1 else Shard(d, head.chunks)
+        if ctx.pl(mask) != want:
+            req[mask_path] = want
+    return Decision(req, head)
+
+
+# ---------------------------------------------------------------------------------------- embedding
+@register(aten.embedding.default)
+def embedding_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """weight R: follows the indices; S(1): hidden-sharded output; S(0): vocab-parallel (partial sum)."""
+    w, idx = node.args[0], node.args[1]
+    pw, pi = ctx.pl(w), ctx.pl(idx)
+    req: dict[tuple, Placement] = {}
+    if isinstance(pw, Shard) and pw.dim == 0:
+        if not isinstance(pi, Replicate):
+            req[(1,)] = R
+        return Decision(req, P)  # the tensor_parallel pass rewrites the lookup (masked, local rows)
+    if isinstance(pw, Shard) and pw.dim == 1:
+        if not isinstance(pi, Replicate):
+            req[(1,)] = R
+        return Decision(req, Shard(_ndim(node) - 1, pw.chunks))
+    if isinstance(pi, Shard):
+        return Decision(req, pi)
+    return Decision(req, R)

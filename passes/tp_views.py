@@ -1,0 +1,255 @@
+"""Placement rules for view-like ops on one mesh axis: where a shard goes when dims are split, merged,
+moved, sliced or concatenated, and the local size arguments each rewritten op needs.
+
+A rule returns a Decision (see tp_rules): the placement each tensor input must have, the output
+placement, and a rewrite of the node's size arguments for local shapes. When a shard cannot follow a
+view (it would straddle dims), the input is replicated first: always correct, never silently wrong.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch.fx as fx
+
+from meshc.compiler.placement import Partial, Replicate, Shard
+
+from .tp_rules import R, Decision, RuleCtx, register
+
+aten = __import__("torch").ops.aten
+
+
+def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Pair dims of two shapes of equal numel into groups whose sizes multiply to the same product."""
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        gi, gj, pi, pj = [], [], 1, 1
+        if i < len(src):
+            gi.append(i)
+            pi = src[i]
+            i += 1
+        if j < len(dst):
+            gj.append(j)
+            pj = dst[j]
+            j += 1
+        while pi != pj:
+            if (pi < pj and i < len(src)) or j >= len(dst):
+                gi.append(i)
+                pi *= src[i]
+                i += 1
+            else:
+                gj.append(j)
+                pj *= dst[j]
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def shard_through_view(src: tuple[int, ...], dst: tuple[int, ...], shard: Shard, n: int) -> Shard | None:
+    """Where S(d, chunks) of `src` lands in `dst` after a view, or None if it straddles dims.
+
+    Within the group of dims holding the shard, the flattened group is (A blocks) x (n ranks) x (L
+    elements): a rank holds L contiguous elements of each block. An output dim o of the group carries the
+    shard iff the elements after o number exactly L / (o's local size per block), i.e. the pattern is
+    expressible as S(o, chunks=A / (elements before o)).
+    """
+    for gi, gj in view_groups(src, dst):
+        if shard.dim not in gi:
+            continue
+        k = gi.index(shard.dim)
+        outer = math.prod(src[d] for d in gi[:k])
+        inner = math.prod(src[d] for d in gi[k + 1:])
+        blocks = outer * shard.chunks
+        per_rank = src[shard.dim] // shard.chunks // n * inner
+        for m, o in enumerate(gj):
+            before = math.prod(dst[d] for d in gj[:m])
+            after = math.prod(dst[d] for d in gj[m + 1:])
+            if blocks % before or per_rank % after:
+                continue
+            chunks = blocks // before
+            if dst[o] == chunks * n * (per_rank // after):
+                return Shard(o, chunks)
+        return None
+    return None
+
+
+def _local(shape, placement, n) -> list[int]:
+    out = [int(s) for s in shape]
+    if isinstance(placement, Shard):
+        out[placement.dim] //= n
+    return out
+
+
+def _ints(node: fx.Node) -> tuple[int, ...]:
+    return tuple(int(s) for s in node.meta["meshc.shape"])
+
+
+@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+def view_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    x = node.args[0]
+    p = ctx.pl(x)
+    src, dst = _ints(x), _ints(node)
+    if isinstance(p, Shard):
+        out = shard_through_view(src, dst, p, ctx.n)
+        if out is None:
+            whole = shard_through_view(src, dst, p, 1)
+            bad = None
+            if whole is not None:
+                bad = (f"the view to {dst} splits the sharded dim into dim {whole.dim} of size "
+                       f"{dst[whole.dim]} (e.g. heads), not divisible by tp", dst[whole.dim])
+            return Decision({(0,): R}, R, note=f"shard {p} of {src} cannot follow the view to {dst}",
+                            indivisible=bad)
+    else:
+        out = p
+    return Decision({}, out, rewrite=lambda nd, o=out: nd.update_arg(1, _local(dst, o, ctx.n)))
+
+
+@register(aten.expand.default)
+def expand_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    x = node.args[0]
+    p = ctx.pl(x)
+    dst = _ints(node)
+    out = p
+    if isinstance(p, Shard):
+        out = Shard(p.dim + len(dst) - len(_ints(x)), p.chunks)
+    return Decision({}, out, rewrite=lambda nd: nd.update_arg(1, _local(dst, out, ctx.n)))
+
+
+@register(aten.transpose.int)
+def transpose_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    p = ctx.pl(node.args[0])
+    if not isinstance(p, Shard):
+        return Decision({}, p)
+    ndim = len(_ints(node))
+    a, b = (d % ndim for d in node.args[1:3])
+    dim = b if p.dim == a else a if p.dim == b else p.dim
+    return Decision({}, Shard(dim, p.chunks))
+
+
+@register(aten.t.default)
+def t_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    p = ctx.pl(node.args[0])
+    if isinstance(p, Shard) and len(_ints(node)) == 2:
+        return Decision({}, Shard(1 - p.dim, p.chunks))
+    return Decision({}, p)
+
+
+@register(aten.permute.default)
+def permute_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    p = ctx.pl(node.args[0])
+    if not isinstance(p, Shard):
+        return Decision({}, p)
+    dims = [d % len(node.args[1]) for d in node.args[1]]
+    return Decision({}, Shard(dims.index(p.dim), p.chunks))
+
+
+@register(aten.unsqueeze.default)
+def unsqueeze_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    p = ctx.pl(node.args[0])
+    if not isinstance(p, Shard):
+        return Decision({}, p)
+    d = node.args[1] % len(_ints(node))
+    return Decision({}, Shard(p.dim + (1 if d <= p.dim else 0), p.chunks))
+
+
+@register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def squeeze_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    x = node.args[0]
+    p = ctx.pl(x)
+    if not isinstance(p, Shard):
+        return Decision({}, p)
+    src = _ints(x)
+    dims = node.args[1] if len(node.args) > 1 else [d for d, s in enumerate(src) if s == 1]
+    dims = [dims] if isinstance(dims, int) else dims
+    removed = {d % len(src) for d in dims if src[d % len(src)] == 1}
+    return Decision({}, Shard(p.dim - sum(1 for d in removed if d < p.dim), p.chunks))
+
+
+@register(aten.slice.Tensor)
+def slice_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    x = node.args[0]
+    p = ctx.pl(x)
+    src = _ints(x)
+    dim = (node.args[1] if len(node.args) > 1 else 0) % len(src)
+    if not isinstance(p, Shard) or p.dim != dim:
+        return Decision({}, p)
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    if (start in (0, None)) and (end is None or end >= src[dim]) and step == 1:
+        return Decision({}, p)
+    return Decision({(0,): R}, R, note=f"slice of the sharded dim {dim}")
+
+
+@register(aten.select.int)
+def select_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    p = ctx.pl(node.args[0])
+    dim = node.args[1] % len(_ints(node.args[0]))
+    if not isinstance(p, Shard):
+        return Decision({}, p)
+    if p.dim == dim:
+        return Decision({(0,): R}, R, note=f"select on the sharded dim {dim}")
+    return Decision({}, Shard(p.dim - (1 if dim < p.dim else 0), p.chunks))
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default)
+def split_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    x = node.args[0]
+    p = ctx.pl(x)
+    src = _ints(x)
+    dim = (node.args[2] if len(node.args) > 2 else 0) % len(src)
+    parts = [int(s[dim]) for s in node.meta["meshc.shape"]]
+    if not isinstance(p, Shard) or p.dim != dim:
+        return Decision({}, tuple(p for _ in parts))
+    block = src[dim] // p.chunks
+    if any(size % block for size in parts):
+        return Decision({(0,): R}, tuple(R for _ in parts), note="split across the blocks of a shard")
+    outs = tuple(Shard(dim, size // block) for size in parts)
+
+    def rewrite(nd: fx.Node) -> None:
+        if nd.target == aten.split.Tensor:
+            nd.update_arg(1, node.args[1] // ctx.n)
+        else:
+            nd.update_arg(1, [s // ctx.n for s in parts])
+    return Decision({}, outs, rewrite=rewrite)
+
+
+@register(aten.unbind.int)
+def unbind_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    x = node.args[0]
+    p = ctx.pl(x)
+    parts = len(node.meta["meshc.shape"])
+    dim = (node.args[1] if len(node.args) > 1 else 0) % len(_ints(x))
+    if not isinstance(p, Shard):
+        return Decision({}, tuple(p for _ in range(parts)))
+    if p.dim == dim:
+        return Decision({(0,): R}, tuple(R for _ in range(parts)), note="unbind of the sharded dim")
+    out = Shard(p.dim - (1 if dim < p.dim else 0), p.chunks)
+    return Decision({}, tuple(out for _ in range(parts)))
+
+
+@register(aten.cat.default)
+def cat_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    tensors = node.args[0]
+    dim = (node.args[1] if len(node.args) > 1 else 0) % len(_ints(node))
+    pls = [ctx.pl(t) for t in tensors]
+    if all(isinstance(p, Replicate) for p in pls):
+        return Decision({}, R)
+    if all(isinstance(p, Partial) for p in pls):
+        return Decision({}, Partial())
+    shards = [p for p in pls if isinstance(p, Shard)]
+    if shards and all(isinstance(p, Shard) and p.dim == dim for p in pls):
+        blocks = {_ints(t)[dim] // p.chunks for t, p in zip(tensors, pls)}
+        if len(blocks) == 1:
+            return Decision({}, Shard(dim, sum(p.chunks for p in pls)))
+    if shards and shards[0].dim != dim:
+        target = shards[0]
+        if all(not isinstance(p, Partial) for p in pls):
+            return Decision({(0, i): target for i in range(len(tensors))}, target)
+    return Decision({(0, i): R for i in range(len(tensors))}, R, note="cat of differently placed tensors")
+
+
+@register(operator.getitem)
+def getitem_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    p = ctx.pl(node.args[0])
+    return Decision({}, p[node.args[1]] if isinstance(p, tuple) else p)
