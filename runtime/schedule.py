@@ -1,0 +1,342 @@
+"""Pipeline schedules as data: per-rank orders of compute actions, and the point-to-point messages
+they imply. Nothing here talks to torch.distributed; `meshc.runtime.schedule_sim` proves a schedule
+valid and deadlock-free, and times it, before an executor runs it.
+
+Terms:
+  pp          ranks on the pipeline axis.
+  stage       a slice of the model's layers; there are `pp * virtual` stages and stage s lives on
+              rank `s % pp` (Megatron-LM's and torch.distributed.pipelining's interleaved placement).
+  virtual     stages per rank (v); v > 1 only for the interleaved schedule.
+  microbatch  one of the m = `microbatches` slices of a batch, numbered 0..m-1.
+  action      one unit of compute, `Action(stage, kind, microbatch)`, printed `2F0` like torch's
+              `_Action`. Kinds:
+                F  forward of a stage on a micro-batch;
+                B  full backward (input and weight gradients together);
+                I  backward for the input gradient only (what the previous stage waits for);
+                W  backward for the weight gradients only (deferrable: nobody waits for it).
+              Every (stage, microbatch) gets exactly one F and either one B or one I and one W.
+  message     a `P2P` send or receive, printed like torch's `0SEND_F3` / `1RECV_F3` (activation of
+              micro-batch 3 from stage 0 to stage 1) and `1SEND_B3` / `0RECV_B3` (its gradient back).
+  program     a rank's ordered ops: compute actions with their messages around them; each receive
+              blocks until its message arrives, each send is buffered and never blocks.
+
+Schedules (each rank's compute order; the orders of gpipe, 1f1b and interleaved equal the compute
+orders torch.distributed.pipelining runs for ScheduleGPipe, Schedule1F1B and ScheduleInterleaved1F1B, and
+zb-h1 equals ScheduleInterleavedZeroBubble's order with one stage per rank; Schedule1F1B's
+`_get_pipeline_order`, a display only, is off by one micro-batch on the last rank in torch 2.13):
+  gpipe        all forwards, then all backwards, micro-batches in order.                    GPipe
+  1f1b         min(pp-1-r, m) warm-up forwards on rank r, then F,B pairs, then the last Bs.  PipeDream-Flush
+  interleaved  Megatron-LM's interleaved 1F1B over v stages per rank (m a multiple of pp).  Narayanan et al. 2021
+  zb-h1        1F1B with B split into I and W; rank r defers its Ws by r steady steps so Ws fill the
+               warm-up and cool-down bubbles at 1F1B's peak memory (pp micro-batches).   Qi et al. 2023
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+KINDS = ("F", "B", "I", "W")
+
+
+class ScheduleError(ValueError):
+    """A schedule that would compute wrongly or hang: the message names the first offending action."""
+
+
+def _check_int(rule: str, value, lowest: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+        raise ValueError(f"{rule}: expected an int >= {lowest}, got {value!r}")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One compute action: `kind` ("F", "B", "I" or "W") of `stage` on `microbatch`. Prints `2F0`."""
+
+    stage: int
+    kind: str
+    microbatch: int
+
+    def __post_init__(self):
+        _check_int("Action.stage", self.stage, 0)
+        _check_int("Action.microbatch", self.microbatch, 0)
+        if self.kind not in KINDS:
+            raise ValueError(f"Action.kind: expected one of {', '.join(KINDS)}, got {self.kind!r}")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    @staticmethod
+    def parse(text: str) -> Action:
+        """`Action.parse("2F0") == Action(2, "F", 0)`."""
+        match = re.fullmatch(r"(\d+)([FBIW])(\d+)", text.strip())
+        if match is None:
+            raise ValueError(f"Action.parse: expected '<stage><F|B|I|W><microbatch>' like '2F0', got {text!r}")
+        return Action(int(match[1]), match[2], int(match[3]))
+
+
+def actions(text: str) -> tuple[Action, ...]:
+    """`actions("0F0 0F1 0B0")`: a rank's order written the way it prints."""
+    return tuple(Action.parse(word) for word in text.split())
+
+
+@dataclass(frozen=True, kw_only=True)
+class P2P:
+    """A message op in a rank's program.
+
+    op:         "send" or "recv".
+    kind:       "F" for an activation (stage s to s+1) or "B" for an input gradient (stage s to s-1).
+    stage:      the stage on this rank: the producer for a send, the consumer for a receive.
+    microbatch: the micro-batch the tensor belongs to.
+    peer:       the rank on the other end.
+    """
+
+    op: str
+    kind: str
+    stage: int
+    microbatch: int
+    peer: int
+
+    def __post_init__(self):
+        if self.op not in ("send", "recv"):
+            raise ValueError(f"P2P.op: expected 'send' or 'recv', got {self.op!r}")
+        if self.kind not in ("F", "B"):
+            raise ValueError(f"P2P.kind: expected 'F' (activation) or 'B' (gradient), got {self.kind!r}")
+        _check_int("P2P.stage", self.stage, 0)
+        _check_int("P2P.microbatch", self.microbatch, 0)
+        _check_int("P2P.peer", self.peer, 0)
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.op.upper()}_{self.kind}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"{self}@{self.peer}"
+
+    @property
+    def peer_stage(self) -> int:
+        """The stage on the other end: activations flow to s+1, gradients to s-1."""
+        step = 1 if self.kind == "F" else -1
+        return self.stage + step if self.op == "send" else self.stage - step
+
+    @property
+    def key(self) -> tuple[str, int, int, int]:
+        """(kind, source stage, destination stage, microbatch): equal for a send and its receive."""
+        src, dst = (self.stage, self.peer_stage) if self.op == "send" else (self.peer_stage, self.stage)
+        return (self.kind, src, dst, self.microbatch)
+
+
+Op = Action | P2P
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """Which compute actions each rank runs, in order.
+
+    name:         the generator's name ("gpipe", "1f1b", "interleaved", "zb-h1", or anything for a
+                  hand-made schedule).
+    pp:           ranks on the pipeline axis.
+    microbatches: m, micro-batches per step.
+    virtual:      v, stages per rank; there are pp * v stages and stage s lives on rank s % pp.
+    actions:      actions[r] is rank r's compute order (Actions only; messages are derived).
+
+    Only the layout is checked here; `schedule_sim.check` proves the orders complete, matched and
+    deadlock-free.
+    """
+
+    name: str
+    pp: int
+    microbatches: int
+    virtual: int = 1
+    actions: tuple[tuple[Action, ...], ...]
+
+    def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypeError(f"Schedule.name: expected a str, got {self.name!r}")
+        _check_int("Schedule.pp", self.pp, 1)
+        _check_int("Schedule.microbatches", self.microbatches, 1)
+        _check_int("Schedule.virtual", self.virtual, 1)
+        rows = tuple(tuple(row) for row in self.actions)
+        object.__setattr__(self, "actions", rows)
+        if len(rows) != self.pp:
+            raise ScheduleError(f"Schedule.actions: expected one order per rank ({self.pp}), got {len(rows)}")
+        for rank, row in enumerate(rows):
+            for a in row:
+                if not isinstance(a, Action):
+                    raise ScheduleError(f"Schedule.actions[{rank}]: expected Actions, got {a!r}")
+                if a.stage >= self.num_stages or a.microbatch >= self.microbatches:
+                    raise ScheduleError(
+                        f"range: expected stage < {self.num_stages} and microbatch < {self.microbatches}, "
+                        f"got {a} on rank {rank}")
+                if self.rank_of(a.stage) != rank:
+                    raise ScheduleError(
+                        f"placement: expected {a} on rank {self.rank_of(a.stage)} (stage {a.stage} lives "
+                        f"there), got it on rank {rank}")
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual
+
+    @property
+    def stage_to_rank(self) -> tuple[int, ...]:
+        return tuple(self.rank_of(s) for s in range(self.num_stages))
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.pp
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(range(rank, self.num_stages, self.pp))
+
+    def program(self, rank: int) -> tuple[Op, ...]:
+        """Rank `rank`'s ops: each compute action preceded by the receive it blocks on and followed
+        by the send it produces (activation of F to stage s+1, input gradient of B or I to stage s-1).
+        Neighbouring stages on the same rank (pp == 1) hand over locally, with no message."""
+        if not 0 <= rank < self.pp:
+            raise ValueError(f"Schedule.program: expected a rank in [0, {self.pp}), got {rank}")
+        out: list[Op] = []
+        for a in self.actions[rank]:
+            src = a.stage - 1 if a.kind == "F" else a.stage + 1
+            if a.kind in ("F", "B", "I") and 0 <= src < self.num_stages and self.rank_of(src) != rank:
+                out.append(P2P(op="recv", kind=_msg_kind(a), stage=a.stage, microbatch=a.microbatch,
+                               peer=self.rank_of(src)))
+            out.append(a)
+            dst = a.stage + 1 if a.kind == "F" else a.stage - 1
+            if a.kind in ("F", "B", "I") and 0 <= dst < self.num_stages and self.rank_of(dst) != rank:
+                out.append(P2P(op="send", kind=_msg_kind(a), stage=a.stage, microbatch=a.microbatch,
+                               peer=self.rank_of(dst)))
+        return tuple(out)
+
+    def programs(self) -> tuple[tuple[Op, ...], ...]:
+        return tuple(self.program(r) for r in range(self.pp))
+
+    def __str__(self) -> str:
+        head = f"{self.name}: pp={self.pp} microbatches={self.microbatches} virtual={self.virtual}"
+        return "\n".join([head] + [f"  rank {r}: " + " ".join(map(str, row)) for r, row in enumerate(self.actions)])
+
+
+def _msg_kind(a: Action) -> str:
+    return "F" if a.kind == "F" else "B"
+
+
+# ------------------------------------------------------------------------------------ generators
+def _check_sizes(name: str, pp: int, m: int, virtual: int, *, allowed_virtual: int | None = 1) -> None:
+    _check_int(f"{name} pp", pp, 1)
+    _check_int(f"{name} microbatches", m, 1)
+    _check_int(f"{name} virtual", virtual, 1)
+    if allowed_virtual is not None and virtual != allowed_virtual:
+        raise ValueError(f"{name} runs one stage per rank: expected virtual=1, got {virtual}; "
+                         "use 'interleaved' for virtual stages")
+
+
+def gpipe(pp: int, m: int) -> Schedule:
+    """GPipe: every rank runs F0..F(m-1), then B0..B(m-1). Holds all m micro-batches' activations."""
+    _check_sizes("gpipe", pp, m, 1)
+    rows = [[Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)] for r in range(pp)]
+    return Schedule(name="gpipe", pp=pp, microbatches=m, actions=rows)
+
+
+def one_f_one_b(pp: int, m: int) -> Schedule:
+    """1F1B (PipeDream-Flush, Megatron-LM's default): rank r runs min(pp-1-r, m) warm-up forwards, then
+    alternates one F and one B, then finishes the Bs. Rank r holds at most pp-r micro-batches."""
+    _check_sizes("1f1b", pp, m, 1)
+    rows = []
+    for r in range(pp):
+        warmup = min(pp - 1 - r, m)
+        row = [Action(r, "F", i) for i in range(warmup)]
+        for k in range(m - warmup):
+            row += [Action(r, "F", warmup + k), Action(r, "B", k)]
+        row += [Action(r, "B", i) for i in range(m - warmup, m)]
+        rows.append(row)
+    return Schedule(name="1f1b", pp=pp, microbatches=m, actions=rows)
+
+
+def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
+    """Megatron-LM's interleaved 1F1B: v stages per rank (stage s on rank s % pp), depth first.
+
+    Forwards go in groups of pp micro-batches through the rank's stages in turn (the k-th forward of a
+    rank is stage rank + pp*((k // pp) % v) on micro-batch pp*(k // (pp*v)) + k % pp); backwards visit the
+    stages in reverse. Rank r runs min((v-1)*pp + 2*(pp-1-r), m*v) warm-up forwards, then F,B pairs, then
+    the remaining Bs. Needs m to be a multiple of pp, as Megatron-LM does (torch relaxes this).
+    """
+    _check_sizes("interleaved", pp, m, v, allowed_virtual=None)
+    if v < 2:
+        raise ValueError(f"interleaved needs several stages per rank: expected virtual >= 2, got {v}; "
+                         "use '1f1b' for one stage per rank")
+    if m % pp:
+        raise ValueError(f"interleaved needs microbatches to be a multiple of pp: expected a multiple of "
+                         f"{pp}, got {m}")
+    total = m * v
+
+    def nth(k: int, backward: bool) -> tuple[int, int]:  # (local stage index, microbatch) of k-th op
+        chunk = (k // pp) % v
+        return (v - 1 - chunk if backward else chunk), pp * (k // (pp * v)) + k % pp
+
+    rows = []
+    for r in range(pp):
+        def op(k: int, kind: str) -> Action:
+            chunk, mb = nth(k, kind == "B")
+            return Action(r + pp * chunk, kind, mb)
+
+        warmup = min((v - 1) * pp + 2 * (pp - 1 - r), total)
+        row = [op(k, "F") for k in range(warmup)]
+        for k in range(total - warmup):
+            row += [op(warmup + k, "F"), op(k, "B")]
+        row += [op(k, "B") for k in range(total - warmup, total)]
+        rows.append(row)
+    return Schedule(name="interleaved", pp=pp, microbatches=m, virtual=v, actions=rows)
+
+
+def zb_h1(pp: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", the handcrafted schedule at 1F1B's
+    memory): 1F1B's order with each B split into I (input gradient, on the critical path) and W (weight
+    gradient, deferrable). Rank r runs min(pp-1-r, m) warm-up forwards, then F,I pairs, appending a W
+    after each pair once r pairs are done; then I,W pairs; then its last r Ws. Deferring Ws lets them
+    fill the bubbles: with F = I = W the idle time is a third of 1F1B's (B = I + W), and every rank holds at
+    most pp micro-batches (activations live from F until W), as rank 0 does in 1F1B.
+    This is the order torch's ScheduleInterleavedZeroBubble gives for one stage per rank.
+    """
+    _check_sizes("zb-h1", pp, m, 1)
+    rows = []
+    for r in range(pp):
+        warmup = min(pp - 1 - r, m)
+        row = [Action(r, "F", i) for i in range(warmup)]
+        next_w = 0
+        for k in range(m):
+            if warmup + k < m:
+                row.append(Action(r, "F", warmup + k))
+            row.append(Action(r, "I", k))
+            if k >= r:  # each W trails its I by r steps
+                row.append(Action(r, "W", next_w))
+                next_w += 1
+        row += [Action(r, "W", i) for i in range(next_w, m)]
+        rows.append(row)
+    return Schedule(name="zb-h1", pp=pp, microbatches=m, actions=rows)
+
+
+_ALIASES = {
+    "gpipe": "gpipe",
+    "1f1b": "1f1b", "one_f_one_b": "1f1b",
+    "interleaved": "interleaved", "interleaved_1f1b": "interleaved", "interleaved-1f1b": "interleaved",
+    "zb-h1": "zb-h1", "zbh1": "zb-h1", "zb_h1": "zb-h1",
+}
+NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """The named schedule, proven valid and deadlock-free by `schedule_sim.check` before it is returned.
+
+    name: "gpipe", "1f1b", "interleaved" (alias "interleaved_1f1b"; needs virtual >= 2 and microbatches
+    a multiple of pp) or "zb-h1" (alias "zbh1"). Other sizes raise ValueError naming the rule.
+    """
+    canonical = _ALIASES.get(str(name).lower())
+    if canonical is None:
+        raise ValueError(f"unknown schedule: expected one of {', '.join(NAMES)}, got {name!r}")
+    if canonical == "interleaved":
+        out = interleaved_1f1b(pp, microbatches, virtual)
+    else:
+        _check_sizes(canonical, pp, microbatches, virtual)
+        out = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}[canonical](pp, microbatches)
+    from meshc.runtime.schedule_sim import check  # schedule_sim builds on this module
+
+    check(out)
+    return out
