@@ -24,6 +24,11 @@ def all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
     return c10d_functional.wait_tensor(c10d_functional.all_reduce(t, "sum", group_name))
 
 
+def all_reduce(t: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    """Out-of-place all-reduce with `op` ("sum", "max", "min"), waited."""
+    return c10d_functional.wait_tensor(c10d_functional.all_reduce(t.contiguous(), op, group_name))
+
+
 def all_gather(t: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """Concatenate every rank's `t` along dim 0, waited."""
     out = c10d_functional.all_gather_into_tensor(t.contiguous(), group_size, group_name)

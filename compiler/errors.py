@@ -15,3 +15,7 @@ class TraceError(ValueError):
     def __init__(self, message: str, original: BaseException | None = None):
         super().__init__(message)
         self.original = original  # torch's own exception, for those who want the full story
+
+
+class MeshcWarning(UserWarning):
+    """Correct but costly: e.g. an op without a sharding rule, whose inputs were replicated."""

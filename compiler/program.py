@@ -44,6 +44,7 @@ class ParamSpec:
     kind: str = "param"  # "param" | "buffer" | "constant"
     requires_grad: bool = True
     aliases: tuple[str, ...] = ()  # other FQNs of the same tensor (tied weights)
+    grad_partial: tuple[str, ...] = ()  # axes over which the local gradient is a partial sum
 
     def local_shape(self, mesh_sizes: dict[str, int], axes=None) -> tuple[int, ...]:
         """The shape one rank holds, given the size of every mesh axis (only `axes`, if given)."""
@@ -83,6 +84,7 @@ class Program:
     rank: int
     trace_mode: str = "strict"
     local_axes: frozenset = frozenset()  # axes whose sharding the graph already runs on (local shapes)
+    fixed_placements: dict | None = None  # FQN -> placements decided earlier (a job's other programs)
     notes: list[str] = field(default_factory=list)  # what passes changed, in words
     warnings: list[str] = field(default_factory=list)  # what a user should look at
     pass_log: list[Any] = field(default_factory=list)  # driver.PassRecord per pass run

@@ -51,21 +51,24 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict,
 
 
 def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, mesh, plan,
-          rank: int | None = None) -> tuple[Program, dict[str, torch.Tensor]]:
-    """Trace `model(*args, **kwargs)` into a Program; also return the full tensors by canonical FQN."""
+          rank: int | None = None, prefix: str = "") -> tuple[Program, dict[str, torch.Tensor]]:
+    """Trace `model(*args, **kwargs)` into a Program; also return the full tensors by canonical FQN.
+
+    `prefix` is stripped from every FQN (a wrapper module's attribute name for the model it wraps).
+    """
     kwargs = dict(kwargs or {})
     t0 = time.perf_counter()
     ep, mode = export(model, tuple(args), kwargs, plan.trace)
-    program, tensors = _program_from_export(ep, model, mesh, plan, mesh.rank if rank is None else rank, mode)
+    program, tensors = _program_from_export(ep, model, mesh, plan, mesh.rank if rank is None else rank, mode, prefix)
     program.notes.append(f"trace: torch.export ({mode}) in {time.perf_counter() - t0:.2f} s, "
                          f"{len(program.gm.graph.nodes)} nodes")
     return program, tensors
 
 
-def _program_from_export(ep, model, mesh, plan, rank, mode) -> tuple[Program, dict[str, torch.Tensor]]:
+def _program_from_export(ep, model, mesh, plan, rank, mode, prefix) -> tuple[Program, dict[str, torch.Tensor]]:
     gm: fx.GraphModule = ep.graph_module
     nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    canonical, aliases, by_name = _canonical_names(model)
+    canonical, aliases, by_name = _canonical_names(model, prefix)
     axes = tuple(mesh.sizes)
     params: dict[str, ParamSpec] = {}
     buffers: dict[str, ParamSpec] = {}
@@ -114,19 +117,23 @@ def _program_from_export(ep, model, mesh, plan, rank, mode) -> tuple[Program, di
     return program, tensors
 
 
-def _canonical_names(model: torch.nn.Module):
-    """FQN -> canonical FQN for every parameter and buffer alias; canonical -> other aliases; canonical -> tensor."""
+def _canonical_names(model: torch.nn.Module, prefix: str = ""):
+    """FQN -> canonical FQN for every parameter and buffer alias; canonical -> other aliases; canonical -> tensor.
+
+    Canonical names (and aliases) have `prefix` stripped; the keys are the names torch.export uses.
+    """
     canonical: dict[str, str] = {}
     aliases: dict[str, tuple[str, ...]] = {}
     by_name: dict[str, torch.Tensor] = {}
     first_by_id: dict[int, str] = {}
     named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    strip = lambda n: n[len(prefix):] if prefix and n.startswith(prefix) else n
     for name, tensor in named:
-        first = first_by_id.setdefault(id(tensor), name)
+        first = first_by_id.setdefault(id(tensor), strip(name))
         canonical[name] = first
         by_name.setdefault(first, tensor)
-        if first != name:
-            aliases[first] = aliases.get(first, ()) + (name,)
+        if first != strip(name):
+            aliases[first] = aliases.get(first, ()) + (strip(name),)
     return canonical, aliases, by_name
 
 

@@ -7,11 +7,11 @@
     print(job.explain())
 """
 from meshc.compiler.api import compile
-from meshc.compiler.errors import MeshcInternalError, TraceError
+from meshc.compiler.errors import MeshcInternalError, MeshcWarning, TraceError
 from meshc.compiler.plan import Plan
 from meshc.compiler.show import show
 from meshc.runtime.job import Job
 from meshc.runtime.mesh import Mesh, mesh
 
-__all__ = ["compile", "mesh", "Plan", "Job", "Mesh", "show", "TraceError", "MeshcInternalError"]
+__all__ = ["compile", "mesh", "Plan", "Job", "Mesh", "show", "TraceError", "MeshcInternalError", "MeshcWarning"]
 __version__ = "0.1.0"

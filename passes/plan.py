@@ -59,6 +59,11 @@ def plan_pass(program: Program) -> Program:
     if n == 1:
         program.notes.append("tp = 1: every parameter replicated on tp")
         return program
+    if program.fixed_placements is not None:  # another program of the same job decided already
+        for fqn, spec in program.params.items():
+            spec.placements = dict(program.fixed_placements[fqn])
+        program.notes.append("placements taken from the job's first program")
+        return program
     weights = _weights(program)
     styles: dict[str, str] = {}
     if program.plan.vocab_parallel:
@@ -145,9 +150,16 @@ def _chunks(node: fx.Node) -> int:
     return 1
 
 
+def _from_input(node: fx.Node | None) -> bool:
+    """Is `node` a model input, maybe reshaped?"""
+    while isinstance(node, fx.Node) and node.target in VIEWS:
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.op == "placeholder" and node.meta.get("meshc.role") == "input"
+
+
 def _vocab_styles(program: Program, weights: dict[str, Weight]) -> dict[str, str]:
     """The token embedding (indexed by a model input) and every matmul weight with that many output rows."""
-    tokens = [w for w in weights.values() if w.kind == "embedding" and w.act is not None and w.act.op == "placeholder"]
+    tokens = [w for w in weights.values() if w.kind == "embedding" and _from_input(w.act)]
     if not tokens:
         raise ValueError("Plan.vocab_parallel: expected a token embedding indexed by a model input, got none")
     vocab = program.params[tokens[0].fqn].shape[0]

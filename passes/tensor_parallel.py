@@ -23,16 +23,17 @@ After:
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.fx as fx
 
 from meshc.compiler import _torch_compat as compat
-from meshc.compiler.errors import MeshcInternalError
+from meshc.compiler.errors import MeshcInternalError, MeshcWarning
 from meshc.compiler.placement import Partial, Replicate, Shard
 from meshc.compiler.program import CommRecord, Program
 from meshc.runtime import collectives as C
-from meshc.runtime.tp_ops import vocab_parallel_embedding
+from meshc.runtime.tp_ops import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 from . import tp_views  # noqa: F401  (registers the view rules)
 from .shapes import check_divisible
@@ -99,7 +100,9 @@ def _place(program, node, ctx, red, origin) -> None:
             why = dec.note or f"{_op(node)} needs {req} of %{src.name} ({cur})"
             _set_arg(node, path, red.convert(src, cur, req, node, why))
     if dec.note:
-        program.warnings.append(f"tp: {dec.note} at {_where(node)}: replicated there (correct, costs communication)")
+        text = f"tp: {dec.note} at {_where(node)}: replicated there (correct, costs communication)"
+        program.warnings.append(text)
+        warnings.warn(text, MeshcWarning, stacklevel=2)
     ctx.placements[node] = dec.out
     srcs = [origin[a] for a in node.all_input_nodes if a in origin]
     if srcs:
@@ -111,6 +114,8 @@ def _place(program, node, ctx, red, origin) -> None:
         dec.rewrite(node)
     if node.target == aten.embedding.default and isinstance(dec.out, Partial):
         _vocab_parallel_lookup(program, node, ctx)
+    if node.target == aten.cross_entropy_loss.default and isinstance(ctx.pl(node.args[0]), Shard):
+        _vocab_parallel_loss(program, node, ctx)
 
 
 def _flat(out, shape):
@@ -129,6 +134,24 @@ def _vocab_parallel_lookup(program, node, ctx) -> None:
     node.args = (weight, node.args[1])
     node.kwargs = {"start": index * rows, "end": (index + 1) * rows, "padding_idx": padding}
     node.meta["meshc.why"] = f"vocab-parallel embedding: this rank holds rows [{index * rows}, {(index + 1) * rows}) of {spec.fqn}"
+
+
+def _vocab_parallel_loss(program, node, ctx) -> None:
+    logits, target = node.args[0], node.args[1]
+    vocab = int(logits.meta["meshc.shape"][-1])
+    rows = vocab // ctx.n
+    index = program.mesh.coord(AXIS, program.rank)
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+    node.target = vocab_parallel_cross_entropy
+    node.args = (logits, target)
+    node.kwargs = {"start": index * rows, "end": (index + 1) * rows, "ignore_index": ignore,
+                   "reduction": reduction, "group": program.mesh.group_name(AXIS, program.rank)}
+    why = f"loss-parallel cross-entropy: this rank holds vocabulary [{index * rows}, {(index + 1) * rows})"
+    node.meta["meshc.why"] = why
+    tokens = math.prod(int(s) for s in logits.meta["meshc.shape"][:-1])
+    itemsize = 4  # the three reductions run in fp32
+    node.meta["meshc.comm"] = [CommRecord("all_reduce", AXIS, tokens * itemsize, "forward", why, count=3)]
 
 
 # ---------------------------------------------------------------------------------------- redistribution
@@ -168,6 +191,7 @@ class _Redistributor:
         with self.program.gm.graph.inserting_before(consumer):
             node = self.program.gm.graph.call_function(fn, (src,), kw)
         self._annotate(node, src, req, comm, f"tensor parallel: {why}")
+        _same_module(node, src, consumer)
         self.ctx.placements[node] = req
         self.cache[key] = node
         self.inserted.append(node)
@@ -196,7 +220,8 @@ class _Redistributor:
 
 def _insert_f(program: Program, ctx: RuleCtx, red: _Redistributor) -> None:
     """A replicated value that feeds sharded compute gets partial gradients from it: route those uses
-    through grad_all_reduce (Megatron's f) so that its gradient is whole again."""
+    through grad_all_reduce (Megatron's f) so that its gradient is whole again. A parameter all of whose
+    uses are sharded instead gets its partial gradient summed by the grad_sync pass, in buckets."""
     graph = program.gm.graph
     grad = _needs_grad(program)
     for node in list(graph.nodes):
@@ -206,12 +231,17 @@ def _insert_f(program: Program, ctx: RuleCtx, red: _Redistributor) -> None:
                  and _sharded(ctx.placements.get(u))]
         if not users:
             continue
+        spec = program.params.get(node.meta.get("meshc.fqn")) if node.op == "placeholder" else None
+        if spec is not None and len(users) == len(node.users):
+            spec.grad_partial = spec.grad_partial + (AXIS,)
+            continue
         first = min(users, key=list(graph.nodes).index)
         why = (f"tensor parallel (f): %{node.name} is replicated and feeds sharded {_op(users[0])}; "
                "its gradient is a partial sum there")
         with graph.inserting_before(first):
             f = graph.call_function(C.grad_all_reduce, (node,), {"group": red.group})
         red._annotate(f, node, R, [("all_reduce", "backward", R)], why)
+        _same_module(f, node, first)
         ctx.placements[f] = R
         for u in users:
             u.replace_input_with(node, f)
@@ -232,6 +262,16 @@ def _fuse_gather_f(program: Program) -> None:
             record = node.meta["meshc.comm"][0]
             full = record.bytes * int(node.kwargs["size"])
             node.meta["meshc.comm"] = [record, CommRecord("reduce_scatter", AXIS, full, "backward", record.why)]
+
+
+def _same_module(inserted: fx.Node, src: fx.Node, consumer: fx.Node) -> None:
+    """Which module an inserted node belongs to: a gather or an f opens its consumer's sharded region;
+    a reduction or a slice closes (or is free in) its producer's."""
+    opens = inserted.target in (C.all_gather, C.all_gather_rs, C.grad_all_reduce)
+    first, second = (consumer, src) if opens else (src, consumer)
+    stack = first.meta.get("nn_module_stack") or second.meta.get("nn_module_stack")
+    if stack:
+        inserted.meta["nn_module_stack"] = stack
 
 
 def _sharded(p) -> bool:

@@ -121,10 +121,14 @@ def pointwise_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
             if isinstance(p, Partial):
                 required[path] = pls[path] = target
     sharded = [(path, t, pls[path]) for path, t in tensors if isinstance(pls[path], Shard)]
-    if not sharded:
+    seq = ctx.sp_dim(node) if _floating(node) else None
+    if not sharded and seq is None:
         return Decision(required, R)
-    path0, t0, s0 = sharded[0]
-    out_dim = s0.dim + out_ndim - _ndim(t0)
+    if sharded:
+        path0, t0, s0 = sharded[0]
+        out_dim = s0.dim + out_ndim - _ndim(t0)
+    else:  # sequence parallel: activations of the residual stream live on sequence shards
+        s0, out_dim = seq, seq.dim
     for path, t, p in tensors_with(tensors, pls):
         offset = out_ndim - _ndim(t)
         d = out_dim - offset
@@ -136,6 +140,11 @@ def pointwise_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
         elif not broadcast:
             required[path] = Shard(d, s0.chunks)
     return Decision(required, Shard(out_dim, s0.chunks))
+
+
+def _floating(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
 
 
 def tensors_with(tensors, pls):
@@ -387,3 +396,21 @@ def embedding_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     if isinstance(pi, Shard):
         return Decision(req, pi)
     return Decision(req, R)
+
+
+# ---------------------------------------------------------------------------------------- losses
+@register(aten.cross_entropy_loss.default)
+def cross_entropy_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """Logits sharded on the vocabulary (last dim, one block): loss-parallel, rewritten by the pass."""
+    logits, target = node.args[0], node.args[1]
+    p = ctx.pl(logits)
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
+    plain = weight is None and not smoothing and _ndim(logits) == 2
+    req = {} if isinstance(ctx.pl(target), Replicate) else {(1,): R}
+    if isinstance(p, Shard) and p.dim == 1 and p.chunks == 1 and plain:
+        return Decision(req, R)
+    if isinstance(p, Replicate):
+        return Decision(req, R)
+    req[(0,)] = R
+    return Decision(req, R, note="cross-entropy on logits not split on the vocabulary alone")

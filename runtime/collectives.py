@@ -13,11 +13,12 @@ from meshc.compiler import _torch_compat as compat
 
 
 class _GradSync(torch.autograd.Function):
-    """Forward: identity on a bucket of parameters. Backward: their gradients averaged over the group."""
+    """Forward: identity on a bucket of parameters. Backward: their gradients summed over each group in
+    turn, then divided by `size` (the dp size: an average over data-parallel replicas)."""
 
     @staticmethod
-    def forward(ctx, group: str, size: int, *params: torch.Tensor):
-        ctx.group, ctx.size = group, size
+    def forward(ctx, groups: tuple[str, ...], size: int, *params: torch.Tensor):
+        ctx.groups, ctx.size = groups, size
         ctx.shapes = [p.shape for p in params]
         return tuple(p.view_as(p) for p in params)
 
@@ -27,7 +28,10 @@ class _GradSync(torch.autograd.Function):
             (g if g is not None else torch.zeros(s, dtype=_dtype(grads), device=_device(grads))).reshape(-1)
             for g, s in zip(grads, ctx.shapes)
         ])
-        flat = compat.all_reduce_sum(flat, ctx.group).div_(ctx.size)
+        for group in ctx.groups:
+            flat = compat.all_reduce_sum(flat, group)
+        if ctx.size != 1:
+            flat = flat.div_(ctx.size)
         outs = [chunk.view(s) for chunk, s in zip(flat.split([s.numel() for s in ctx.shapes]), ctx.shapes)]
         return (None, None, *outs)
 
@@ -40,13 +44,13 @@ def _device(grads) -> torch.device:
     return next(g for g in grads if g is not None).device
 
 
-def grad_sync(*params: torch.Tensor, group: str, size: int) -> tuple[torch.Tensor, ...]:
-    """Data parallelism's gradient averaging for one bucket: identity forward, one flat all-reduce backward.
+def grad_sync(*params: torch.Tensor, groups: tuple[str, ...], size: int) -> tuple[torch.Tensor, ...]:
+    """Gradient reduction for one bucket: identity forward; backward one flat all-reduce per group, then /size.
 
     Backward runs once autograd has every gradient of the bucket, so a bucket of the parameters one block
     uses is reduced as soon as backward leaves that block.
     """
-    return _GradSync.apply(group, size, *params)
+    return _GradSync.apply(tuple(groups), size, *params)
 
 
 # ------------------------------------------------------------------------------------------------

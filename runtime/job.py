@@ -43,11 +43,16 @@ class Job:
         for fqn, spec in program.buffers.items():
             self._buffers[fqn] = local_shard(tensors[fqn], spec, mesh).to(mesh.device)
         self._state_keys = _state_dict_keys(model, program)
+        self._placements = {fqn: dict(spec.placements) for fqn, spec in program.params.items()}
+        _share_rng_state(mesh)
 
     # ------------------------------------------------------------------------------ running
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward on this rank's local batch; returns what the model returns."""
-        program = self._program_for(args, kwargs)
+        return self._run(self._program_for(args, kwargs), args, kwargs)
+
+    def _run(self, program: Program, args: tuple, kwargs: dict) -> Any:
+        self._last = program
         flat, _ = compat.tree_flatten((args, kwargs))
         flat = [x.to(self.mesh.device) if isinstance(x, torch.Tensor) else x for x in flat]
         values = [self._params[f] for f in program.params] + [self._buffers[f] for f in program.buffers]
@@ -66,7 +71,10 @@ class Job:
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         if isinstance(targets, torch.Tensor):
             targets = targets.to(self.mesh.device)
-        loss = loss_fn(self(*args), targets)
+        if self.plan.vocab_parallel:  # the loss joins the graph: cross-entropy on vocabulary shards
+            loss = self._run(self._step_program(args, targets, loss_fn), (*args, targets), {})
+        else:
+            loss = loss_fn(self(*args), targets)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"job.step: expected loss_fn to return a scalar tensor, got {shape}; "
@@ -111,9 +119,9 @@ class Job:
         return next(iter(self._programs.values()))
 
     def explain(self) -> Report:
-        """The plan, per-rank memory, every collective and why: print it."""
+        """The plan, per-rank memory, every collective and why (of the program run last): print it."""
         live = [opt for ref in self._optimizers if (opt := ref()) is not None]
-        return explain(self.program, live)
+        return explain(getattr(self, "_last", self.program), live)
 
     def graph(self, rank: int | None = None, stage: int = 0) -> torch.fx.GraphModule:
         """The transformed GraphModule that `rank` (default: this one) runs for pipeline stage `stage`."""
@@ -126,9 +134,48 @@ class Job:
     def _program_for(self, args: tuple, kwargs: dict) -> Program:
         key = _signature(args, kwargs)
         if key not in self._programs:
-            traced, program, _ = compile_program(self._model, args, kwargs, mesh=self.mesh, plan=self.plan)
+            traced, program, _ = compile_program(self._model, args, kwargs, mesh=self.mesh, plan=self.plan,
+                                                 fixed=self._placements)
             self._traced[key], self._programs[key] = traced, program
         return self._programs[key]
+
+    def _step_program(self, args: tuple, targets: Any, loss_fn: Callable) -> Program:
+        """model + loss_fn as one graph (keyed by the loss function object: pass the same one each step)."""
+        key = ("step", loss_fn, _signature((*args, targets), {}))
+        if key not in self._programs:
+            wrapper = _WithLoss(self._model, loss_fn)
+            traced, program, _ = compile_program(wrapper, (*args, targets), {}, mesh=self.mesh, plan=self.plan,
+                                                 prefix="model.", fixed=self._placements)
+            self._traced[key], self._programs[key] = traced, program
+        return self._programs[key]
+
+
+class _WithLoss(torch.nn.Module):
+    """`loss_fn(model(*inputs), targets)` as one module, so that the loss is traced with the model."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        *inputs, targets = args
+        return self.loss_fn(self.model(*inputs), targets)
+
+
+def _share_rng_state(mesh) -> None:
+    """Give every rank of a tp group the RNG state of its first rank: replicated computation that draws
+    random numbers (dropout on replicated activations) must draw the same ones on every rank."""
+    if mesh.size("tp") == 1 or mesh.backend == "fake":
+        return
+    group = mesh.group_ranks("tp")
+    state = [torch.get_rng_state()]
+    torch.distributed.broadcast_object_list(state, src=group[0], group=mesh.group("tp"))
+    torch.set_rng_state(state[0])
+    if mesh.device.type == "cuda":
+        cuda = [torch.cuda.get_rng_state()]
+        torch.distributed.broadcast_object_list(cuda, src=group[0], group=mesh.group("tp"))
+        torch.cuda.set_rng_state(cuda[0])
 
 
 def _signature(args: tuple, kwargs: dict) -> Any:

@@ -26,7 +26,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-PRELOAD = ["torch", "torch.distributed", "meshc", "transformers", "tests.zoo"]
+PRELOAD = ["torch", "torch.distributed", "meshc", "meshc.passes.tensor_parallel", "tests.zoo", "tests.parity",
+           "torch.testing._internal.distributed._tensor.common_dtensor", "transformers",
+           *(f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "llama", "bert", "mixtral"))]
 _ctx = mp.get_context("forkserver")
 _ctx.set_forkserver_preload(PRELOAD)
 

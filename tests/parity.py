@@ -30,6 +30,7 @@ def reference(model: str, steps: int, batch: int) -> dict:
 
 
 def meshc_rank(model: str, steps: int, batch: int, mesh_sizes: dict | None = None, plan: dict | None = None) -> dict:
+    """One rank of a parity run. `plan` may set trace="non-strict" to halve compile time in tests."""
     mesh = meshc.mesh(timeout_s=90, **(mesh_sizes or {}))
     m = zoo.build(model)
     data = zoo.batches(steps, batch)

@@ -21,32 +21,32 @@ def test_driver_logs_each_pass_with_time_and_changes(fake_mesh, caplog):
     program = _traced(fake_mesh(dp=2))
     with caplog.at_level(logging.INFO, logger="meshc.driver"):
         out = run_passes(program)
-    assert [r.name for r in out.pass_log] == ["shapes", "plan", "tensor_parallel", "data_parallel"]
+    assert [r.name for r in out.pass_log] == ["shapes", "plan", "tensor_parallel", "grad_sync"]
     record = out.pass_log[-1]
     assert record.seconds > 0
     assert record.added == {"grad_sync": 1, "getitem": 28}
     assert record.nodes_after == record.nodes_before + 29
-    assert any("pass data_parallel" in r.getMessage() and "ms" in r.getMessage() for r in caplog.records)
+    assert any("pass grad_sync" in r.getMessage() and "ms" in r.getMessage() for r in caplog.records)
     # the input program is untouched: passes are pure
     assert not any(n.target.__name__ == "grad_sync" for n in program.gm.graph.nodes if n.op == "call_function"
                    and hasattr(n.target, "__name__"))
 
 
 def test_disable_pass_by_name(fake_mesh):
-    out = run_passes(_traced(fake_mesh(dp=2), disable=("data_parallel",)))
-    assert "data_parallel" not in [r.name for r in out.pass_log]
+    out = run_passes(_traced(fake_mesh(dp=2), disable=("grad_sync",)))
+    assert "grad_sync" not in [r.name for r in out.pass_log]
     assert not [n for n in out.gm.graph.nodes if "meshc.comm" in n.meta]
 
 
 def test_unknown_pass_name_is_an_error(fake_mesh):
-    with pytest.raises(ValueError, match="unknown pass 'zero_bubble'.*data_parallel"):
+    with pytest.raises(ValueError, match="unknown pass 'zero_bubble'.*grad_sync"):
         run_passes(_traced(fake_mesh(dp=2), disable=("zero_bubble",)))
 
 
 def test_debug_dir_dumps_before_and_after(fake_mesh, tmp_path):
     run_passes(_traced(fake_mesh(dp=2), debug_dir=str(tmp_path)))
-    before = (tmp_path / "03_data_parallel_before.txt").read_text()
-    after = (tmp_path / "03_data_parallel_after.txt").read_text()
+    before = (tmp_path / "03_grad_sync_before.txt").read_text()
+    after = (tmp_path / "03_grad_sync_after.txt").read_text()
     assert "grad_sync" not in before and "grad_sync" in after
     assert "all_reduce dp" in after
 
@@ -55,4 +55,4 @@ def test_plan_validation():
     with pytest.raises(ValueError, match="bucket_mb"):
         meshc.Plan(bucket_mb=0)
     with pytest.raises(TypeError, match="tuple of pass names"):
-        meshc.Plan(disable="data_parallel")
+        meshc.Plan(disable="grad_sync")

@@ -1,4 +1,4 @@
-"""data_parallel: buckets in first-use order, one backward all-reduce each, counted in the graph and at run time."""
+"""grad_sync: buckets in first-use order, one backward all-reduce each, counted in the graph and at run time."""
 from __future__ import annotations
 
 import torch

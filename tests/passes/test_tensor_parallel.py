@@ -1,0 +1,176 @@
+"""tensor_parallel: Megatron's collective census per block (graph and run time), placements, and the
+errors and warnings of what cannot be split."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+import meshc
+from meshc.compiler.driver import run_passes
+from meshc.compiler.placement import Shard
+from meshc.compiler.trace import trace
+from meshc.runtime.census import CommCensus
+from tests import zoo
+from tests.harness import run_ranks
+
+B, T, H = 2, zoo.SEQ, 32  # batch, sequence, hidden of the zoo models
+
+
+def _program(mesh, model, batch=B, **plan):
+    traced, _ = trace(model, (zoo.batches(1, batch)[0][0],), mesh=mesh,
+                      plan=meshc.Plan(verify=True, trace="non-strict", **plan))
+    return run_passes(traced)
+
+
+def _block(node) -> str | None:
+    """The transformer block a node belongs to: the innermost module path ending in an index."""
+    for path, _ in reversed(list(node.meta.get("nn_module_stack", {}).values())):
+        match = re.search(r"^(.*?\.\d+)", path)
+        if match:
+            return match.group(1)
+    return None
+
+
+def _census_by_block(program) -> dict[str, Counter]:
+    out: dict[str, Counter] = {}
+    for node, record in program.comm_records():
+        block = _block(node)
+        if block is not None and record.axis == "tp":
+            out.setdefault(block, Counter())[(record.kind, record.phase)] += record.count
+    return out
+
+
+@pytest.mark.parametrize("name", ["reference", "gpt2", "llama", "bert"])
+def test_megatron_census_per_block(fake_mesh, name):
+    program = _program(fake_mesh(tp=2), zoo.build(name))
+    census = _census_by_block(program)
+    assert len(census) == 2  # both blocks
+    for block, counts in census.items():
+        assert counts == Counter({("all_reduce", "forward"): 2, ("all_reduce", "backward"): 2}), block
+    for node, record in program.comm_records():  # each one is a (B, T, H) activation in fp32
+        if _block(node) is not None:
+            assert record.bytes == B * T * H * 4
+
+
+@pytest.mark.parametrize("name", ["reference", "gpt2", "llama"])
+def test_sequence_parallel_census_per_block(fake_mesh, name):
+    program = _program(fake_mesh(tp=2), zoo.build(name), sequence_parallel=True)
+    census = _census_by_block(program)
+    assert len(census) == 2
+    want = Counter({("all_gather", "forward"): 2, ("reduce_scatter", "forward"): 2,
+                    ("reduce_scatter", "backward"): 2, ("all_gather", "backward"): 2})
+    for block, counts in census.items():
+        assert counts == want, block
+    # norms run on sequence shards: their weights' partial gradients are summed over tp with the buckets
+    partial = [f for f, s in program.params.items() if "tp" in s.grad_partial]
+    assert any("norm" in f or "ln" in f for f in partial)
+
+
+def test_fused_qkv_is_split_per_projection(fake_mesh):
+    program = _program(fake_mesh(tp=2), zoo.gpt2())
+    assert program.params["transformer.h.0.attn.c_attn.weight"].placements["tp"] == Shard(1, 3)
+    assert program.params["transformer.h.0.attn.c_attn.bias"].placements["tp"] == Shard(0, 3)
+    assert program.params["transformer.h.0.attn.c_proj.weight"].placements["tp"] == Shard(0)
+    assert program.params["transformer.h.0.mlp.c_fc.weight"].placements["tp"] == Shard(1)
+
+
+def test_fewer_kv_heads_than_tp_are_replicated(fake_mesh):
+    program = _program(fake_mesh(tp=4), zoo.llama(kv_heads=2))
+    assert program.params["model.layers.0.self_attn.q_proj.weight"].placements["tp"] == Shard(0)
+    assert program.params["model.layers.0.self_attn.k_proj.weight"].placements["tp"] == meshc.compiler.placement.R
+    assert any("k_proj" in w and "replicated" in w for w in program.warnings)
+
+
+def test_heads_not_divisible_by_tp_is_a_compile_error(fake_mesh):
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    model = Transformer(ModelArgs(n_layers=1, vocab_size=64, max_seq_len=16, dim=48, n_heads=6, dropout_p=0.0))
+    with pytest.raises(ValueError, match=r"layers\.0\.attention\.wq cannot be split over tp=4: .*size 6 "
+                                         r"\(e\.g\. heads\), not divisible by tp=4"):
+        _program(fake_mesh(tp=4), model)
+
+
+def test_explicit_plan_on_indivisible_kv_heads_names_the_parameter(fake_mesh):
+    with pytest.raises(ValueError, match=r"\(e\.g\. heads\), not divisible by tp=4; it is sharded because "
+                                         r"model\.layers\.0\.self_attn\.k_proj\.weight"):
+        _program(fake_mesh(tp=4), zoo.llama(kv_heads=2), tp={"*.k_proj": "colwise"})
+
+
+def test_explicit_plan_glob_must_match(fake_mesh):
+    with pytest.raises(ValueError, match=r"Plan.tp\['\*\.atn\.c_attn'\]: expected the glob to match"):
+        _program(fake_mesh(tp=2), zoo.gpt2(), tp={"*.atn.c_attn": "colwise"})
+
+
+def test_explicit_plan_overrides_auto(fake_mesh):
+    program = _program(fake_mesh(tp=2), zoo.gpt2(), tp={"*.mlp.*": "replicate"})
+    assert program.params["transformer.h.0.mlp.c_fc.weight"].placements["tp"] == meshc.compiler.placement.R
+    assert program.params["transformer.h.0.attn.c_attn.weight"].placements["tp"] == Shard(1, 3)
+
+
+class _Flippy(torch.nn.Module):
+    """An MLP whose hidden activation goes through an op without a sharding rule (flip)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(zoo.VOCAB, H)
+        self.up = torch.nn.Linear(H, 64)
+        self.down = torch.nn.Linear(64, H)
+        self.head = torch.nn.Linear(H, zoo.VOCAB)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        return self.head(x + self.down(torch.flip(torch.relu(self.up(x)), dims=[-1])))
+
+
+def _flippy_rank() -> dict:
+    import warnings
+
+    mesh = meshc.mesh(tp=2, timeout_s=60)
+    x, y = zoo.batches(1, 4)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        job = meshc.compile(_Flippy(), mesh, example_inputs=(x,),
+                            plan=meshc.Plan(verify=True, tp={"up": "colwise", "down": "rowwise"}))
+    loss = job.step(x, y, zoo.lm_loss)
+    return {"loss": loss.item(), "warnings": [str(w.message) for w in caught if w.category is meshc.MeshcWarning],
+            "report": str(job.explain())}
+
+
+def test_op_without_rule_is_correct_and_warned():
+    ref = zoo.lm_loss(_Flippy()(zoo.batches(1, 4)[0][0]), zoo.batches(1, 4)[0][1]).item()
+    for out in run_ranks(_flippy_rank, 2, timeout=120):
+        assert abs(out["loss"] - ref) < 1e-5
+        assert any("no tensor-parallel rule for aten::flip" in w for w in out["warnings"])
+        assert "no tensor-parallel rule for aten::flip" in out["report"]
+
+
+def _runtime_census(name: str, sp: bool) -> dict:
+    mesh = meshc.mesh(tp=2, timeout_s=60)
+    x, y = zoo.batches(1, B)[0]
+    job = meshc.compile(zoo.build(name), mesh, example_inputs=(x,),
+                        plan=meshc.Plan(trace="non-strict", sequence_parallel=sp))
+    with CommCensus(mesh) as forward:
+        out = job(x)
+    loss = zoo.lm_loss(out, y)
+    with CommCensus(mesh) as backward:
+        loss.backward()
+    graph = Counter()
+    for node, r in job.program.comm_records():
+        graph[(r.kind, r.axis, r.phase)] += r.count
+    return {"forward": forward.by_kind(), "backward": backward.by_kind(), "graph": graph}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_runtime_collectives_match_the_graph(sp):
+    out = run_ranks(_runtime_census, 2, "reference", sp, timeout=120)[0]
+    for phase in ("forward", "backward"):
+        ran = {k: calls for k, (calls, _) in out[phase].items()}
+        planned = {(kind, axis): n for (kind, axis, p), n in out["graph"].items() if p == phase}
+        assert ran == planned, phase
+    if not sp:  # Megatron: 2 all-reduces per block forward, 2 backward, nothing else
+        assert out["forward"] == {("all_reduce", "tp"): (4, 4 * B * T * H * 4)}
+        assert out["backward"] == {("all_reduce", "tp"): (4, 4 * B * T * H * 4)}
