@@ -179,10 +179,12 @@ def _megatron(program: Program, weights: dict[str, Weight], n: int) -> dict[str,
     for w in sorted(candidates, key=lambda w: order[w.node]):
         groups.setdefault(w.act, []).append(w)
     styles: dict[str, str] = {}
+    by_node = {w.node: w for w in weights.values() if w.kind != "embedding"}
+    nodes = list(program.gm.graph.nodes)
     for members in groups.values():
         members = [m for m in members if m.fqn not in styles]
         while members:
-            result = _trial(program, members, styles, n)
+            result = _trial(nodes, order, by_node, members, styles, n)
             if result.rows:
                 styles.update({m.fqn: "colwise" for m in members})
                 styles.update({r.fqn: "rowwise" for r in result.rows})
@@ -203,20 +205,23 @@ class _Trial:
     indivisible: tuple[str, int] | None = None
 
 
-def _trial(program: Program, members: list[Weight], styles: dict[str, str], n: int) -> _Trial:
+def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str], n: int) -> _Trial:
     """Follow the members' outputs, column-parallel, until row-parallel consumers; any needed
     communication on the way fails the trial and blames the members whose flow needed it."""
     placements: dict[fx.Node, object] = {}
     blame: dict[fx.Node, set[str]] = {}
+    pending: set[fx.Node] = set()  # users of sharded values not visited yet: the walk ends when none is left
     for m in members:
         placements[m.node] = Shard(len(m.node.meta["meshc.shape"]) - 1, m.chunks)
         blame[m.node] = {m.fqn}
+        pending.update(m.node.users)
     ctx = RuleCtx(n, placements)
-    by_node = {w.node: w for w in _weights(program).values() if w.kind != "embedding"}
     rows: list[Weight] = []
-    order = _order(program)
     start = min(order[m.node] for m in members)
-    for node in list(program.gm.graph.nodes)[start + 1:]:
+    for node in nodes[start + 1:]:
+        if not pending:
+            break
+        pending.discard(node)
         inputs = [a for a in node.all_input_nodes if _sharded(placements.get(a))]
         if not inputs or node in placements:
             continue
@@ -243,6 +248,7 @@ def _trial(program: Program, members: list[Weight], styles: dict[str, str], n: i
             return _Trial([], origin, f"{node.format_node()} has a dim of size {size}", (f"size {size}", size))
         placements[node] = dec.out
         blame[node] = origin
+        pending.update(node.users)
     return _Trial(rows, set(), "" if rows else "no row-parallel layer consumes it")
 
 
