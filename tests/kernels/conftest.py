@@ -1,0 +1,29 @@
+"""Kernel tests: where no GPU is present, Triton kernels run on CPU tensors in Triton's interpreter.
+
+TRITON_INTERPRET is read when a kernel is jitted; meshc.kernels jits its kernels on first use, so
+setting it here, at import, is in time even when other test folders imported torch or meshc first.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@pytest.fixture
+def triton_device() -> str:
+    """The device the Triton path runs on here: "cuda", or "cpu" under TRITON_INTERPRET=1."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed (it is a Linux-only dependency)")
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not 1: Triton kernels cannot run here")
+    return "cpu"
