@@ -35,6 +35,16 @@ def all_gather(t: torch.Tensor, group_size: int, group_name: str) -> torch.Tenso
     return c10d_functional.wait_tensor(out)
 
 
+def all_gather_start(t: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Issue an all-gather along dim 0 and return its output before it is complete: call wait() first."""
+    return c10d_functional.all_gather_into_tensor(t.contiguous(), group_size, group_name)
+
+
+def wait(t: torch.Tensor) -> torch.Tensor:
+    """Wait for the collective that produces `t` (from all_gather_start)."""
+    return c10d_functional.wait_tensor(t)
+
+
 def reduce_scatter_sum(t: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """Sum over the group, each rank keeping its dim-0 slice, waited."""
     out = c10d_functional.reduce_scatter_tensor(t.contiguous(), "sum", group_size, group_name)

@@ -81,7 +81,7 @@ def explain(program: Program, optimizers: list[torch.optim.Optimizer] = ()) -> R
     grads_bytes = sum(s.local_bytes(sizes) for s in trainable)
     opt_bytes, note = _optimizer_bytes(optimizers, grads_bytes)
     collectives = [
-        Collective(r.kind, r.axis, r.bytes, r.count, r.phase, r.why, node.name)
+        Collective(r.kind, r.axis, r.bytes, r.count, r.phase, r.why, node.name if node is not None else "step")
         for node, r in program.comm_records()
     ]
     params = [(s.fqn, s.shape, s.local_shape(sizes), format_placements(s.placements))

@@ -27,12 +27,22 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class FlatShard:
+    """ZeRO's flat shard: the tensor (as other axes leave it) flattened, zero-padded to a multiple of the
+    axis size, and split evenly: a rank holds ceil(numel / n) contiguous elements. Sizes that do not
+    divide are padded, never refused (as FSDP does)."""
+
+    def __str__(self) -> str:
+        return "F"
+
+
+@dataclass(frozen=True)
 class Partial:
     def __str__(self) -> str:
         return "P"
 
 
-Placement = Replicate | Shard | Partial
+Placement = Replicate | Shard | Partial | FlatShard
 R = Replicate()
 P = Partial()
 

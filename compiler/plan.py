@@ -6,6 +6,9 @@ construction, never a silently ignored setting.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
 
 
 TP_STYLES = ("colwise", "rowwise", "vocab", "replicate")
@@ -32,6 +35,14 @@ class Plan:
             dim (norms, dropout, residual adds on sequence shards): all-gather before column-parallel
             and reduce-scatter after row-parallel layers instead of all-reduce.
         vocab_parallel: shard the token embedding and the LM head over the vocabulary.
+        zero: ZeRO stage on the dp axis. 1: optimizer states sharded (each rank updates its slice of
+            the parameters, gradients reduce-scattered and updated slices all-gathered at the step);
+            2: gradients too (reduce-scattered in backward as buckets complete); 3: parameters too
+            (stored as flat shards, all-gathered before use, freed after, gathered again for backward).
+        zero_bucket_mb: ZeRO-3 gathers parameters in buckets of about this many MiB, grouped by block.
+        param_dtype: compute dtype of the parameters (e.g. torch.bfloat16) with fp32 master shards;
+            needs zero >= 1. Floating inputs are cast to it.
+        reduce_dtype: dtype in which gradients are reduced (default: param_dtype, or fp32).
         trace: "auto" tries strict torch.export (TorchDynamo) and falls back to non-strict; "strict" or
             "non-strict" forces one (non-strict is several times faster on Hugging Face models).
     """
@@ -44,6 +55,10 @@ class Plan:
     tp: dict[str, str] | None = None
     sequence_parallel: bool = False
     vocab_parallel: bool = False
+    zero: int = 0
+    zero_bucket_mb: float = 25.0
+    param_dtype: Any = None
+    reduce_dtype: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
@@ -61,6 +76,17 @@ class Plan:
             if bad:
                 glob, style = next(iter(bad.items()))
                 raise ValueError(f"Plan.tp[{glob!r}]: expected a style among {', '.join(TP_STYLES)}, got {style!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"Plan.zero: expected a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
+        if not isinstance(self.zero_bucket_mb, (int, float)) or self.zero_bucket_mb <= 0:
+            raise ValueError(f"Plan.zero_bucket_mb: expected a positive number of MiB, got {self.zero_bucket_mb!r}")
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise TypeError(f"Plan.{name}: expected a floating torch.dtype such as torch.bfloat16, got {value!r}")
+        if self.param_dtype is not None and self.zero == 0:
+            raise ValueError("Plan.param_dtype: expected zero >= 1 (mixed precision keeps fp32 master shards), got "
+                             "zero=0; use zero=1, which communicates as much as plain data parallelism")
         if self.trace not in ("auto", "strict", "non-strict"):
             raise ValueError(f"Plan.trace: expected 'auto', 'strict' or 'non-strict', got {self.trace!r}")
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from .placement import Placement, Replicate, Shard
+from .placement import FlatShard, Placement, Replicate, Shard
 
 if TYPE_CHECKING:
     from meshc.runtime.mesh import Mesh
@@ -45,14 +45,25 @@ class ParamSpec:
     requires_grad: bool = True
     aliases: tuple[str, ...] = ()  # other FQNs of the same tensor (tied weights)
     grad_partial: tuple[str, ...] = ()  # axes over which the local gradient is a partial sum
+    zero: int = 0  # ZeRO stage managing this parameter on dp (0: none)
 
     def local_shape(self, mesh_sizes: dict[str, int], axes=None) -> tuple[int, ...]:
-        """The shape one rank holds, given the size of every mesh axis (only `axes`, if given)."""
+        """The shape one rank holds, given the size of every mesh axis (only `axes`, if given).
+
+        Dim shards apply first; a flat (ZeRO) shard then flattens what they leave and pads it.
+        """
         shape = list(self.shape)
         for axis, p in self.placements.items():
             if isinstance(p, Shard) and (axes is None or axis in axes):
                 shape[p.dim] //= mesh_sizes[axis]
+        for axis, p in self.placements.items():
+            if isinstance(p, FlatShard) and (axes is None or axis in axes):
+                shape = [-(-math.prod(shape) // mesh_sizes[axis])]
         return tuple(shape)
+
+    def unflat_shape(self, mesh_sizes: dict[str, int]) -> tuple[int, ...]:
+        """The shape before any flat shard: the tensor a ZeRO gather rebuilds on each rank."""
+        return self.local_shape(mesh_sizes, [a for a, p in self.placements.items() if isinstance(p, Shard)])
 
     def local_bytes(self, mesh_sizes: dict[str, int]) -> int:
         return math.prod(self.local_shape(mesh_sizes)) * self.dtype.itemsize
@@ -85,6 +96,7 @@ class Program:
     trace_mode: str = "strict"
     local_axes: frozenset = frozenset()  # axes whose sharding the graph already runs on (local shapes)
     fixed_placements: dict | None = None  # FQN -> placements decided earlier (a job's other programs)
+    step_comms: list = field(default_factory=list)  # CommRecords of the optimizer step (ZeRO-1/2)
     notes: list[str] = field(default_factory=list)  # what passes changed, in words
     warnings: list[str] = field(default_factory=list)  # what a user should look at
     pass_log: list[Any] = field(default_factory=list)  # driver.PassRecord per pass run
@@ -114,8 +126,10 @@ class Program:
     def param_nodes(self) -> dict[str, fx.Node]:
         return {n.meta["meshc.fqn"]: n for n in self.placeholders("param")}
 
-    def comm_records(self) -> list[tuple[fx.Node, CommRecord]]:
-        return [(n, r) for n in self.gm.graph.nodes for r in n.meta.get("meshc.comm", ())]
+    def comm_records(self) -> list[tuple[fx.Node | None, CommRecord]]:
+        """Every collective per step: graph nodes' (forward and backward), then the optimizer step's."""
+        records = [(n, r) for n in self.gm.graph.nodes for r in n.meta.get("meshc.comm", ())]
+        return records + [(None, r) for r in self.step_comms]
 
 
 def replicated(mesh_axes: tuple[str, ...]) -> dict[str, Placement]:

@@ -58,7 +58,10 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, me
     """
     kwargs = dict(kwargs or {})
     t0 = time.perf_counter()
-    ep, mode = export(model, tuple(args), kwargs, plan.trace)
+    with _in_dtype(model, plan.param_dtype):
+        if plan.param_dtype is not None:
+            args, kwargs = _cast_floating((tuple(args), kwargs), plan.param_dtype)
+        ep, mode = export(model, tuple(args), kwargs, plan.trace)
     program, tensors = _program_from_export(ep, model, mesh, plan, mesh.rank if rank is None else rank, mode, prefix)
     program.notes.append(f"trace: torch.export ({mode}) in {time.perf_counter() - t0:.2f} s, "
                          f"{len(program.gm.graph.nodes)} nodes")
@@ -115,6 +118,33 @@ def _program_from_export(ep, model, mesh, plan, rank, mode, prefix) -> tuple[Pro
         mesh=mesh, plan=plan, rank=rank, trace_mode=mode,
     )
     return program, tensors
+
+
+class _in_dtype:
+    """Mixed precision: trace with the parameters in the compute dtype (restored afterwards, bitwise), so
+    that the graph computes in it; the masters keep the original dtype."""
+
+    def __init__(self, model: torch.nn.Module, dtype):
+        self.model, self.dtype, self.saved = model, dtype, []
+
+    def __enter__(self):
+        if self.dtype is not None:
+            for p in self.model.parameters():
+                if p.is_floating_point():
+                    self.saved.append((p, p.data))
+                    p.data = p.data.to(self.dtype)
+        return self
+
+    def __exit__(self, *exc):
+        for p, data in self.saved:
+            p.data = data
+        return False
+
+
+def _cast_floating(tree, dtype):
+    from ._torch_compat import tree_map
+
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)
 
 
 def _canonical_names(model: torch.nn.Module, prefix: str = ""):

@@ -83,6 +83,8 @@ def _problems(program: Program):
 def _local_values(program: Program):
     n = program.mesh.size("tp")
     for node in program.gm.graph.nodes:
+        if node.op == "placeholder" and node.meta.get("meshc.role") in ("param", "buffer"):
+            continue  # checked against their ParamSpec above (a ZeRO-3 placeholder holds a flat shard)
         placement = node.meta.get("meshc.placement", {}).get("tp")
         shape, val = node.meta.get("meshc.shape"), node.meta.get("val")
         if placement is None or shape is None:

@@ -44,7 +44,7 @@ def grad_sync_pass(program: Program) -> Program:
     trainable = [(fqn, node) for fqn, node in program.param_nodes().items()
                  if program.params[fqn].requires_grad and node.users and _axes(program, fqn)]
     if not trainable:
-        program.notes.append("no gradient to reduce (dp = 1, no partial gradients)")
+        program.notes.append("no gradient left to reduce here (dp = 1 and none partial, or ZeRO reduces them)")
         return program
     trainable.sort(key=lambda item: min(order[u] for u in item[1].users))
     buckets = _buckets(program, trainable, program.plan.bucket_mb * 2**20)
@@ -59,10 +59,15 @@ def grad_sync_pass(program: Program) -> Program:
 
 
 def _axes(program: Program, fqn: str) -> tuple[str, ...]:
-    """The axes a parameter's gradient is reduced over, in order: its partial axes, then dp."""
+    """The axes a parameter's gradient is reduced over here, in order: its partial axes, then dp.
+
+    ZeRO reduces its parameters itself: stages 2 and 3 in their bucket nodes (partial axes included),
+    stage 1 over dp at the optimizer step (so only the partial axes remain for this pass)."""
     spec = program.params[fqn]
+    if spec.zero in (2, 3):
+        return ()
     axes = tuple(a for a in spec.grad_partial if program.mesh.size(a) > 1)
-    return axes + ((DP,) if program.mesh.size(DP) > 1 else ())
+    return axes + ((DP,) if program.mesh.size(DP) > 1 and spec.zero == 0 else ())
 
 
 def _insert_bucket(program: Program, index: int, bucket: list[tuple[str, fx.Node]], order) -> None:

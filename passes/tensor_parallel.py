@@ -353,7 +353,7 @@ def refresh_vals(program: Program) -> None:
             spec = program.params.get(node.meta.get("meshc.fqn")) or program.buffers.get(node.meta.get("meshc.fqn"))
             val = node.meta.get("val")
             if spec is not None:
-                args.append(torch.empty(spec.local_shape(sizes), dtype=spec.dtype, device=val.device))
+                args.append(torch.empty(spec.local_shape(sizes, program.local_axes), dtype=val.dtype, device=val.device))
             elif isinstance(val, torch.Tensor):
                 args.append(torch.empty(val.shape, dtype=val.dtype, device=val.device))
             else:

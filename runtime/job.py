@@ -21,7 +21,9 @@ from meshc.compiler.compile import compile_program, passes_for_rank
 from meshc.compiler.explain import Report, explain
 from meshc.compiler.program import Program
 
-from .sharding import full_tensor, local_shard
+from .param_store import ParamStore
+from .sharding import LocalShard, full_tensor, local_shard
+from .zero import ZeroContext, ZeroStats
 
 
 class Job:
@@ -35,11 +37,10 @@ class Job:
         key = _signature(example_args, example_kwargs)
         traced, program, tensors = compile_program(model, example_args, example_kwargs, mesh=mesh, plan=plan)
         self._traced[key], self._programs[key] = traced, program
-        self._params: dict[str, torch.nn.Parameter] = {}
+        self._store = ParamStore(program, tensors, mesh)
+        self._params = self._store.masters
+        self.zero_stats = ZeroStats()
         self._buffers: dict[str, torch.Tensor] = {}
-        for fqn, spec in program.params.items():
-            shard = local_shard(tensors[fqn], spec, mesh).to(mesh.device)
-            self._params[fqn] = torch.nn.Parameter(shard, requires_grad=spec.requires_grad)
         for fqn, spec in program.buffers.items():
             self._buffers[fqn] = local_shard(tensors[fqn], spec, mesh).to(mesh.device)
         self._state_keys = _state_dict_keys(model, program)
@@ -54,14 +55,27 @@ class Job:
     def _run(self, program: Program, args: tuple, kwargs: dict) -> Any:
         self._last = program
         flat, _ = compat.tree_flatten((args, kwargs))
-        flat = [x.to(self.mesh.device) if isinstance(x, torch.Tensor) else x for x in flat]
-        values = [self._params[f] for f in program.params] + [self._buffers[f] for f in program.buffers]
-        outs = program.gm(*values, *flat)
+        flat = [self._input(x) for x in flat]
+        values = self._store.graph_inputs(program) + [self._buffers[f] for f in program.buffers]
+        if self.plan.zero >= 2:  # gathered parameters recomputed in backward; ZeRO-2 master gradients
+            self.zero_stats = ZeroStats()
+            with ZeroContext(self._params, self.zero_stats):
+                outs = program.gm(*values, *flat)
+        else:
+            outs = program.gm(*values, *flat)
         n = len(program.mutated_buffers)
         with torch.no_grad():
             for fqn, value in zip(program.mutated_buffers, outs[:n]):
                 self._buffers[fqn].copy_(value)
         return compat.tree_unflatten(list(outs[n:]), program.out_spec)
+
+    def _input(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        x = x.to(self.mesh.device)
+        if self.plan.param_dtype is not None and x.is_floating_point():
+            x = x.to(self.plan.param_dtype)  # mixed precision: compute in the parameters' dtype
+        return x
 
     def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """Forward and backward on this rank's batch; gradients land on `parameters()`, averaged over dp.
@@ -99,15 +113,47 @@ class Job:
     def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
         """`cls` over this rank's trainable local parameters (any torch.optim optimizer)."""
         opt = cls([p for p in self._params.values() if p.requires_grad], **kwargs)
+        self._store.attach(opt)
         self._optimizers.append(weakref.ref(opt))
         return opt
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every gradient so that their global norm (over all shards on all ranks) is at most
+        `max_norm`, as torch.nn.utils.clip_grad_norm_ does for one process; returns the norm before."""
+        self._store.reduce_pending()
+        total = self._store.grad_norm(norm_type)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for p in self._params.values():
+            if p.grad is not None:
+                p.grad.detach().mul_(coef.to(p.grad.dtype))
+        return total.to(torch.float32)
+
+    def grad_state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole gradients by canonical FQN (averaged over dp, gathered from every shard): a collective,
+        call it on every rank. Under ZeRO-1 it reduces the pending gradients as the optimizer step would."""
+        self._store.reduce_pending()
+        specs = self.program.params
+        return {f: full_tensor(p.grad, specs[f], self.mesh) for f, p in self._params.items() if p.grad is not None}
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer states this rank really holds (measured)."""
+        live = [opt for ref in self._optimizers if (opt := ref()) is not None]
+        return self._store.held_bytes(live)
+
+    def state_dict(self, sharded: bool = False) -> dict[str, Any]:
         """Full parameters and persistent buffers under the model's own keys (tied aliases included).
 
-        Gathers shards from the other ranks where a placement shards them: call it on every rank.
+        Gathers shards from the other ranks where a placement shards them: call it on every rank. With
+        `sharded=True`, nothing is gathered: each entry is this rank's LocalShard (tensor, global shape,
+        placement per mesh axis), by canonical FQN.
         """
         program = self.program
+        if sharded:
+            out = {fqn: LocalShard(p.detach(), program.params[fqn].shape, dict(program.params[fqn].placements))
+                   for fqn, p in self._params.items()}
+            out.update({fqn: LocalShard(b, program.buffers[fqn].shape, dict(program.buffers[fqn].placements))
+                        for fqn, b in self._buffers.items()})
+            return out
         full = {fqn: full_tensor(p, program.params[fqn], self.mesh) for fqn, p in self._params.items()}
         full.update({fqn: full_tensor(b, program.buffers[fqn], self.mesh) for fqn, b in self._buffers.items()})
         return {key: full[fqn] for key, fqn in self._state_keys.items()}

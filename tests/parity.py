@@ -8,15 +8,19 @@ from __future__ import annotations
 import torch
 
 import meshc
-from meshc.runtime.sharding import full_tensor
 from tests import zoo
 
 LR = 1e-3
 
 
-def reference(model: str, steps: int, batch: int) -> dict:
+def _optimizer(name: str, params):
+    cls, kwargs = _optimizer_args(name)
+    return cls(params, **kwargs)
+
+
+def reference(model: str, steps: int, batch: int, optimizer: str = "adamw") -> dict:
     m = zoo.build(model)
-    opt = torch.optim.AdamW(m.parameters(), lr=LR)
+    opt = _optimizer(optimizer, m.parameters())
     losses, grads0 = [], {}
     for i, (x, y) in enumerate(zoo.batches(steps, batch)):
         loss = zoo.lm_loss(m(x), y)
@@ -29,25 +33,32 @@ def reference(model: str, steps: int, batch: int) -> dict:
     return {"losses": losses, "grads0": grads0, "params": {k: v.clone() for k, v in m.state_dict().items()}}
 
 
-def meshc_rank(model: str, steps: int, batch: int, mesh_sizes: dict | None = None, plan: dict | None = None) -> dict:
+def meshc_rank(model: str, steps: int, batch: int, mesh_sizes: dict | None = None, plan: dict | None = None,
+               optimizer: str = "adamw") -> dict:
     """One rank of a parity run. `plan` may set trace="non-strict" to halve compile time in tests."""
     mesh = meshc.mesh(timeout_s=90, **(mesh_sizes or {}))
     m = zoo.build(model)
     data = zoo.batches(steps, batch)
     job = meshc.compile(m, mesh, example_inputs=(mesh.shard_batch(data[0][0]),),
                         plan=meshc.Plan(verify=True, **(plan or {})))
-    opt = job.optimizer(torch.optim.AdamW, lr=LR)
+    cls, kwargs = _optimizer_args(optimizer)
+    opt = job.optimizer(cls, **kwargs)
     losses, grads0 = [], {}
     for i, (x, y) in enumerate(data):
         loss = job.step(mesh.shard_batch(x), mesh.shard_batch(y), zoo.lm_loss)
         if i == 0:  # whole gradients, gathered from the shards
-            specs = job.program.params
-            grads0 = {n: full_tensor(p.grad, specs[n], mesh) for n, p in job.named_parameters()}
+            grads0 = job.grad_state_dict()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     params = job.state_dict()
     return {"losses": losses, "grads0": grads0, "params": params, "report": str(job.explain())}
+
+
+def _optimizer_args(name: str):
+    if name == "sgd":
+        return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}
+    return torch.optim.AdamW, {"lr": LR}
 
 
 def max_diff(a: dict, b: dict) -> tuple[float, str]:
@@ -58,3 +69,27 @@ def max_diff(a: dict, b: dict) -> tuple[float, str]:
         if d > worst:
             worst, where = d, k
     return worst, where
+
+
+def mixed_reference(model: str, steps: int, batch: int, dtype=torch.bfloat16) -> dict:
+    """One process in mixed precision as ZeRO runs it: fp32 master weights and AdamW, compute in `dtype`,
+    gradients cast to fp32 before the update."""
+    m = zoo.build(model)
+    masters = {n: p.detach().clone().requires_grad_(True) for n, p in m.named_parameters()}
+    for p in m.parameters():
+        p.data = p.data.to(dtype)
+    opt = torch.optim.AdamW(masters.values(), lr=LR)
+    losses = []
+    for x, y in zoo.batches(steps, batch):
+        loss = zoo.lm_loss(m(x), y)
+        loss.backward()
+        for n, p in m.named_parameters():
+            masters[n].grad = p.grad.float()
+            p.grad = None
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                p.copy_(masters[n].to(dtype))
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: t.detach() for n, t in masters.items()}}

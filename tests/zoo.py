@@ -88,3 +88,28 @@ def mixtral(seed: int = 0, layers: int = 2) -> torch.nn.Module:
 
 
 MODELS["mixtral"] = mixtral
+
+
+class Uneven(torch.nn.Module):
+    """Sizes that divide no rank count: a 7x15 weight, a 15-wide embedding, biases of 7 and 15."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 15)
+        self.norm = torch.nn.LayerNorm(15)
+        self.down = torch.nn.Linear(15, 7)
+        self.up = torch.nn.Linear(7, 15)
+        self.head = torch.nn.Linear(15, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)  # (B, T, 15)
+        x = x + self.up(torch.tanh(self.down(self.norm(x))))
+        return self.head(x)
+
+
+def uneven(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return Uneven()
+
+
+MODELS["uneven"] = uneven

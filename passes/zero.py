@@ -1,0 +1,203 @@
+"""zero: ZeRO stages 1, 2 and 3 on the dp axis.
+
+Purpose: shard what data parallelism replicates. Every parameter's master copy is stored as a flat,
+padded shard on dp (placement F), so optimizer states are sharded in all stages:
+  stage 1: the graph computes with whole (tp-local) parameters and keeps whole gradients; at the
+           optimizer step the gradients are reduce-scattered, each rank updates its slice, and the
+           updated slices are all-gathered back (2Ψ(N−1)/N per step);
+  stage 2: a bucket node per block reduce-scatters the gradients as soon as backward completes them,
+           straight into the master shards' .grad; whole gradients are never kept (2Ψ(N−1)/N);
+  stage 3: the graph takes the flat shards as inputs; each bucket is all-gathered (issued one bucket
+           ahead, so the next gather overlaps this block's compute), freed after its last use,
+           gathered again in backward, and its gradient reduce-scattered (3Ψ(N−1)/N).
+Buckets follow the blocks of the model (Plan.zero_bucket_mb caps them); tp-partial gradients are summed
+over tp inside the same bucket before the reduce-scatter.
+
+Requires: tensor_parallel has run (placeholders hold tp-local shapes); "meshc.shape" on values.
+Ensures: ParamSpec.placements["dp"] = F and ParamSpec.zero = stage for every parameter; stage 3: param
+    placeholders are flat shards ("dp" in Program.local_axes) consumed only through zero_gather buckets;
+    stage 2: trainable params consumed only through zero_reduce buckets; Program.step_comms lists the
+    collectives of the optimizer step; notes list the buckets in order.
+Terms: Ψ parameters, N = dp size; master shard = fp32 flat shard the optimizer updates; compute dtype =
+    Plan.param_dtype (mixed precision) or the parameter's own.
+
+Before (stage 3):
+    %linear = aten.linear(%x, %p_w)                                  p_w: (64, 32)
+After:
+    %zero_gather_start = zero_gather_start(%p_w, %p_b, group='3', size=2, dtype=torch.float32)
+    %zero_gather = zero_gather(%zero_gather_start, %p_w, %p_b, bucket=0, shapes=((64, 32), (64,)), ...)
+    %getitem = getitem(%zero_gather, 0)                               p_w: (1024,) -> (64, 32)
+    %linear = aten.linear(%x, %getitem)
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from meshc.compiler import _torch_compat as compat
+from meshc.compiler.placement import FlatShard
+from meshc.compiler.program import CommRecord, Program
+from meshc.runtime.zero import shard_size, zero_gather, zero_gather_start, zero_reduce
+
+from .blocks import block_of
+
+AXIS = "dp"
+
+
+def zero_pass(program: Program) -> Program:
+    program = program.copy()
+    stage = program.plan.zero
+    if stage == 0:
+        program.notes.append("zero = 0: parameters, gradients and optimizer states replicated on dp")
+        return program
+    for spec in program.params.values():
+        spec.placements[AXIS] = FlatShard()
+        spec.zero = stage
+    managed = [(fqn, node) for fqn, node in program.param_nodes().items()
+               if node.users and (stage == 3 or program.params[fqn].requires_grad)]
+    buckets = _buckets(program, managed)
+    order = {n: i for i, n in enumerate(program.gm.graph.nodes)}
+    if stage == 3:
+        _gather_buckets(program, buckets, order)
+        program.local_axes = program.local_axes | {AXIS}
+    elif stage == 2:
+        for index, bucket in enumerate(buckets):
+            _reduce_bucket(program, index, bucket, order)
+    program.step_comms = _step_comms(program, stage)
+    program.gm.recompile()
+    return program
+
+
+def _compute_dtype(program: Program, fqn: str) -> torch.dtype:
+    return program.plan.param_dtype or program.params[fqn].dtype
+
+
+def _reduce_dtype(program: Program, fqn: str) -> torch.dtype:
+    return program.plan.reduce_dtype or program.plan.param_dtype or program.params[fqn].dtype
+
+
+def _buckets(program: Program, managed: list[tuple[str, fx.Node]]) -> list[list[tuple[str, fx.Node]]]:
+    """Parameters in order of first use, a new bucket at each block or past Plan.zero_bucket_mb."""
+    order = {n: i for i, n in enumerate(program.gm.graph.nodes)}
+    first = {fqn: min((u for u in node.users), key=order.__getitem__) for fqn, node in managed}
+    managed = sorted(managed, key=lambda item: order[first[item[0]]])
+    cap = program.plan.zero_bucket_mb * 2**20
+    buckets: list[list[tuple[str, fx.Node]]] = []
+    used, block, key = 0.0, None, None
+    for fqn, node in managed:
+        spec = program.params[fqn]
+        nbytes = spec.local_bytes(program.mesh.sizes)
+        this_key = (spec.grad_partial, spec.requires_grad, _compute_dtype(program, fqn))
+        this_block = block_of(first[fqn])
+        if not buckets or this_block != block or this_key != key or used + nbytes > cap:
+            buckets.append([])
+            used, block, key = 0.0, this_block, this_key
+        buckets[-1].append((fqn, node))
+        used += nbytes
+    return buckets
+
+
+def _gather_buckets(program: Program, buckets, order) -> None:
+    graph, mesh = program.gm.graph, program.mesh
+    n = mesh.size(AXIS)
+    group = mesh.group_name(AXIS, program.rank)
+    waits: list[fx.Node] = []
+    for index, bucket in enumerate(buckets):
+        fqns = [f for f, _ in bucket]
+        nodes = [node for _, node in bucket]
+        specs = [program.params[f] for f in fqns]
+        shapes = tuple(s.unflat_shape(mesh.sizes) for s in specs)
+        dtype, reduce_dtype = _compute_dtype(program, fqns[0]), _reduce_dtype(program, fqns[0])
+        partial = tuple(mesh.group_name(a, program.rank) for a in specs[0].grad_partial if mesh.size(a) > 1)
+        first_user = min((u for node in nodes for u in node.users), key=order.__getitem__)
+        shard_elems = sum(shard_size(s.local_bytes(mesh.sizes) // s.dtype.itemsize, 1) for s in specs)
+        gather_bytes = shard_elems * dtype.itemsize
+        scatter_bytes = shard_elems * n * reduce_dtype.itemsize
+        why = f"ZeRO-3 bucket {index} ({block_of(first_user) or 'model'}: {len(bucket)} params)"
+        with graph.inserting_before(first_user):
+            wait = graph.call_function(zero_gather, (None, *nodes), {
+                "bucket": index, "shapes": shapes, "group": group, "size": n, "dtype": dtype,
+                "partial": partial, "reduce_dtype": reduce_dtype})
+        wait.meta["meshc.why"] = f"{why}: wait for the gathered parameters, copy them out; backward " \
+                                 f"reduce-scatters their gradients"
+        wait.meta["meshc.comm"] = [
+            CommRecord("all_gather", AXIS, gather_bytes, "backward", f"{why}: gathered again for backward"),
+            CommRecord("reduce_scatter", AXIS, scatter_bytes, "backward", f"{why}: gradients averaged over dp")]
+        wait.meta["meshc.bucket"] = fqns
+        anchor = waits[-1] if waits else wait  # issue this gather one bucket ahead
+        with graph.inserting_before(anchor) if not waits else graph.inserting_after(anchor):
+            start = graph.call_function(zero_gather_start, tuple(nodes), {"group": group, "size": n, "dtype": dtype})
+        start.meta["meshc.why"] = f"{why}: all-gather issued before the previous bucket's block computes"
+        start.meta["meshc.comm"] = [CommRecord("all_gather", AXIS, gather_bytes, "forward", f"{why}: parameters")]
+        wait.update_arg(0, start)
+        _route(graph, wait, bucket, mesh)
+        waits.append(wait)
+        program.notes.append(f"bucket {index}: {block_of(first_user) or 'model'}, {len(bucket)} params, "
+                             f"{gather_bytes * n / 2**20:.2f} MiB gathered")
+    _flat_placeholders(program, [f for b in buckets for f, _ in b])
+
+
+def _route(graph: fx.Graph, bucket_node: fx.Node, bucket, mesh) -> None:
+    """Every use of a bucket's parameters goes through the bucket node's outputs."""
+    for i, (fqn, node) in enumerate(bucket):
+        with graph.inserting_after(bucket_node):
+            item = graph.call_function(operator.getitem, (bucket_node, i))
+        item.meta.update({k: v for k, v in node.meta.items() if k in ("val", "meshc.shape", "meshc.placement")})
+        item.meta["meshc.why"] = f"bucket output for {fqn}"
+        node.replace_all_uses_with(item, delete_user_cb=lambda u: u.op != "call_function" or
+                                   u.target not in (zero_gather, zero_gather_start, zero_reduce))
+
+
+def _flat_placeholders(program: Program, fqns: list[str]) -> None:
+    """Stage 3: parameter placeholders now receive flat master shards."""
+    mode = compat.fake_tensor_mode()
+    nodes = program.param_nodes()
+    with mode:
+        for fqn in fqns:
+            spec = program.params[fqn]
+            val = nodes[fqn].meta.get("val")
+            device = val.device if val is not None else torch.device("cpu")
+            nodes[fqn].meta["val"] = torch.empty(spec.local_shape(program.mesh.sizes), dtype=spec.dtype, device=device)
+
+
+def _reduce_bucket(program: Program, index: int, bucket, order) -> None:
+    graph, mesh = program.gm.graph, program.mesh
+    fqns = tuple(f for f, _ in bucket)
+    nodes = [node for _, node in bucket]
+    specs = [program.params[f] for f in fqns]
+    n = mesh.size(AXIS)
+    reduce_dtype = _reduce_dtype(program, fqns[0])
+    partial = tuple(mesh.group_name(a, program.rank) for a in specs[0].grad_partial if mesh.size(a) > 1)
+    first_user = min((u for node in nodes for u in node.users), key=order.__getitem__)
+    elems = sum(shard_size(s.local_bytes(mesh.sizes) // s.dtype.itemsize, 1) for s in specs)
+    why = f"ZeRO-2 bucket {index} ({block_of(first_user) or 'model'}: {len(bucket)} params): gradients " \
+          f"reduce-scattered into the master shards as soon as backward completes them"
+    with graph.inserting_before(first_user):
+        node = graph.call_function(zero_reduce, tuple(nodes), {
+            "bucket": index, "fqns": fqns, "group": mesh.group_name(AXIS, program.rank), "size": n,
+            "partial": partial, "reduce_dtype": reduce_dtype})
+    node.meta["meshc.why"] = why
+    node.meta["meshc.comm"] = [CommRecord("reduce_scatter", AXIS, elems * n * reduce_dtype.itemsize, "backward", why)]
+    node.meta["meshc.bucket"] = list(fqns)
+    _route(graph, node, bucket, mesh)
+    program.notes.append(f"bucket {index}: {block_of(first_user) or 'model'}, {len(bucket)} params")
+
+
+def _step_comms(program: Program, stage: int) -> list[CommRecord]:
+    """The collectives the optimizer step runs (stages 1 and 2): not graph nodes, but per-step traffic."""
+    if stage == 3:
+        return []
+    mesh = program.mesh
+    n = mesh.size(AXIS)
+    trainable = [s for s in program.params.values() if s.requires_grad]
+    shard_elems = sum(s.local_shape(mesh.sizes)[0] for s in trainable)
+    out = []
+    if stage == 1:
+        nbytes = shard_elems * n * (program.plan.reduce_dtype or program.plan.param_dtype or torch.float32).itemsize
+        out.append(CommRecord("reduce_scatter", AXIS, nbytes, "step", "ZeRO-1: gradients reduce-scattered at the step"))
+    dtype = program.plan.param_dtype or torch.float32
+    out.append(CommRecord("all_gather", AXIS, shard_elems * dtype.itemsize, "step",
+                          f"ZeRO-{stage}: updated parameter slices all-gathered after the step"))
+    return out

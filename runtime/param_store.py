@@ -1,0 +1,160 @@
+"""The tensors a job holds for its parameters.
+
+    masters   what the optimizer updates: flat dp shards under ZeRO (fp32 with mixed precision), the
+              tp-local tensors otherwise; `job.parameters()` returns these.
+    compute   ZeRO-1/2 only: the whole (tp-local) parameters the graph reads, in the compute dtype; after
+              each optimizer step they are all-gathered from the updated masters. In fp32 a master is a
+              view into its compute copy's padded buffer, so nothing is stored twice.
+
+The optimizer-step collectives of ZeRO-1/2 run as hooks on the user's optimizer: before the step,
+ZeRO-1 reduce-scatters the whole gradients into the masters' .grad; after it, the updated slices are
+all-gathered into the compute copies.
+"""
+from __future__ import annotations
+
+import torch
+
+from meshc.compiler import _torch_compat as compat
+from meshc.compiler.placement import FlatShard, Replicate, Shard
+from meshc.compiler.program import Program
+
+from .sharding import local_shard
+from .zero import pack, shard_size, unpack
+
+DP = "dp"
+
+
+class ParamStore:
+    def __init__(self, program: Program, tensors: dict[str, torch.Tensor], mesh):
+        self.mesh, self.plan = mesh, program.plan
+        self.specs = program.params
+        self.masters: dict[str, torch.nn.Parameter] = {}
+        self.compute: dict[str, torch.Tensor] = {}
+        n, index = mesh.size(DP), mesh.coord(DP)
+        for fqn, spec in program.params.items():
+            full = tensors[fqn]
+            if spec.zero not in (1, 2):
+                self.masters[fqn] = _parameter(local_shard(full, spec, mesh).to(mesh.device), spec.requires_grad)
+                continue
+            whole = local_shard(full, _without_flat(spec), mesh).to(mesh.device)  # tp-local, whole on dp
+            dtype = self.plan.param_dtype or spec.dtype
+            s = shard_size(whole.numel(), n)
+            if dtype == spec.dtype:  # one padded buffer: the compute copy and (a view of it) the master
+                buffer = torch.zeros(s * n, dtype=dtype, device=mesh.device)
+                buffer[: whole.numel()] = whole.reshape(-1)
+                compute = buffer[: whole.numel()].view(whole.shape)
+                master = buffer[index * s: (index + 1) * s]
+            else:
+                compute = whole.to(dtype)
+                master = local_shard(full, spec, mesh).to(mesh.device)
+            self.compute[fqn] = compute.requires_grad_(spec.requires_grad)
+            self.masters[fqn] = _parameter(master, spec.requires_grad)
+
+    def graph_inputs(self, program: Program) -> list[torch.Tensor]:
+        """What each parameter placeholder receives, in order."""
+        return [self.compute[f] if f in self.compute else self.masters[f] for f in program.params]
+
+    # ------------------------------------------------------------------------------ ZeRO-1/2 step
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hook the ZeRO-1/2 collectives onto the user's optimizer (torch's public step hooks)."""
+        if not self.compute:
+            return
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.reduce_pending())
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.gather_updated())
+
+    def reduce_pending(self) -> None:
+        """ZeRO-1: reduce-scatter the whole gradients backward left on the compute copies into the masters."""
+        pending = [f for f, t in self.compute.items() if t.grad is not None]
+        if not pending:
+            return
+        n = self.mesh.size(DP)
+        for fqns in self._buckets(pending):
+            grads = [self.compute[f].grad for f in fqns]
+            dtype = self.plan.reduce_dtype or grads[0].dtype
+            sizes = [shard_size(g.numel(), n) for g in grads]
+            flat = pack(grads, sizes, dtype, n).div_(n)
+            local = compat.reduce_scatter_sum(flat, n, self.mesh.group_name(DP)) if n > 1 else flat
+            for f, g in zip(fqns, local.split(sizes)):
+                master = self.masters[f]
+                master.grad = g.to(master.dtype) if master.grad is None else master.grad.add_(g.to(master.dtype))
+                self.compute[f].grad = None
+
+    @torch.no_grad()
+    def gather_updated(self) -> None:
+        """After the step: every rank's updated master slices, all-gathered into the compute copies."""
+        n = self.mesh.size(DP)
+        trainable = [f for f in self.compute if self.masters[f].requires_grad]
+        for fqns in self._buckets(trainable):
+            dtype = self.compute[fqns[0]].dtype
+            local = torch.cat([self.masters[f].reshape(-1).to(dtype) for f in fqns])
+            whole = compat.all_gather(local, n, self.mesh.group_name(DP)) if n > 1 else local
+            numels = [self.compute[f].numel() for f in fqns]
+            sizes = [shard_size(k, n) for k in numels]
+            shapes = [tuple(self.compute[f].shape) for f in fqns]
+            for f, t in zip(fqns, unpack(whole, sizes, numels, shapes, n)):
+                self.compute[f].copy_(t)
+
+    def _buckets(self, fqns: list[str]) -> list[list[str]]:
+        cap = self.plan.zero_bucket_mb * 2**20
+        out: list[list[str]] = []
+        used = 0.0
+        for f in fqns:
+            t = self.compute[f]
+            nbytes = t.numel() * t.element_size()
+            if not out or used + nbytes > cap or t.dtype != self.compute[out[-1][0]].dtype:
+                out.append([])
+                used = 0.0
+            out[-1].append(f)
+            used += nbytes
+        return out
+
+    # ------------------------------------------------------------------------------ norms and memory
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global gradient norm over all ranks: shards summed over the axes that split them, replicas
+        counted once."""
+        if norm_type != 2.0:
+            raise ValueError(f"clip_grad_norm_: expected norm_type 2.0, got {norm_type}")
+        sums = {}
+        for fqn, p in self.masters.items():
+            if p.grad is None:
+                continue
+            axes = tuple(a for a, pl in self.specs[fqn].placements.items()
+                         if isinstance(pl, (Shard, FlatShard)) and self.mesh.size(a) > 1)
+            sums[axes] = sums.get(axes, 0.0) + p.grad.detach().double().pow(2).sum()
+        total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        for axes, value in sums.items():
+            for a in axes:
+                value = compat.all_reduce_sum(torch.as_tensor(value, device=self.mesh.device), self.mesh.group_name(a))
+            total = total + value
+        return total.sqrt()
+
+    def held_bytes(self, optimizers=()) -> dict[str, int]:
+        """Bytes of the tensors this rank really holds, each storage counted once."""
+        seen: set[int] = set()
+
+        def count(tensors) -> int:
+            total = 0
+            for t in tensors:
+                key = t.untyped_storage().data_ptr()
+                if key in seen:
+                    continue
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+            return total
+        params = count(list(self.compute.values()) + list(self.masters.values()))
+        grads = count([t.grad for t in list(self.masters.values()) + list(self.compute.values()) if t.grad is not None])
+        states = count([v for opt in optimizers for st in opt.state.values() for v in st.values()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0])
+        return {"params": params, "grads": grads, "optimizer": states}
+
+
+def _parameter(t: torch.Tensor, requires_grad: bool) -> torch.nn.Parameter:
+    return torch.nn.Parameter(t, requires_grad=requires_grad)
+
+
+def _without_flat(spec):
+    import dataclasses
+
+    return dataclasses.replace(spec, placements={a: (Replicate() if isinstance(p, FlatShard) else p)
+                                                 for a, p in spec.placements.items()})
+

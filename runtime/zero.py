@@ -1,0 +1,252 @@
+"""ZeRO at run time: flat shards, bucketed gathers with recompute in backward, and reduce-scatters.
+
+Graph nodes inserted by passes/zero.py call these functions on plain local tensors:
+
+    raw  = zero_gather_start(*shards, ...)      issue the bucket's all-gather (async), no autograd
+    full = zero_gather(raw, *shards, ...)       wait, copy out each full parameter; backward: one
+                                                reduce-scatter of the bucket's gradients (ZeRO-3)
+    full = zero_reduce(*params, ...)            identity; backward: reduce-scatter the bucket's
+                                                gradients into the master shards' .grad (ZeRO-2)
+
+A gathered parameter must not live until backward. While a job runs its graph under a ZeroContext,
+autograd's saved-tensor hooks replace every saved gathered parameter (or view of one) by a handle; the
+parameter is freed after its last forward use, and backward gathers its bucket again when it first
+needs it (SimpleFSDP's recompute of the all-gather), keeping it only until its last saved use.
+
+Flat shard layout: a parameter of n elements is zero-padded to s*N (s = ceil(n / N)) and rank r holds
+elements [r*s, (r+1)*s). A bucket's collective buffer is rank-major: rank r's part is the concatenation
+of its shards of every parameter in the bucket.
+"""
+from __future__ import annotations
+
+import contextvars
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from meshc.compiler import _torch_compat as compat
+
+_ACTIVE: contextvars.ContextVar["ZeroContext | None"] = contextvars.ContextVar("meshc_zero", default=None)
+
+
+def shard_size(numel: int, n: int) -> int:
+    return -(-numel // n)
+
+
+def flat_shard(t: torch.Tensor, n: int, index: int) -> torch.Tensor:
+    """Rank `index`'s flat shard of `t` (a padded copy)."""
+    s = shard_size(t.numel(), n)
+    flat = t.detach().reshape(-1)
+    out = torch.zeros(s, dtype=t.dtype, device=t.device)
+    part = flat[index * s: (index + 1) * s]
+    out[: part.numel()] = part
+    return out
+
+
+def pack(tensors: list[torch.Tensor], sizes: list[int], dtype: torch.dtype, n: int) -> torch.Tensor:
+    """Rank-major flat buffer of `n` chunks: chunk r holds the r-th padded slice of every tensor."""
+    rows = []
+    for t, s in zip(tensors, sizes):
+        flat = t.reshape(-1).to(dtype)
+        if flat.numel() < s * n:
+            flat = torch.cat([flat, flat.new_zeros(s * n - flat.numel())])
+        rows.append(flat.view(n, s))
+    return torch.cat(rows, dim=1).reshape(-1)  # (n * sum(sizes),)
+
+
+def unpack(buffer: torch.Tensor, sizes: list[int], numels: list[int], shapes: list, n: int) -> list[torch.Tensor]:
+    """Copy each tensor out of a rank-major gathered buffer (contiguous, its own storage)."""
+    table = buffer.view(n, sum(sizes))
+    out, offset = [], 0
+    for s, numel, shape in zip(sizes, numels, shapes):
+        out.append(table[:, offset: offset + s].reshape(-1)[:numel].reshape(shape).clone())
+        offset += s
+    return out
+
+
+def _reduce_scatter(grads, sizes, shapes, numels, n, group, partial, reduce_dtype) -> list[torch.Tensor]:
+    """The bucket's gradients summed over `partial` groups, averaged over the dp group, split per shard."""
+    filled = [g if g is not None else torch.zeros(shape, dtype=reduce_dtype) for g, shape in zip(grads, shapes)]
+    flat = pack(filled, sizes, reduce_dtype, n).div_(n)  # pre-scaled: an average over dp
+    for g in partial:
+        flat = compat.all_reduce_sum(flat, g)
+    local = compat.reduce_scatter_sum(flat, n, group)  # (sum(sizes),)
+    return list(local.split(sizes))
+
+
+# ---------------------------------------------------------------------------------------- ZeRO-3
+def zero_gather_start(*shards: torch.Tensor, group: str, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Issue the all-gather of a bucket of flat shards (cast to the compute dtype); not yet waited."""
+    with torch.no_grad():
+        local = torch.cat([s.detach().to(dtype).reshape(-1) for s in shards])
+        return compat.all_gather_start(local, size, group)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, raw, meta, *shards):
+        ctx.meta = meta
+        buffer = compat.wait(raw)
+        return tuple(unpack(buffer, meta.sizes, meta.numels, meta.shapes, meta.n))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        m = ctx.meta
+        out = _reduce_scatter(grads, m.sizes, m.shapes, m.numels, m.n, m.group, m.partial, m.reduce_dtype)
+        return (None, None, *[g.to(m.master_dtype) for g in out])
+
+
+@dataclass(frozen=True)
+class BucketMeta:
+    bucket: int
+    sizes: list
+    numels: list
+    shapes: list
+    n: int
+    group: str
+    partial: tuple
+    reduce_dtype: torch.dtype
+    master_dtype: torch.dtype
+    dtype: torch.dtype  # the compute dtype the bucket is gathered in
+
+
+def zero_gather(raw: torch.Tensor, *shards: torch.Tensor, bucket: int, shapes: tuple, group: str, size: int,
+                dtype: torch.dtype, partial: tuple = (), reduce_dtype: torch.dtype = torch.float32
+                ) -> tuple[torch.Tensor, ...]:
+    """The bucket's full parameters from its gathered buffer; backward reduce-scatters their gradients."""
+    numels = [math.prod(s) for s in shapes]
+    meta = BucketMeta(bucket, [shard_size(k, size) for k in numels], numels, [tuple(s) for s in shapes], size,
+                      group, tuple(partial), reduce_dtype, shards[0].dtype, dtype)
+    full = _Gather.apply(raw, meta, *shards)
+    context = _ACTIVE.get()
+    if context is not None:
+        context.register(meta, shards, full)
+    return full
+
+
+# ---------------------------------------------------------------------------------------- ZeRO-2
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, meta, masters, *params):
+        ctx.meta, ctx.masters = meta, masters
+        return tuple(p.detach() for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        m = ctx.meta
+        out = _reduce_scatter(grads, m.sizes, m.shapes, m.numels, m.n, m.group, m.partial, m.reduce_dtype)
+        for master, g in zip(ctx.masters, out):
+            g = g.to(master.dtype)
+            master.grad = g if master.grad is None else master.grad.add_(g)
+        return (None, None, *[None for _ in grads])
+
+
+def zero_reduce(*params: torch.Tensor, bucket: int, fqns: tuple, group: str, size: int, partial: tuple = (),
+                reduce_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    """Identity; backward reduce-scatters the bucket's gradients into its master shards' .grad (ZeRO-2)."""
+    context = _ACTIVE.get()
+    if context is None:
+        raise RuntimeError("zero_reduce: expected to run inside a meshc job (its master shards receive the gradients)")
+    numels = [p.numel() for p in params]
+    meta = BucketMeta(bucket, [shard_size(k, size) for k in numels], numels, [tuple(p.shape) for p in params], size,
+                      group, tuple(partial), reduce_dtype, torch.float32, params[0].dtype)
+    return _Reduce.apply(meta, tuple(context.masters[f] for f in fqns), *params)
+
+
+# ---------------------------------------------------------------------------------------- context
+@dataclass
+class ZeroStats:
+    """What the gathers did in the last step: counts, and bytes of gathered parameters alive."""
+
+    gathers_forward: int = 0
+    gathers_backward: int = 0
+    live_bytes: int = 0
+    peak_bytes_backward: int = 0
+    live_after_forward: int = 0
+    bucket_bytes: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Saved:
+    bucket: int
+    index: int
+    size: tuple
+    stride: tuple
+    offset: int
+
+
+class ZeroContext:
+    """One step of a ZeRO program: keeps gathered parameters out of autograd's saved tensors (handles
+    instead, re-gathered in backward) and tells zero_reduce where the master shards are."""
+
+    def __init__(self, masters: dict[str, torch.Tensor], stats: ZeroStats):
+        self.masters = masters
+        self.stats = stats
+        self.storages: dict[int, tuple[int, int]] = {}  # storage address -> (bucket, index)
+        self.buckets: dict[int, tuple[BucketMeta, tuple]] = {}
+        self.outstanding: dict[int, int] = {}  # bucket -> saved handles not yet unpacked
+        self.regathered: dict[int, list] = {}
+        self._token = None
+        self._hooks = None
+
+    def __enter__(self):
+        self._token = _ACTIVE.set(self)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        _ACTIVE.reset(self._token)
+        self.stats.live_after_forward = self.stats.live_bytes
+        return False
+
+    def register(self, meta: BucketMeta, shards: tuple, full: tuple) -> None:
+        self.buckets[meta.bucket] = (meta, shards)
+        self.stats.gathers_forward += 1
+        self.stats.bucket_bytes[meta.bucket] = sum(t.numel() * t.element_size() for t in full)
+        for i, t in enumerate(full):
+            self._track(t, meta.bucket, i)
+
+    def _track(self, t: torch.Tensor, bucket: int, index: int) -> None:
+        key = t.untyped_storage().data_ptr()
+        self.storages[key] = (bucket, index)
+        nbytes = t.numel() * t.element_size()
+        self.stats.live_bytes += nbytes
+        weakref.finalize(t, self._freed, key, nbytes)
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.storages.pop(key, None)
+        self.stats.live_bytes -= nbytes
+
+    def _pack(self, t: torch.Tensor):
+        where = self.storages.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if where is None:
+            return t
+        bucket, index = where
+        self.outstanding[bucket] = self.outstanding.get(bucket, 0) + 1
+        return _Saved(bucket, index, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _Saved):
+            return saved
+        full = self.regathered.get(saved.bucket)
+        if full is None:
+            full = self._regather(saved.bucket)
+        self.outstanding[saved.bucket] -= 1
+        if self.outstanding[saved.bucket] == 0:
+            del self.regathered[saved.bucket]
+        self.stats.peak_bytes_backward = max(self.stats.peak_bytes_backward, self.stats.live_bytes)
+        return full[saved.index].as_strided(saved.size, saved.stride, saved.offset)
+
+    def _regather(self, bucket: int) -> list[torch.Tensor]:
+        meta, shards = self.buckets[bucket]
+        raw = zero_gather_start(*shards, group=meta.group, size=meta.n, dtype=meta.dtype)
+        full = unpack(compat.wait(raw), meta.sizes, meta.numels, meta.shapes, meta.n)
+        for i, t in enumerate(full):
+            self._track(t, bucket, i)
+        self.regathered[bucket] = full
+        self.stats.gathers_backward += 1
+        return full
