@@ -51,6 +51,19 @@ def reduce_scatter_sum(t: torch.Tensor, group_size: int, group_name: str) -> tor
     return c10d_functional.wait_tensor(out)
 
 
+def reduce_scatter_start(t: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Issue a sum reduce-scatter along dim 0 and return its output before it is complete (wait() it)."""
+    return c10d_functional.reduce_scatter_tensor(t.contiguous(), "sum", group_size, group_name)
+
+
+def queue_backward_callback(fn) -> None:
+    """Run `fn` once the current backward pass has finished (what DDP and FSDP use to wait for their
+    last gradient reductions); torch has no public spelling of it."""
+    from torch.autograd import Variable
+
+    Variable._execution_engine.queue_callback(fn)
+
+
 def resolve_process_group(group_name: str) -> dist.ProcessGroup:
     """The ProcessGroup registered under `group_name` (torch has no public lookup by name)."""
     return _c10d._resolve_process_group(group_name)

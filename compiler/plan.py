@@ -40,6 +40,8 @@ class Plan:
             2: gradients too (reduce-scattered in backward as buckets complete); 3: parameters too
             (stored as flat shards, all-gathered before use, freed after, gathered again for backward).
         zero_bucket_mb: ZeRO-3 gathers parameters in buckets of about this many MiB, grouped by block.
+        zero_keep_last: ZeRO-3 keeps the bucket used last in forward gathered for backward, which needs it
+            first (as FSDP2 keeps its root module's parameters): one all-gather of it fewer per step.
         param_dtype: compute dtype of the parameters (e.g. torch.bfloat16) with fp32 master shards;
             needs zero >= 1. Floating inputs are cast to it.
         reduce_dtype: dtype in which gradients are reduced (default: param_dtype, or fp32).
@@ -57,6 +59,7 @@ class Plan:
     vocab_parallel: bool = False
     zero: int = 0
     zero_bucket_mb: float = 25.0
+    zero_keep_last: bool = True
     param_dtype: Any = None
     reduce_dtype: Any = None
 

@@ -104,6 +104,8 @@ def _gather_buckets(program: Program, buckets, order) -> None:
     n = mesh.size(AXIS)
     group = mesh.group_name(AXIS, program.rank)
     waits: list[fx.Node] = []
+    last_use = [max(order[u] for _, node in b for u in node.users) for b in buckets]
+    kept = last_use.index(max(last_use)) if program.plan.zero_keep_last else -1
     for index, bucket in enumerate(buckets):
         fqns = [f for f, _ in bucket]
         nodes = [node for _, node in bucket]
@@ -119,12 +121,14 @@ def _gather_buckets(program: Program, buckets, order) -> None:
         with graph.inserting_before(first_user):
             wait = graph.call_function(zero_gather, (None, *nodes), {
                 "bucket": index, "shapes": shapes, "group": group, "size": n, "dtype": dtype,
-                "partial": partial, "reduce_dtype": reduce_dtype})
+                "partial": partial, "reduce_dtype": reduce_dtype, "keep": index == kept})
         wait.meta["meshc.why"] = f"{why}: wait for the gathered parameters, copy them out; backward " \
                                  f"reduce-scatters their gradients"
         wait.meta["meshc.comm"] = [
             CommRecord("all_gather", AXIS, gather_bytes, "backward", f"{why}: gathered again for backward"),
             CommRecord("reduce_scatter", AXIS, scatter_bytes, "backward", f"{why}: gradients averaged over dp")]
+        if index == kept:  # used last in forward, first in backward: kept, not gathered again
+            wait.meta["meshc.comm"] = wait.meta["meshc.comm"][1:]
         wait.meta["meshc.bucket"] = fqns
         anchor = waits[-1] if waits else wait  # issue this gather one bucket ahead
         with graph.inserting_before(anchor) if not waits else graph.inserting_after(anchor):
@@ -135,7 +139,8 @@ def _gather_buckets(program: Program, buckets, order) -> None:
         _route(graph, wait, bucket, mesh)
         waits.append(wait)
         program.notes.append(f"bucket {index}: {block_of(first_user) or 'model'}, {len(bucket)} params, "
-                             f"{gather_bytes * n / 2**20:.2f} MiB gathered")
+                             f"{gather_bytes * n / 2**20:.2f} MiB gathered"
+                             + (" (used last in forward: kept for backward)" if index == kept else ""))
     _flat_placeholders(program, [f for b in buckets for f, _ in b])
 
 

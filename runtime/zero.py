@@ -66,14 +66,36 @@ def unpack(buffer: torch.Tensor, sizes: list[int], numels: list[int], shapes: li
     return out
 
 
-def _reduce_scatter(grads, sizes, shapes, numels, n, group, partial, reduce_dtype) -> list[torch.Tensor]:
-    """The bucket's gradients summed over `partial` groups, averaged over the dp group, split per shard."""
-    filled = [g if g is not None else torch.zeros(shape, dtype=reduce_dtype) for g, shape in zip(grads, shapes)]
-    flat = pack(filled, sizes, reduce_dtype, n).div_(n)  # pre-scaled: an average over dp
-    for g in partial:
+def _reduce_scatter_start(grads, meta) -> torch.Tensor:
+    """Issue the bucket's gradient reduction: summed over the partial groups, then a reduce-scatter over
+    dp of the gradients pre-scaled by 1/N (an average); returns the un-waited local result."""
+    filled = [g if g is not None else torch.zeros(shape, dtype=meta.reduce_dtype) for g, shape in zip(grads, meta.shapes)]
+    flat = pack(filled, meta.sizes, meta.reduce_dtype, meta.n).div_(meta.n)
+    for g in meta.partial:
         flat = compat.all_reduce_sum(flat, g)
-    local = compat.reduce_scatter_sum(flat, n, group)  # (sum(sizes),)
-    return list(local.split(sizes))
+    return compat.reduce_scatter_start(flat, meta.n, meta.group)  # (sum(sizes),) once waited
+
+
+class PendingGrads:
+    """One backward's reduce-scatters in flight: backward goes on computing while they run, and at its
+    end (a callback autograd runs after the last node) each is waited and added to its shards' .grad."""
+
+    def __init__(self):
+        self.items: list[tuple[torch.Tensor, tuple, list]] = []
+
+    def add(self, raw: torch.Tensor, targets: tuple, sizes: list) -> None:
+        if not self.items:
+            compat.queue_backward_callback(self.finish)
+        self.items.append((raw, targets, sizes))
+
+    def finish(self) -> None:
+        items, self.items = self.items, []
+        for raw, targets, sizes in items:
+            for shard, g in zip(targets, compat.wait(raw).split(sizes)):
+                if not shard.requires_grad:
+                    continue
+                g = g.to(shard.dtype)
+                shard.grad = g if shard.grad is None else shard.grad.add_(g)
 
 
 # ---------------------------------------------------------------------------------------- ZeRO-3
@@ -86,16 +108,19 @@ def zero_gather_start(*shards: torch.Tensor, group: str, size: int, dtype: torch
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, raw, meta, *shards):
-        ctx.meta = meta
+    def forward(ctx, raw, meta, pending, *shards):
+        ctx.meta, ctx.pending, ctx.shards = meta, pending, shards
         buffer = compat.wait(raw)
         return tuple(unpack(buffer, meta.sizes, meta.numels, meta.shapes, meta.n))
 
     @staticmethod
     def backward(ctx, *grads):
         m = ctx.meta
-        out = _reduce_scatter(grads, m.sizes, m.shapes, m.numels, m.n, m.group, m.partial, m.reduce_dtype)
-        return (None, None, *[g.to(m.master_dtype) for g in out])
+        raw = _reduce_scatter_start(grads, m)
+        if ctx.pending is not None:  # overlapped: added to the shards' .grad when backward ends
+            ctx.pending.add(raw, ctx.shards, m.sizes)
+            return (None, None, None, *[None for _ in ctx.shards])
+        return (None, None, None, *[g.to(m.master_dtype) for g in compat.wait(raw).split(m.sizes)])
 
 
 @dataclass(frozen=True)
@@ -113,34 +138,33 @@ class BucketMeta:
 
 
 def zero_gather(raw: torch.Tensor, *shards: torch.Tensor, bucket: int, shapes: tuple, group: str, size: int,
-                dtype: torch.dtype, partial: tuple = (), reduce_dtype: torch.dtype = torch.float32
-                ) -> tuple[torch.Tensor, ...]:
-    """The bucket's full parameters from its gathered buffer; backward reduce-scatters their gradients."""
+                dtype: torch.dtype, partial: tuple = (), reduce_dtype: torch.dtype = torch.float32,
+                keep: bool = False) -> tuple[torch.Tensor, ...]:
+    """The bucket's full parameters from its gathered buffer; backward reduce-scatters their gradients.
+
+    With `keep`, autograd keeps them for backward (the bucket used last in forward) instead of a re-gather.
+    """
     numels = [math.prod(s) for s in shapes]
     meta = BucketMeta(bucket, [shard_size(k, size) for k in numels], numels, [tuple(s) for s in shapes], size,
                       group, tuple(partial), reduce_dtype, shards[0].dtype, dtype)
-    full = _Gather.apply(raw, meta, *shards)
     context = _ACTIVE.get()
+    full = _Gather.apply(raw, meta, context.pending if context is not None else None, *shards)
     if context is not None:
-        context.register(meta, shards, full)
+        context.register(meta, shards, full, recompute=not keep)
     return full
 
 
 # ---------------------------------------------------------------------------------------- ZeRO-2
 class _Reduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, meta, masters, *params):
-        ctx.meta, ctx.masters = meta, masters
+    def forward(ctx, meta, masters, pending, *params):
+        ctx.meta, ctx.masters, ctx.pending = meta, masters, pending
         return tuple(p.detach() for p in params)
 
     @staticmethod
     def backward(ctx, *grads):
-        m = ctx.meta
-        out = _reduce_scatter(grads, m.sizes, m.shapes, m.numels, m.n, m.group, m.partial, m.reduce_dtype)
-        for master, g in zip(ctx.masters, out):
-            g = g.to(master.dtype)
-            master.grad = g if master.grad is None else master.grad.add_(g)
-        return (None, None, *[None for _ in grads])
+        ctx.pending.add(_reduce_scatter_start(grads, ctx.meta), ctx.masters, ctx.meta.sizes)
+        return (None, None, None, *[None for _ in grads])
 
 
 def zero_reduce(*params: torch.Tensor, bucket: int, fqns: tuple, group: str, size: int, partial: tuple = (),
@@ -152,7 +176,7 @@ def zero_reduce(*params: torch.Tensor, bucket: int, fqns: tuple, group: str, siz
     numels = [p.numel() for p in params]
     meta = BucketMeta(bucket, [shard_size(k, size) for k in numels], numels, [tuple(p.shape) for p in params], size,
                       group, tuple(partial), reduce_dtype, torch.float32, params[0].dtype)
-    return _Reduce.apply(meta, tuple(context.masters[f] for f in fqns), *params)
+    return _Reduce.apply(meta, tuple(context.masters[f] for f in fqns), context.pending, *params)
 
 
 # ---------------------------------------------------------------------------------------- context
@@ -165,6 +189,7 @@ class ZeroStats:
     live_bytes: int = 0
     peak_bytes_backward: int = 0
     live_after_forward: int = 0
+    kept_bytes: int = 0  # the bucket kept gathered from forward to backward (Plan.zero_keep_last)
     bucket_bytes: dict = field(default_factory=dict)
 
 
@@ -188,6 +213,8 @@ class ZeroContext:
         self.buckets: dict[int, tuple[BucketMeta, tuple]] = {}
         self.outstanding: dict[int, int] = {}  # bucket -> saved handles not yet unpacked
         self.regathered: dict[int, list] = {}
+        self.prefetched: dict[int, tuple[torch.Tensor, int]] = {}  # bucket -> (un-waited gather, bytes)
+        self.pending = PendingGrads()
         self._token = None
         self._hooks = None
 
@@ -203,10 +230,13 @@ class ZeroContext:
         self.stats.live_after_forward = self.stats.live_bytes
         return False
 
-    def register(self, meta: BucketMeta, shards: tuple, full: tuple) -> None:
+    def register(self, meta: BucketMeta, shards: tuple, full: tuple, recompute: bool = True) -> None:
         self.buckets[meta.bucket] = (meta, shards)
         self.stats.gathers_forward += 1
         self.stats.bucket_bytes[meta.bucket] = sum(t.numel() * t.element_size() for t in full)
+        if not recompute:
+            self.stats.kept_bytes += self.stats.bucket_bytes[meta.bucket]
+            return
         for i, t in enumerate(full):
             self._track(t, meta.bucket, i)
 
@@ -243,10 +273,30 @@ class ZeroContext:
 
     def _regather(self, bucket: int) -> list[torch.Tensor]:
         meta, shards = self.buckets[bucket]
-        raw = zero_gather_start(*shards, group=meta.group, size=meta.n, dtype=meta.dtype)
+        if bucket in self.prefetched:
+            raw, nbytes = self.prefetched.pop(bucket)
+            self.stats.live_bytes -= nbytes
+        else:
+            raw = self._start(bucket)
         full = unpack(compat.wait(raw), meta.sizes, meta.numels, meta.shapes, meta.n)
         for i, t in enumerate(full):
             self._track(t, bucket, i)
         self.regathered[bucket] = full
         self.stats.gathers_backward += 1
+        self._prefetch_before(bucket)
         return full
+
+    def _start(self, bucket: int) -> torch.Tensor:
+        meta, shards = self.buckets[bucket]
+        return zero_gather_start(*shards, group=meta.group, size=meta.n, dtype=meta.dtype)
+
+    def _prefetch_before(self, bucket: int) -> None:
+        """Backward needs the buckets in reverse: issue the next one's gather now, to overlap this block."""
+        waiting = [b for b, count in self.outstanding.items()
+                   if count > 0 and b < bucket and b not in self.regathered and b not in self.prefetched]
+        if waiting:
+            b = max(waiting)
+            nbytes = self.stats.bucket_bytes[b]
+            self.prefetched[b] = (self._start(b), nbytes)
+            self.stats.live_bytes += nbytes
+            self.stats.peak_bytes_backward = max(self.stats.peak_bytes_backward, self.stats.live_bytes)

@@ -19,11 +19,11 @@ def _wire(census: dict, n: int) -> float:
     return sum(payload * factors[kind] for (kind, axis), (_, payload) in census.items() if axis == "dp")
 
 
-def _zero_rank(stage: int, model: str) -> dict:
+def _zero_rank(stage: int, model: str, keep_last: bool = False) -> dict:
     mesh = meshc.mesh(timeout_s=60)
     x, y = (mesh.shard_batch(t) for t in zoo.batches(1, 8)[0])
     job = meshc.compile(zoo.build(model), mesh, example_inputs=(x,),
-                        plan=meshc.Plan(zero=stage, trace="non-strict", zero_bucket_mb=1.0))
+                        plan=meshc.Plan(zero=stage, trace="non-strict", zero_bucket_mb=1.0, zero_keep_last=keep_last))
     opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
     job.step(x, y, zoo.lm_loss)  # one whole step, so that Adam's states exist
     opt.step()
@@ -39,6 +39,7 @@ def _zero_rank(stage: int, model: str) -> dict:
     opt.zero_grad()
     numels = [s.numel() if False else __import__("math").prod(s.shape) for s in job.program.params.values()]
     return {"held": held, "numels": numels, "census": census.by_kind(), "live_after_forward": stats.live_after_forward,
+            "kept": stats.kept_bytes,
             "peak_backward": stats.peak_bytes_backward, "bucket_bytes": dict(stats.bucket_bytes),
             "gathers": (stats.gathers_forward, stats.gathers_backward)}
 
@@ -69,6 +70,17 @@ def test_stage3_frees_gathered_parameters_and_regathers_for_backward():
     forward, backward = out["gathers"]
     assert forward == len(out["bucket_bytes"]) and backward >= 2  # the blocks were gathered again
     assert 0 < out["peak_backward"] <= 2 * max(out["bucket_bytes"].values())
+
+
+def test_stage3_keeps_the_bucket_used_last_in_forward():
+    """The default (Plan.zero_keep_last): the tied embedding, used last by the output projection, stays
+    gathered into backward, which needs it first; one all-gather of it fewer than 3Ψ(N-1)/N."""
+    out = run_ranks(_zero_rank, N, 3, "reference", True, timeout=120)[0]
+    kept = out["bucket_bytes"][0]  # bucket 0: tok_embeddings (tied with the output projection)
+    assert out["kept"] == kept and out["live_after_forward"] == 0
+    psi = sum(out["numels"])
+    formula = (3 * psi * (N - 1) / N) * 4 - kept * (N - 1) / N
+    assert abs(_wire(out["census"], N) - formula) <= 0.01 * formula
 
 
 def _clip_rank(stage: int, sizes: dict) -> dict:

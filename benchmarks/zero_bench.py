@@ -1,0 +1,178 @@
+"""ZeRO: meshc stages 0-3 side by side with DDP and FSDP2 (`fully_shard`) on the same model, ranks and
+batch, in one run: median step time, bytes each rank sends, model-state bytes and peak RSS per rank.
+
+    python benchmarks/zero_bench.py [--dp 2] [--steps 10]
+
+Model: torch's reference Transformer (4 layers, dim 256, vocab 1024, tied head; 3.4M parameters),
+batch 8 x 128 tokens (global), fp32, AdamW; gloo on loopback, one thread per rank. Bytes: meshc's are
+counted at dispatch (CommCensus); DDP's and FSDP2's by wrapping torch.distributed's collective calls
+for the measured step. All converted to ring wire bytes per rank.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import launch, median_step, report, table, wire_bytes  # noqa: E402
+from tp_bench import _data, _loss, _model  # noqa: E402
+
+
+class _CountC10d:
+    """Count the payload of torch.distributed's collective calls (what FSDP2 uses), by wrapping them."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist, self.calls, self.saved = dist, {}, {}
+
+    def __enter__(self):
+        for name, kind in (("all_reduce", "all_reduce"), ("all_gather_into_tensor", "all_gather"),
+                           ("reduce_scatter_tensor", "reduce_scatter"), ("all_gather_single", "all_gather"),
+                           ("reduce_scatter_single", "reduce_scatter")):
+            original = getattr(self.dist, name)
+            self.saved[name] = original
+
+            def wrapped(*args, _original=original, _kind=kind, **kwargs):
+                tensor = kwargs.get("input_tensor", kwargs.get("input", kwargs.get("tensor")))  # the payload
+                if tensor is None:
+                    tensor = args[1] if _kind != "all_reduce" else args[0]
+                calls, nbytes = self.calls.get((_kind, "dp"), (0, 0))
+                self.calls[(_kind, "dp")] = (calls + 1, nbytes + tensor.numel() * tensor.element_size())
+                return _original(*args, **kwargs)
+            setattr(self.dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(self.dist, name, fn)
+        return False
+
+
+def _state_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _torch_peer(impl: str, mesh, x, y):
+    import torch
+
+    model = _model()
+    ddp_bytes = {}
+    if impl == "ddp":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, process_group=mesh.group("dp"))
+
+        def counting_hook(group, bucket):  # DDP's own all-reduce, with its bucket payload counted
+            calls, nbytes = ddp_bytes.get(("all_reduce", "dp"), (0, 0))
+            buffer = bucket.buffer()
+            ddp_bytes[("all_reduce", "dp")] = (calls + 1, nbytes + buffer.numel() * buffer.element_size())
+            return allreduce_hook(group, bucket)
+        model.register_comm_hook(mesh.group("dp"), counting_hook)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        dm = mesh.device_mesh["dp"]
+        for layer in model.layers:
+            fully_shard(layer, mesh=dm)
+        fully_shard(model, mesh=dm)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        _loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def state():
+        _loss(model(x), y).backward()  # measured with gradients held, as after backward
+        local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+        grads = [getattr(p.grad, "_local_tensor", p.grad) for p in model.parameters() if p.grad is not None]
+        states = [getattr(v, "_local_tensor", v) for s in opt.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0]
+        held = _state_bytes(local) + _state_bytes(grads) + _state_bytes(states)
+        opt.zero_grad()
+        return held
+    return step, state, ddp_bytes
+
+
+def worker(config: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import meshc
+    from meshc.runtime.census import CommCensus
+
+    torch.set_num_threads(1)
+    mesh = meshc.mesh(timeout_s=300)
+    x, y = (mesh.shard_batch(t) for t in _data())
+    impl = config["impl"]
+    if impl == "meshc":
+        job = meshc.compile(_model(), mesh, example_inputs=(x,), plan=meshc.Plan(zero=config["zero"]))
+        opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
+
+        def step():
+            job.step(x, y, _loss)
+            opt.step()
+            opt.zero_grad()
+
+        def state():
+            job.step(x, y, _loss)  # measured with gradients held, as after backward
+            held = sum(job.held_bytes().values())
+            opt.zero_grad()
+            return held
+        counter = CommCensus(mesh)
+    else:
+        step, state, ddp_bytes = _torch_peer(impl, mesh, x, y)
+        counter = _CountC10d()
+    seconds = median_step(step, steps=config["steps"], barrier=dist.barrier)
+    if impl == "ddp":
+        ddp_bytes.clear()
+    with counter:
+        step()
+    counts = counter.by_kind() if hasattr(counter, "by_kind") else {**counter.calls, **ddp_bytes}
+    counts = {k: v for k, v in counts.items() if k[1] == "dp" and v[1] > 64}  # the loss average is not model traffic
+    report({"impl": impl, "step_s": seconds, "wire_bytes": wire_bytes(counts, mesh.sizes), "state_bytes": state(),
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    dist.barrier()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--worker", default=None)
+    args = p.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+    script = os.path.abspath(__file__)
+    configs = [("DDP", {"impl": "ddp"}), ("FSDP2", {"impl": "fsdp2"})] + [
+        (f"meshc ZeRO-{z}" if z else "meshc DP", {"impl": "meshc", "zero": z}) for z in (0, 1, 2, 3)]
+    rows = []
+    for name, config in configs:
+        result = launch(script, args.dp, {**config, "steps": args.steps})
+        rows.append({"run": name, "step (s)": result["step_s"], "MiB sent per rank": result["wire_bytes"] / 2**20,
+                     "model state MiB per rank": result["state_bytes"] / 2**20,
+                     "peak RSS MiB per rank": result["peak_rss_mib"]})
+        print(name, json.dumps(result), flush=True)
+    base = {r["run"]: r["step (s)"] for r in rows}
+    for r in rows:
+        r["vs FSDP2"] = r["step (s)"] / base["FSDP2"]
+    print()
+    print(table(rows, ["run", "step (s)", "vs FSDP2", "MiB sent per rank", "model state MiB per rank",
+                       "peak RSS MiB per rank"]))
+
+
+if __name__ == "__main__":
+    main()
