@@ -12,6 +12,7 @@ import torch
 
 
 TP_STYLES = ("colwise", "rowwise", "vocab", "replicate")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +46,16 @@ class Plan:
         param_dtype: compute dtype of the parameters (e.g. torch.bfloat16) with fp32 master shards;
             needs zero >= 1. Floating inputs are cast to it.
         reduce_dtype: dtype in which gradients are reduced (default: param_dtype, or fp32).
+        microbatches: micro-batches per step (m): the dp-local batch is split into m equal parts, run
+            through the pipeline stages in the order `schedule` gives, gradients accumulated.
+        schedule: "gpipe", "1f1b", "interleaved" (needs virtual >= 2 and m a multiple of pp) or "zb-h1"
+            (zero-bubble: backward split into input- and weight-gradient halves).
+        virtual: pipeline stages per pp rank (interleaved 1F1B); pp x virtual stages in all.
+        split_points: module names, in forward order, before which a stage begins (pp x virtual - 1
+            of them); default: the compiler balances the stages. A meshc.pipe_split() call in the model
+            marks a cut too.
+        remat: activation checkpointing: "none", "full" (each block recomputed in backward) or
+            "selective" (matmul and collective outputs kept, cheap elementwise ops and softmax recomputed).
         trace: "auto" tries strict torch.export (TorchDynamo) and falls back to non-strict; "strict" or
             "non-strict" forces one (non-strict is several times faster on Hugging Face models).
     """
@@ -62,6 +73,11 @@ class Plan:
     zero_keep_last: bool = True
     param_dtype: Any = None
     reduce_dtype: Any = None
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual: int = 1
+    split_points: tuple[str, ...] | None = None
+    remat: str = "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
@@ -90,6 +106,21 @@ class Plan:
         if self.param_dtype is not None and self.zero == 0:
             raise ValueError("Plan.param_dtype: expected zero >= 1 (mixed precision keeps fp32 master shards), got "
                              "zero=0; use zero=1, which communicates as much as plain data parallelism")
+        for name in ("microbatches", "virtual"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Plan.{name}: expected a positive int, got {value!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Plan.schedule: expected one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if (self.schedule == "interleaved") != (self.virtual > 1):
+            raise ValueError(f"Plan.schedule: the interleaved schedule and virtual > 1 go together, got "
+                             f"schedule={self.schedule!r} with virtual={self.virtual}")
+        if self.split_points is not None:
+            if isinstance(self.split_points, str) or not all(isinstance(p, str) for p in self.split_points):
+                raise TypeError(f"Plan.split_points: expected a list of module names, got {self.split_points!r}")
+            object.__setattr__(self, "split_points", tuple(self.split_points))
+        if self.remat not in ("none", "full", "selective"):
+            raise ValueError(f"Plan.remat: expected 'none', 'full' or 'selective', got {self.remat!r}")
         if self.trace not in ("auto", "strict", "non-strict"):
             raise ValueError(f"Plan.trace: expected 'auto', 'strict' or 'non-strict', got {self.trace!r}")
 

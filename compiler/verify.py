@@ -17,7 +17,7 @@ from .placement import Shard
 from .program import Program
 
 KNOWN_META = {"meshc.role", "meshc.fqn", "meshc.placement", "meshc.why", "meshc.comm", "meshc.bucket",
-              "meshc.shape"}
+              "meshc.shape", "meshc.stage"}
 
 
 def verify(program: Program, after_pass: str | None = None) -> None:

@@ -22,6 +22,7 @@ from meshc.compiler.explain import Report, explain
 from meshc.compiler.program import Program
 
 from .param_store import ParamStore
+from .pipelined import Pipelined
 from .sharding import LocalShard, full_tensor, local_shard
 from .zero import ZeroContext, ZeroStats
 
@@ -34,15 +35,23 @@ class Job:
         self._traced: dict[Any, Program] = {}
         self._programs: dict[Any, Program] = {}
         self._optimizers: list[weakref.ref] = []
+        self._pipe: Pipelined | None = None
+        pipelined = mesh.size("pp") > 1 or plan.microbatches > 1
+        if pipelined:  # stages are traced on one micro-batch
+            example_args, example_kwargs = _one_microbatch((example_args, example_kwargs), plan.microbatches)
         key = _signature(example_args, example_kwargs)
         traced, program, tensors = compile_program(model, example_args, example_kwargs, mesh=mesh, plan=plan)
         self._traced[key], self._programs[key] = traced, program
-        self._store = ParamStore(program, tensors, mesh)
+        if pipelined:
+            self._pipe = Pipelined(program, mesh, plan)
+        keep = self._pipe.params if self._pipe else None
+        self._store = ParamStore(program, tensors, mesh, keep=keep)
         self._params = self._store.masters
         self.zero_stats = ZeroStats()
         self._buffers: dict[str, torch.Tensor] = {}
         for fqn, spec in program.buffers.items():
-            self._buffers[fqn] = local_shard(tensors[fqn], spec, mesh).to(mesh.device)
+            if self._pipe is None or fqn in self._pipe.buffers:
+                self._buffers[fqn] = local_shard(tensors[fqn], spec, mesh).to(mesh.device)
         self._state_keys = _state_dict_keys(model, program)
         self._placements = {fqn: dict(spec.placements) for fqn, spec in program.params.items()}
         _share_rng_state(mesh)
@@ -50,6 +59,9 @@ class Job:
     # ------------------------------------------------------------------------------ running
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward on this rank's local batch; returns what the model returns."""
+        if self.mesh.size("pp") > 1:
+            raise ValueError("job(x): a plan with pipeline stages has no plain forward on one rank; train with "
+                             "job.step(inputs, targets, loss_fn), which runs the schedule")
         return self._run(self._program_for(args, kwargs), args, kwargs)
 
     def _run(self, program: Program, args: tuple, kwargs: dict) -> Any:
@@ -85,6 +97,8 @@ class Job:
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         if isinstance(targets, torch.Tensor):
             targets = targets.to(self.mesh.device)
+        if self._pipe is not None:  # micro-batches through the stages, in the schedule's order
+            return self._average(self._pipeline_step(args, targets, loss_fn), "dp")
         if self.plan.vocab_parallel:  # the loss joins the graph: cross-entropy on vocabulary shards
             loss = self._run(self._step_program(args, targets, loss_fn), (*args, targets), {})
         else:
@@ -95,6 +109,24 @@ class Job:
                              "reduce the loss to its mean over the batch")
         loss.backward()
         return self._average(loss.detach(), "dp")
+
+    def _pipeline_step(self, args: tuple, targets: Any, loss_fn: Callable) -> torch.Tensor:
+        program = self.program
+        self._last = program
+        flat = [self._input(x) for x in compat.tree_flatten((args, {}))[0]]
+        store, buffers = self._store, self._buffers
+
+        def values(stage) -> list:
+            return ([store.compute.get(f, store.masters[f]) for f in stage.params] +
+                    [buffers[f] for f in stage.buffers])
+
+        def zero_context():
+            return ZeroContext(self._params, self.zero_stats)
+        loss = self._pipe.step(flat, targets, loss_fn, values, zero_context if self.plan.zero >= 2 else None)
+        specs = program.params
+        holder = (lambda f: store.compute.get(f)) if self.plan.zero == 1 else (lambda f: store.masters.get(f))
+        self._pipe.sum_tied(holder, lambda f: _grad_shape(store, specs[f], self.mesh), lambda f: _grad_dtype(store, specs[f]))
+        return loss
 
     def _average(self, value: torch.Tensor, axis: str) -> torch.Tensor:
         n = self.mesh.size(axis)
@@ -121,7 +153,7 @@ class Job:
         """Scale every gradient so that their global norm (over all shards on all ranks) is at most
         `max_norm`, as torch.nn.utils.clip_grad_norm_ does for one process; returns the norm before."""
         self._store.reduce_pending()
-        total = self._store.grad_norm(norm_type)
+        total = self._store.grad_norm(norm_type, self._pipe.tied_copies() if self._pipe else frozenset())
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for p in self._params.values():
             if p.grad is not None:
@@ -132,8 +164,8 @@ class Job:
         """Whole gradients by canonical FQN (averaged over dp, gathered from every shard): a collective,
         call it on every rank. Under ZeRO-1 it reduces the pending gradients as the optimizer step would."""
         self._store.reduce_pending()
-        specs = self.program.params
-        return {f: full_tensor(p.grad, specs[f], self.mesh) for f, p in self._params.items() if p.grad is not None}
+        grads = {f: p.grad for f, p in self._params.items() if p.grad is not None}
+        return self._whole(grads, [f for f in self.program.params if self.program.params[f].requires_grad])
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer states this rank really holds (measured)."""
@@ -154,9 +186,26 @@ class Job:
             out.update({fqn: LocalShard(b, program.buffers[fqn].shape, dict(program.buffers[fqn].placements))
                         for fqn, b in self._buffers.items()})
             return out
-        full = {fqn: full_tensor(p, program.params[fqn], self.mesh) for fqn, p in self._params.items()}
-        full.update({fqn: full_tensor(b, program.buffers[fqn], self.mesh) for fqn, b in self._buffers.items()})
+        full = self._whole(self._params, list(program.params))
+        full.update(self._whole(self._buffers, list(program.buffers)))
         return {key: full[fqn] for key, fqn in self._state_keys.items()}
+
+    def _whole(self, local: dict[str, torch.Tensor], fqns: list[str]) -> dict[str, torch.Tensor]:
+        """Whole tensors from this rank's shards (gathered over dp and tp); with pipeline stages, each is
+        broadcast from the first pp rank that holds it, so that every rank returns all of them."""
+        specs = {**self.program.params, **self.program.buffers}
+        if self._pipe is None:
+            return {f: full_tensor(local[f], specs[f], self.mesh) for f in fqns if f in local}
+        out = {}
+        for f in fqns:
+            owner = self._pipe.owner(f)
+            whole = full_tensor(local[f], specs[f], self.mesh) if f in local else None
+            if whole is None:
+                whole = torch.empty(specs[f].shape, dtype=specs[f].dtype, device=self.mesh.device)
+            src = self.mesh.group_ranks("pp")[owner]
+            torch.distributed.broadcast(whole, src=src, group=self.mesh.group("pp"))
+            out[f] = whole
+        return out
 
     # ------------------------------------------------------------------------------ inspection
     @property
@@ -222,6 +271,30 @@ def _share_rng_state(mesh) -> None:
         cuda = [torch.cuda.get_rng_state()]
         torch.distributed.broadcast_object_list(cuda, src=group[0], group=mesh.group("tp"))
         torch.cuda.set_rng_state(cuda[0])
+
+
+def _one_microbatch(tree: Any, m: int) -> Any:
+    """The example inputs cut to one micro-batch (their dim 0 divided by m)."""
+    def cut(t):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or m == 1:
+            return t
+        if t.shape[0] % m:
+            raise ValueError(f"meshc.compile: example input of {t.shape[0]} rows is not divisible by "
+                             f"microbatches={m}; pass this rank's dp-local batch, a multiple of {m}")
+        return t[: t.shape[0] // m]
+    return compat.tree_map(cut, tree)
+
+
+def _grad_shape(store, spec, mesh) -> tuple:
+    if spec.fqn in store.compute and spec.zero == 1:
+        return tuple(spec.unflat_shape(mesh.sizes))
+    return tuple(spec.local_shape(mesh.sizes))
+
+
+def _grad_dtype(store, spec) -> torch.dtype:
+    if spec.fqn in store.compute and spec.zero == 1:
+        return store.compute[spec.fqn].dtype
+    return spec.dtype
 
 
 def _signature(args: tuple, kwargs: dict) -> Any:

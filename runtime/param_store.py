@@ -25,13 +25,15 @@ DP = "dp"
 
 
 class ParamStore:
-    def __init__(self, program: Program, tensors: dict[str, torch.Tensor], mesh):
+    def __init__(self, program: Program, tensors: dict[str, torch.Tensor], mesh, keep: set[str] | None = None):
         self.mesh, self.plan = mesh, program.plan
         self.specs = program.params
         self.masters: dict[str, torch.nn.Parameter] = {}
         self.compute: dict[str, torch.Tensor] = {}
         n, index = mesh.size(DP), mesh.coord(DP)
         for fqn, spec in program.params.items():
+            if keep is not None and fqn not in keep:  # a pipeline stage on another rank holds it
+                continue
             full = tensors[fqn]
             if spec.zero not in (1, 2):
                 self.masters[fqn] = _parameter(local_shard(full, spec, mesh).to(mesh.device), spec.requires_grad)
@@ -109,14 +111,15 @@ class ParamStore:
         return out
 
     # ------------------------------------------------------------------------------ norms and memory
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+    def grad_norm(self, norm_type: float = 2.0, skip: set[str] = frozenset()) -> torch.Tensor:
         """The global gradient norm over all ranks: shards summed over the axes that split them, replicas
-        counted once."""
+        counted once. With pipeline stages, every pp rank adds its own parameters (`skip`: the copies of
+        tied ones that another rank counts)."""
         if norm_type != 2.0:
             raise ValueError(f"clip_grad_norm_: expected norm_type 2.0, got {norm_type}")
         sums = {}
         for fqn, p in self.masters.items():
-            if p.grad is None:
+            if p.grad is None or fqn in skip:
                 continue
             axes = tuple(a for a, pl in self.specs[fqn].placements.items()
                          if isinstance(pl, (Shard, FlatShard)) and self.mesh.size(a) > 1)
@@ -126,6 +129,8 @@ class ParamStore:
             for a in axes:
                 value = compat.all_reduce_sum(torch.as_tensor(value, device=self.mesh.device), self.mesh.group_name(a))
             total = total + value
+        if self.mesh.size("pp") > 1:
+            total = compat.all_reduce_sum(total, self.mesh.group_name("pp"))
         return total.sqrt()
 
     def held_bytes(self, optimizers=()) -> dict[str, int]:

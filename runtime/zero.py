@@ -266,8 +266,8 @@ class ZeroContext:
         if full is None:
             full = self._regather(saved.bucket)
         self.outstanding[saved.bucket] -= 1
-        if self.outstanding[saved.bucket] == 0:
-            del self.regathered[saved.bucket]
+        if self.outstanding[saved.bucket] <= 0:  # a retained graph may unpack again: it gathers again then
+            self.regathered.pop(saved.bucket, None)
         self.stats.peak_bytes_backward = max(self.stats.peak_bytes_backward, self.stats.live_bytes)
         return full[saved.index].as_strided(saved.size, saved.stride, saved.offset)
 
