@@ -37,6 +37,7 @@ class Report:
     collectives: list[Collective]
     params: list[tuple[str, tuple, tuple, str]]  # fqn, global shape, local shape, placements
     warnings: list[str] = field(default_factory=list)
+    pipeline: list[str] = field(default_factory=list)  # stages, schedule grid, predicted bubble
 
     def bytes_per_step(self) -> dict[str, int]:
         """Collective payload bytes per step, summed by mesh axis."""
@@ -63,6 +64,8 @@ class Report:
             lines.append(f"  total payload per step: {totals}")
         else:
             lines.append("  (none)")
+        if self.pipeline:
+            lines += ["", "pipeline:"] + [f"  {line}" for line in self.pipeline]
         lines += ["", f"parameters ({len(self.params)}):",
                   f"  {'fqn':<44}{'global shape':<18}{'local shape':<18}placement"]
         for fqn, g, l, p in self.params:
@@ -72,20 +75,21 @@ class Report:
         return "\n".join(lines)
 
 
-def explain(program: Program, optimizers: list[torch.optim.Optimizer] = ()) -> Report:
-    """The report for `program`; live optimizers, if given, give measured optimizer-state bytes."""
+def explain(program: Program, optimizers: list[torch.optim.Optimizer] = (), pipeline=None) -> Report:
+    """The report for `program`; live optimizers, if given, give measured optimizer-state bytes; a
+    pipelined job adds its stages, schedule grid and predicted bubble (and holds only its stages' params)."""
     mesh = program.mesh
     sizes = mesh.sizes
-    trainable = [s for s in program.params.values() if s.requires_grad]
-    params_bytes = sum(s.local_bytes(sizes) for s in program.params.values())
+    held = [s for s in program.params.values() if pipeline is None or s.fqn in pipeline.params]
+    trainable = [s for s in held if s.requires_grad]
+    params_bytes = sum(s.local_bytes(sizes) for s in held)
     grads_bytes = sum(s.local_bytes(sizes) for s in trainable)
     opt_bytes, note = _optimizer_bytes(optimizers, grads_bytes)
     collectives = [
         Collective(r.kind, r.axis, r.bytes, r.count, r.phase, r.why, node.name if node is not None else "step")
         for node, r in program.comm_records()
     ]
-    params = [(s.fqn, s.shape, s.local_shape(sizes), format_placements(s.placements))
-              for s in program.params.values()]
+    params = [(s.fqn, s.shape, s.local_shape(sizes), format_placements(s.placements)) for s in held]
     n_nodes = len(program.gm.graph.nodes)
     header = (f"meshc job: rank {program.rank} of {mesh.world_size}, mesh {mesh.describe()}\n"
               f"graph: {n_nodes} nodes, traced by torch.export ({program.trace_mode})")
@@ -94,7 +98,27 @@ def explain(program: Program, optimizers: list[torch.optim.Optimizer] = ()) -> R
         passes=[r.summary() for r in program.pass_log],
         memory={"params": params_bytes, "grads": grads_bytes, "optimizer": opt_bytes},
         optimizer_note=note, collectives=collectives, params=params, warnings=list(program.warnings),
+        pipeline=_pipeline_lines(program, pipeline) if pipeline is not None else [],
     )
+
+
+def _pipeline_lines(program: Program, pipeline) -> list[str]:
+    from meshc.runtime.schedule_sim import grid
+
+    lines = []
+    for s in program.stage_info:
+        where = f"pp rank {s.stage % program.mesh.size('pp')}"
+        lines.append(f"stage {s.stage} ({where}): {', '.join(s.blocks) or '-'}; {s.flops / 1e9:.3f} GFLOP forward per "
+                     f"micro-batch, {s.param_bytes / 2**20:.2f} MiB parameters, {s.boundary_bytes / 2**10:.1f} KiB "
+                     "sent to the next stage")
+    sched = pipeline.schedule
+    lines.append(f"schedule {sched.name}: {sched.microbatches} micro-batches, predicted bubble "
+                 f"{pipeline.simulated.bubble:.1%} of compute (stage costs from their FLOPs; B = 2F)")
+    if pipeline.tied:
+        lines.append(f"parameters on several pp ranks, gradients summed after each step: {', '.join(pipeline.tied)}")
+    lines.append("grid (uniform stage costs, F = 1, B = 2):")
+    lines += grid(sched).splitlines()
+    return lines
 
 
 def _optimizer_bytes(optimizers, grads_bytes: int) -> tuple[int, str]:

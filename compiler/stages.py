@@ -52,7 +52,7 @@ def stage_graphs(program: Program, count: int) -> list[Stage]:
         raise ValueError(f"pipeline: expected a model that does not update buffers in forward, got updates to "
                          f"{program.mutated_buffers[:3]}; pipeline stages cannot share them")
     for n in graph.nodes:
-        if n.op == "call_function" and n not in stage_of and any(a in stage_of for a in n.all_input_nodes):
+        if n.op in ("call_function", "call_module") and n not in stage_of and any(a in stage_of for a in n.all_input_nodes):
             raise MeshcInternalError(f"stages: activation without a stage: {n.format_node()}")
     order = {n: i for i, n in enumerate(graph.nodes)}
     crossing = [_crossing(stage_of, k, order) for k in range(count - 1)]
@@ -84,7 +84,7 @@ def _build(program, k, count, stage_of, crossing, inputs, order) -> Stage:
         env[n] = new.placeholder(f"recv_{i}_{n.name}")
         env[n].meta.update({key: v for key, v in n.meta.items() if key in ("val", "meshc.shape", "meshc.placement")})
     for n in graph.nodes:
-        if n.op != "call_function" or n in env or not (n in needed or stage_of.get(n) == k):
+        if n.op not in ("call_function", "call_module") or n in env or not (n in needed or stage_of.get(n) == k):
             continue
         if hasattr(n.target, "name") and n.target.name() == MARKER:
             continue

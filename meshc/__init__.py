@@ -12,6 +12,7 @@ from meshc.compiler.plan import Plan
 from meshc.compiler.show import show
 from meshc.runtime.job import Job
 from meshc.runtime.mesh import Mesh, mesh
+from torch.distributed.pipelining import pipe_split  # a cut marker for model code: meshc.pipe_split()
 
-__all__ = ["compile", "mesh", "Plan", "Job", "Mesh", "show", "TraceError", "MeshcInternalError", "MeshcWarning"]
+__all__ = ["compile", "mesh", "Plan", "Job", "Mesh", "show", "TraceError", "MeshcInternalError", "MeshcWarning", "pipe_split"]
 __version__ = "0.1.0"

@@ -216,7 +216,7 @@ class Job:
     def explain(self) -> Report:
         """The plan, per-rank memory, every collective and why (of the program run last): print it."""
         live = [opt for ref in self._optimizers if (opt := ref()) is not None]
-        return explain(getattr(self, "_last", self.program), live)
+        return explain(getattr(self, "_last", self.program), live, self._pipe)
 
     def graph(self, rank: int | None = None, stage: int = 0) -> torch.fx.GraphModule:
         """The transformed GraphModule that `rank` (default: this one) runs for pipeline stage `stage`."""

@@ -113,3 +113,5 @@ def uneven(seed: int = 0) -> torch.nn.Module:
 
 
 MODELS["uneven"] = uneven
+MODELS["reference4"] = lambda seed=0: reference_transformer(seed, layers=4)
+MODELS["gpt2_4"] = lambda seed=0: gpt2(seed, layers=4)

@@ -1,0 +1,123 @@
+"""remat: activation checkpointing per block (Plan.remat = "full" | "selective").
+
+Purpose: trade compute for activation memory, as Megatron-LM's full and selective recompute do. Each
+transformer block's activations (per pipeline stage) become one checkpointed sub-graph: backward
+recomputes what was not kept (runtime/remat.py says what each policy keeps). Values that only that block
+uses and that depend only on parameters (its ZeRO-3 gather, its parameter slices) move inside it, so
+that its gathered parameters are recomputed with it rather than kept: remat composes with ZeRO-3.
+
+Requires: activations carry "meshc.stage" when pipelined; blocks are visible in nn_module_stack.
+Ensures: each block whose outputs are only used after it becomes `call_module remat_<i>` (Remat) plus
+    getitems; a block that cannot be cut out whole is left as it is and the note says why.
+Terms: block = nodes under one indexed module path ("layers.3"); region = the block's activations and
+    the parameter-only values used nowhere else.
+
+Before:  %linear = aten.linear(%x, %getitem)  ...  %add_2 = aten.add.Tensor(%add_1, %dropout_2)
+After:   %remat_0 = remat_0(%x, %p_w1_shard, ...)      (call_module: checkpoint of the block)
+         %getitem_9 = getitem(%remat_0, 0)
+"""
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from meshc.compiler.program import Program
+from meshc.runtime.remat import Remat
+
+from .blocks import block_of
+from .pipeline_split import activations
+
+
+def remat_pass(program: Program) -> Program:
+    program = program.copy()
+    policy = program.plan.remat
+    if policy == "none":
+        program.notes.append("no activation checkpointing")
+        return program
+    graph = program.gm.graph
+    acts = activations(program)
+    regions: dict[tuple, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node in acts and "." in block_of(node):
+            regions.setdefault((node.meta.get("meshc.stage", 0), block_of(node)), []).append(node)
+    dp_group = (program.mesh.group_name("dp", program.rank),) if program.plan.zero == 3 else ()
+    done = 0
+    for (stage, block), nodes in regions.items():
+        reason = _checkpoint(program, nodes, f"remat_{done}", policy, dp_group, stage)
+        if reason:
+            program.notes.append(f"{block}: not checkpointed: {reason}")
+        else:
+            done += 1
+    program.gm.recompile()
+    program.notes.append(f"{done} block(s) checkpointed ({policy})")
+    return program
+
+
+def _checkpoint(program, nodes, name, policy, dp_group, stage) -> str | None:
+    graph = program.gm.graph
+    members = set(nodes) | _private_inputs(nodes)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    ordered = sorted(members, key=order.__getitem__)
+    last = ordered[-1]
+    inputs = sorted({a for n in ordered for a in n.all_input_nodes if a not in members}, key=order.__getitem__)
+    outputs = [n for n in ordered if any(u not in members for u in n.users)]
+    if any(order[u] < order[last] for n in outputs for u in n.users if u not in members):
+        return "a value it produces is used before the block ends"
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        env[a] = sub.placeholder(a.name)
+        env[a].meta.update(a.meta)
+    for n in ordered:
+        env[n] = sub.node_copy(n, lambda a: env[a])
+    sub.output(tuple(env[n] for n in outputs))
+    program.gm.add_submodule(name, Remat(fx.GraphModule(program.gm, sub), policy, dp_group))
+    with graph.inserting_after(last):
+        call = graph.call_module(name, tuple(inputs))
+    call.meta.update({"meshc.why": f"activation checkpointing ({policy}) of {block_of(nodes[0])}",
+                      "nn_module_stack": nodes[0].meta.get("nn_module_stack", {}), "meshc.stage": stage})
+    anchor = call
+    for i, n in enumerate(outputs):
+        with graph.inserting_after(anchor):
+            item = graph.call_function(operator.getitem, (call, i))
+        item.meta.update({k: v for k, v in n.meta.items() if k in ("val", "meshc.shape", "meshc.placement",
+                                                                      "nn_module_stack")})
+        item.meta["meshc.stage"] = stage
+        n.replace_all_uses_with(item, delete_user_cb=lambda u: u not in members)
+        anchor = item
+    for n in reversed(ordered):
+        graph.erase_node(n)
+    return None
+
+
+def _private_inputs(nodes: list[fx.Node]) -> set[fx.Node]:
+    """Parameter-only values (call_function nodes that are not activations) that only the block uses."""
+    inside = set(nodes)
+    changed = True
+    while changed:
+        changed = False
+        for n in list(inside):
+            for a in n.all_input_nodes:
+                if a in inside or a.op != "call_function" or "meshc.stage" in a.meta:
+                    continue
+                if all(u in inside for u in a.users) and not _is_activation_like(a):
+                    inside.add(a)
+                    changed = True
+    return inside - set(nodes)
+
+
+def _is_activation_like(node: fx.Node) -> bool:
+    """Inputs of a block computed from model inputs (masks, positions) stay outside: they are shared."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            if n.meta.get("meshc.role") == "input":
+                return True
+            continue
+        stack.extend(n.all_input_nodes)
+    return False
