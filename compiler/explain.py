@@ -6,6 +6,8 @@ mesh axis, bytes, count, and why it exists), and every parameter's placement.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -85,9 +87,10 @@ def explain(program: Program, optimizers: list[torch.optim.Optimizer] = (), pipe
     params_bytes = sum(s.local_bytes(sizes) for s in held)
     grads_bytes = sum(s.local_bytes(sizes) for s in trainable)
     opt_bytes, note = _optimizer_bytes(optimizers, grads_bytes)
+    records = program.comm_records() if pipeline is None else _stage_records(program, pipeline)
     collectives = [
         Collective(r.kind, r.axis, r.bytes, r.count, r.phase, r.why, node.name if node is not None else "step")
-        for node, r in program.comm_records()
+        for node, r in records
     ]
     params = [(s.fqn, s.shape, s.local_shape(sizes), format_placements(s.placements)) for s in held]
     n_nodes = len(program.gm.graph.nodes)
@@ -100,6 +103,30 @@ def explain(program: Program, optimizers: list[torch.optim.Optimizer] = (), pipe
         optimizer_note=note, collectives=collectives, params=params, warnings=list(program.warnings),
         pipeline=_pipeline_lines(program, pipeline) if pipeline is not None else [],
     )
+
+
+def _stage_records(program: Program, pipeline) -> list:
+    """A pipelined rank's collectives: its own stages' (once per micro-batch) and the step's."""
+    m = pipeline.schedule.microbatches
+    out = []
+    for stage in pipeline.local.values():
+        for node in stage.gm.graph.nodes:
+            for r in node.meta.get("meshc.comm", ()):
+                out.append((node, dataclasses.replace(r, count=r.count * m)))
+    for stage in pipeline.local.values():
+        sent = sum(math.prod(b.shape) * b.dtype.itemsize for b in stage.send)
+        grads = sum(math.prod(b.shape) * b.dtype.itemsize for b in stage.recv if b.grad)
+        if sent:
+            out.append((None, CommRecord("send", "pp", sent, "forward", f"stage {stage.index}'s activations to "
+                                         f"stage {stage.index + 1}, per micro-batch", count=m)))
+        if grads:
+            out.append((None, CommRecord("send", "pp", grads, "backward", f"stage {stage.index}'s input gradients "
+                                         f"to stage {stage.index - 1}, per micro-batch", count=m)))
+    if pipeline.tied:
+        nbytes = sum(program.params[f].local_bytes(program.mesh.sizes) for f in pipeline.tied)
+        out.append((None, CommRecord("all_reduce", "pp", nbytes, "step",
+                                     f"gradients of parameters held on several pp ranks: {', '.join(pipeline.tied)}")))
+    return out + [(None, r) for r in program.step_comms]
 
 
 def _pipeline_lines(program: Program, pipeline) -> list[str]:

@@ -20,3 +20,20 @@ def block_of(node: fx.Node) -> str:
             return match.group(1)
     named = [path for path, _ in stack if path]
     return named[0].split(".")[0] if named else ""
+
+
+def stages_using(node: fx.Node) -> frozenset[int]:
+    """The pipeline stages whose activations use `node`, directly or through parameter-only values."""
+    out: set[int] = set()
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if "meshc.stage" in u.meta:
+                out.add(u.meta["meshc.stage"])
+            elif u.op in ("call_function", "call_module"):
+                stack.append(u)
+    return frozenset(out)

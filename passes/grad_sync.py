@@ -12,8 +12,8 @@ Ensures: each trainable parameter that needs reduction is consumed only through 
     inserted right before the bucket's first use: identity forward; backward sums over each partial axis,
     then averages over dp. Each bucket node carries "meshc.why" and one backward CommRecord per axis.
     Nothing changes when dp = 1 and no gradient is partial.
-Terms: bucket = parameters grouped in order of first use, with one dtype and the same axes to reduce, up
-    to `Plan.bucket_mb` MiB; a bucket's gradients are complete once backward has passed the earliest use.
+Terms: bucket = parameters grouped in order of first use, with one dtype, the same axes to reduce and the
+    same pipeline stages using them, up to `Plan.bucket_mb` MiB; a bucket's gradients are complete once backward has passed the earliest use.
 
 Before:
     %linear = aten.linear(%x, %p_w1, %p_b1)
@@ -31,6 +31,8 @@ import torch.fx as fx
 
 from meshc.compiler.program import CommRecord, Program
 from meshc.runtime.collectives import grad_sync
+
+from .blocks import stages_using
 
 DP = "dp"
 
@@ -100,8 +102,8 @@ def _buckets(program: Program, trainable: list[tuple[str, fx.Node]], cap: float)
     for fqn, node in trainable:
         spec = program.params[fqn]
         nbytes = spec.local_bytes(sizes)
-        key = (spec.dtype, _axes(program, fqn))
-        if not buckets or used + nbytes > cap or key != _key(program, buckets[-1][0][0]):
+        key = _key(program, fqn, node)
+        if not buckets or used + nbytes > cap or key != _key(program, buckets[-1][0][0], buckets[-1][0][1]):
             buckets.append([])
             used = 0.0
         buckets[-1].append((fqn, node))
@@ -109,5 +111,6 @@ def _buckets(program: Program, trainable: list[tuple[str, fx.Node]], cap: float)
     return buckets
 
 
-def _key(program: Program, fqn: str):
-    return (program.params[fqn].dtype, _axes(program, fqn))
+def _key(program: Program, fqn: str, node: fx.Node):
+    """Parameters share a bucket only with the same dtype, axes to reduce and pipeline stages using them."""
+    return (program.params[fqn].dtype, _axes(program, fqn), stages_using(node))

@@ -41,7 +41,7 @@ from meshc.compiler.placement import FlatShard
 from meshc.compiler.program import CommRecord, Program
 from meshc.runtime.zero import shard_size, zero_gather, zero_gather_start, zero_reduce
 
-from .blocks import block_of
+from .blocks import block_of, stages_using
 
 AXIS = "dp"
 
@@ -89,7 +89,7 @@ def _buckets(program: Program, managed: list[tuple[str, fx.Node]]) -> list[list[
     for fqn, node in managed:
         spec = program.params[fqn]
         nbytes = spec.local_bytes(program.mesh.sizes)
-        this_key = (spec.grad_partial, spec.requires_grad, _compute_dtype(program, fqn))
+        this_key = (spec.grad_partial, spec.requires_grad, _compute_dtype(program, fqn), stages_using(node))
         this_block = block_of(first[fqn])
         if not buckets or this_block != block or this_key != key or used + nbytes > cap:
             buckets.append([])

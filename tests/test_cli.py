@@ -44,6 +44,10 @@ def test_explain_reports_bad_mesh(capsys):
     assert "unknown axis 'xp'" in capsys.readouterr().err
 
 
-def test_pipeline_axis_not_built_yet_is_refused(capsys):
-    assert cli.main(["explain", "--model", "gpt-tiny", "--mesh", "pp=2"]) == 2
-    assert "is not available in this version of meshc" in capsys.readouterr().err
+def test_explain_a_pipeline_rank(capsys):
+    assert cli.main(["explain", "--model", "gpt-tiny", "--mesh", "pp=2,dp=2", "--rank", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "stage 1 (pp rank 1): blocks.1, ln_f, head" in text
+    assert re.search(r"send\s+pp\s+128.0 KiB\s+1\s+backward\s+stage 1's input gradients", text)
+    assert "gradients of parameters held on several pp ranks: tok.weight" in text
+    assert "blocks.0.attn.qkv.weight" not in text.split("parameters (")[1]  # stage 0's, held on pp rank 0
