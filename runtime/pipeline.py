@@ -17,6 +17,7 @@ every tp rank of a stage exchanges its own (tp-local) activations with its peer.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -52,13 +53,18 @@ class PipelineRun:
         self.grads_out: dict[tuple[int, int], list] = {}  # gradients of a stage's inputs
         self.losses: list[torch.Tensor] = []
         self.sends: list[Any] = []
+        self.busy = 0.0  # seconds of compute actions: the rest of the step is bubble or communication
+        start = time.perf_counter()
         for op in self.schedule.program(self.rank):
             if isinstance(op, P2P):
                 self._message(op)
             else:
+                t0 = time.perf_counter()
                 self._compute(op)
+                self.busy += time.perf_counter() - t0
         for work in self.sends:
             work.wait()
+        self.elapsed = time.perf_counter() - start
         return self._loss()
 
     # ------------------------------------------------------------------------------ compute

@@ -72,7 +72,9 @@ class Pipelined:
                                  "mean over the batch")
             return loss
         run = PipelineRun(self.local, self.schedule, self.mesh, values, loss_of, zero_context)
-        return run.run(micro)
+        loss = run.run(micro)
+        self.last_busy, self.last_elapsed = run.busy, run.elapsed  # measured bubble: elapsed / busy - 1
+        return loss
 
     def sum_tied(self, grad_holder: Callable[[str], torch.Tensor | None], shape_of: Callable[[str], tuple],
                  dtype_of: Callable[[str], torch.dtype]) -> None:

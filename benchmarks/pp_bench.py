@@ -1,0 +1,129 @@
+"""Pipeline parallelism: meshc's automatic split against torch.distributed.pipelining's manual split
+(`pipeline()` + `SplitPoint`) under the same schedule, ranks and micro-batches, in one run; and meshc's
+measured bubble against its simulator's prediction.
+
+    python benchmarks/pp_bench.py [--pp 2] [--microbatches 8] [--steps 6]
+
+Model: torch's reference Transformer, 4 layers, dim 256, 8 heads, vocab 1024, untied head (torch's
+pipeline() cannot split a tied weight), batch 16 x 128 tokens, fp32, AdamW; gloo on loopback, one
+thread per rank. Measured bubble = (step time - compute time) / compute time on each rank (compute:
+the stage forward/backward actions), averaged over ranks; the simulator predicts it from each stage's
+forward FLOPs (backward = 2 x forward), with no communication time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import launch, median_step, report, table  # noqa: E402
+
+LAYERS, DIM, HEADS, VOCAB, SEQ, BATCH = 4, 256, 8, 1024, 128, 16
+
+
+def _model():
+    import torch
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    return Transformer(ModelArgs(n_layers=LAYERS, vocab_size=VOCAB, max_seq_len=SEQ, dim=DIM, n_heads=HEADS,
+                                 dropout_p=0.0, weight_tying=False))
+
+
+def _data():
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _loss(out, y):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def worker(config: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import meshc
+
+    torch.set_num_threads(1)
+    pp, m = config["pp"], config["microbatches"]
+    mesh = meshc.mesh(pp=pp, timeout_s=300)
+    x, y = _data()
+    if config["impl"] == "meshc":
+        job = meshc.compile(_model(), mesh, example_inputs=(x,),
+                            plan=meshc.Plan(microbatches=m, schedule=config["schedule"]))
+        opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
+        busy, elapsed = [], []
+
+        def step():
+            job.step(x, y, _loss)
+            opt.step()
+            opt.zero_grad()
+            busy.append(job._pipe.last_busy)
+            elapsed.append(job._pipe.last_elapsed)
+        seconds = median_step(step, steps=config["steps"], barrier=dist.barrier)
+        measured = sum(e for e in elapsed[-config["steps"]:]) / sum(b for b in busy[-config["steps"]:]) - 1
+        bubble = torch.tensor([measured])
+        dist.all_reduce(bubble)
+        report({"step_s": seconds, "bubble": bubble.item() / pp, "predicted": job._pipe.simulated.bubble,
+                "stages": [s.blocks for s in job.program.stage_info]})
+        return
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+
+    model = _model()
+    per = LAYERS // pp
+    spec = {f"layers.{per * k}": SplitPoint.BEGINNING for k in range(1, pp)}
+    pipe = pipeline(model, mb_args=(x.chunk(m)[0],), split_spec=spec)
+    stage = pipe.build_stage(mesh.coord("pp"), torch.device("cpu"), group=mesh.group("pp"))
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[config["schedule"]]
+    schedule = cls(stage, m, loss_fn=_loss)
+    opt = torch.optim.AdamW(stage.submod.parameters(), lr=1e-3)
+    first, last = mesh.coord("pp") == 0, mesh.coord("pp") == pp - 1
+
+    def step():
+        if first:
+            schedule.step(x)
+        elif last:
+            schedule.step(target=y)
+        else:
+            schedule.step()
+        opt.step()
+        opt.zero_grad()
+    report({"step_s": median_step(step, steps=config["steps"], barrier=dist.barrier)})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--worker", default=None)
+    args = p.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+    script = os.path.abspath(__file__)
+    rows = []
+    for schedule in ("gpipe", "1f1b"):
+        base = {"pp": args.pp, "microbatches": args.microbatches, "steps": args.steps, "schedule": schedule}
+        torch_run = launch(script, args.pp, {**base, "impl": "torch"})
+        ours = launch(script, args.pp, {**base, "impl": "meshc"})
+        rows.append({"schedule": schedule, "torch.distributed.pipelining (s)": torch_run["step_s"],
+                     "meshc (s)": ours["step_s"], "meshc / torch": ours["step_s"] / torch_run["step_s"],
+                     "measured bubble": ours["bubble"], "simulated bubble": ours["predicted"],
+                     "(p-1)/m": (args.pp - 1) / args.microbatches})
+        print(schedule, json.dumps(torch_run), json.dumps(ours), flush=True)
+    print()
+    print(table(rows, list(rows[0])))
+
+
+if __name__ == "__main__":
+    main()
