@@ -1,10 +1,19 @@
-"""Shared fixtures: an in-process fake world for rank-logic tests, torn down after each test."""
+"""Shared fixtures: an in-process fake world for rank-logic tests, torn down after each test.
+
+Without a GPU, Triton kernels run in Triton's interpreter; TRITON_INTERPRET must be set before triton is
+imported by anything (torch.export imports it in some tests), so it is set here, first.
+"""
 from __future__ import annotations
 
 import os
 
-import pytest
-import torch.distributed as dist
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 

@@ -1,7 +1,7 @@
 """Kernel tests: where no GPU is present, Triton kernels run on CPU tensors in Triton's interpreter.
 
-TRITON_INTERPRET is read when a kernel is jitted; meshc.kernels jits its kernels on first use, so
-setting it here, at import, is in time even when other test folders imported torch or meshc first.
+TRITON_INTERPRET must be set before triton itself is imported (its standard library is jitted at import):
+tests/conftest.py sets it first thing; it is set here too for runs of this folder's conftest alone.
 """
 from __future__ import annotations
 
