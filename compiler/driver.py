@@ -22,7 +22,7 @@ log = logging.getLogger("meshc.driver")
 PassFn = Callable[[Program], Program]
 
 # Every pass meshc knows, in the order they run (DESIGN.md §3). A pass that is not built yet is absent.
-PASS_NAMES = ("shapes", "plan", "tensor_parallel", "pipeline_split", "zero", "grad_sync", "remat")
+PASS_NAMES = ("shapes", "plan", "tensor_parallel", "pipeline_split", "zero", "grad_sync", "fuse_comm", "remat")
 
 
 @dataclass
@@ -43,6 +43,7 @@ class PassRecord:
 
 def build_passes(program: Program) -> list[tuple[str, PassFn]]:
     """The passes this program's Plan and Mesh call for, in order, minus those the Plan disables."""
+    from meshc.passes.fuse_comm import fuse_comm_pass
     from meshc.passes.grad_sync import grad_sync_pass
     from meshc.passes.pipeline_split import pipeline_split_pass
     from meshc.passes.plan import plan_pass
@@ -57,7 +58,7 @@ def build_passes(program: Program) -> list[tuple[str, PassFn]]:
         raise ValueError(f"Plan.disable: unknown pass {unknown[0]!r}: expected names among {', '.join(PASS_NAMES)}")
     wanted = [("shapes", shapes_pass), ("plan", plan_pass), ("tensor_parallel", tensor_parallel_pass),
               ("pipeline_split", pipeline_split_pass), ("zero", zero_pass), ("grad_sync", grad_sync_pass),
-              ("remat", remat_pass)]
+              ("fuse_comm", fuse_comm_pass), ("remat", remat_pass)]
     return [(name, fn) for name, fn in wanted if name not in plan.disable]
 
 

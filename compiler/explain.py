@@ -40,6 +40,7 @@ class Report:
     params: list[tuple[str, tuple, tuple, str]]  # fqn, global shape, local shape, placements
     warnings: list[str] = field(default_factory=list)
     pipeline: list[str] = field(default_factory=list)  # stages, schedule grid, predicted bubble
+    fusion: list[str] = field(default_factory=list)  # per kernel: fused k of n eligible, and why not
 
     def bytes_per_step(self) -> dict[str, int]:
         """Collective payload bytes per step, summed by mesh axis."""
@@ -68,6 +69,8 @@ class Report:
             lines.append("  (none)")
         if self.pipeline:
             lines += ["", "pipeline:"] + [f"  {line}" for line in self.pipeline]
+        if self.fusion:
+            lines += ["", "fusion:"] + [f"  {line}" for line in self.fusion]
         lines += ["", f"parameters ({len(self.params)}):",
                   f"  {'fqn':<44}{'global shape':<18}{'local shape':<18}placement"]
         for fqn, g, l, p in self.params:
@@ -102,6 +105,8 @@ def explain(program: Program, optimizers: list[torch.optim.Optimizer] = (), pipe
         memory={"params": params_bytes, "grads": grads_bytes, "optimizer": opt_bytes},
         optimizer_note=note, collectives=collectives, params=params, warnings=list(program.warnings),
         pipeline=_pipeline_lines(program, pipeline) if pipeline is not None else [],
+        fusion=[f"{kernel}: fused {r.fused} of {r.eligible} eligible" + "".join(f"; left {x}" for x in r.left)
+                for kernel, r in program.fusion.items()],
     )
 
 

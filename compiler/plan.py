@@ -56,6 +56,11 @@ class Plan:
             marks a cut too.
         remat: activation checkpointing: "none", "full" (each block recomputed in backward) or
             "selective" (matmul and collective outputs kept, cheap elementwise ops and softmax recomputed).
+        fusion: rewrite the chains next to collectives into meshc's fused kernels (bias-dropout-add-norm,
+            bias+GeLU/SwiGLU, ZeRO copy-in/out and gradient prologue); False turns the pass off.
+        require_fusion: raise if an eligible chain stayed unfused (the error says why).
+        collective_matmul: overlap sequence parallelism's all-gather and reduce-scatter with the matmuls
+            next to them (chunks passed around a ring of point-to-point transfers).
         trace: "auto" tries strict torch.export (TorchDynamo) and falls back to non-strict; "strict" or
             "non-strict" forces one (non-strict is several times faster on Hugging Face models).
     """
@@ -78,6 +83,9 @@ class Plan:
     virtual: int = 1
     split_points: tuple[str, ...] | None = None
     remat: str = "none"
+    fusion: bool = True
+    require_fusion: bool = False
+    collective_matmul: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:

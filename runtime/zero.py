@@ -66,11 +66,27 @@ def unpack(buffer: torch.Tensor, sizes: list[int], numels: list[int], shapes: li
     return out
 
 
+def _pack(tensors: list[torch.Tensor], sizes: list[int], dtype: torch.dtype, n: int, fused: bool) -> torch.Tensor:
+    if fused:  # one kernel: cast, pad and interleave every tensor (kernels/zero_copy.py)
+        from meshc.kernels.zero_copy import pack_cast
+
+        return pack_cast(tensors, dtype, world_size=n, shard_numels=sizes)
+    return pack(tensors, sizes, dtype, n)
+
+
+def _unpack(buffer: torch.Tensor, meta) -> list[torch.Tensor]:
+    if meta.fused:
+        from meshc.kernels.zero_copy import unpack as unpack_kernel
+
+        return list(unpack_kernel(buffer, meta.shapes, world_size=meta.n, shard_numels=meta.sizes))
+    return unpack(buffer, meta.sizes, meta.numels, meta.shapes, meta.n)
+
+
 def _reduce_scatter_start(grads, meta) -> torch.Tensor:
     """Issue the bucket's gradient reduction: summed over the partial groups, then a reduce-scatter over
     dp of the gradients pre-scaled by 1/N (an average); returns the un-waited local result."""
     filled = [g if g is not None else torch.zeros(shape, dtype=meta.reduce_dtype) for g, shape in zip(grads, meta.shapes)]
-    flat = pack(filled, meta.sizes, meta.reduce_dtype, meta.n).div_(meta.n)
+    flat = _pack(filled, meta.sizes, meta.reduce_dtype, meta.n, meta.fused).div_(meta.n)
     for g in meta.partial:
         flat = compat.all_reduce_sum(flat, g)
     return compat.reduce_scatter_start(flat, meta.n, meta.group)  # (sum(sizes),) once waited
@@ -99,10 +115,12 @@ class PendingGrads:
 
 
 # ---------------------------------------------------------------------------------------- ZeRO-3
-def zero_gather_start(*shards: torch.Tensor, group: str, size: int, dtype: torch.dtype) -> torch.Tensor:
+def zero_gather_start(*shards: torch.Tensor, group: str, size: int, dtype: torch.dtype,
+                      fused: bool = False) -> torch.Tensor:
     """Issue the all-gather of a bucket of flat shards (cast to the compute dtype); not yet waited."""
     with torch.no_grad():
-        local = torch.cat([s.detach().to(dtype).reshape(-1) for s in shards])
+        flat = [s.detach() for s in shards]
+        local = _pack(flat, [s.numel() for s in flat], dtype, 1, fused)
         return compat.all_gather_start(local, size, group)
 
 
@@ -110,8 +128,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, raw, meta, pending, *shards):
         ctx.meta, ctx.pending, ctx.shards = meta, pending, shards
-        buffer = compat.wait(raw)
-        return tuple(unpack(buffer, meta.sizes, meta.numels, meta.shapes, meta.n))
+        return tuple(_unpack(compat.wait(raw), meta))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -135,18 +152,19 @@ class BucketMeta:
     reduce_dtype: torch.dtype
     master_dtype: torch.dtype
     dtype: torch.dtype  # the compute dtype the bucket is gathered in
+    fused: bool = False  # copy-in, copy-out and the gradient prologue run as meshc kernels
 
 
 def zero_gather(raw: torch.Tensor, *shards: torch.Tensor, bucket: int, shapes: tuple, group: str, size: int,
                 dtype: torch.dtype, partial: tuple = (), reduce_dtype: torch.dtype = torch.float32,
-                keep: bool = False) -> tuple[torch.Tensor, ...]:
+                keep: bool = False, fused: bool = False) -> tuple[torch.Tensor, ...]:
     """The bucket's full parameters from its gathered buffer; backward reduce-scatters their gradients.
 
     With `keep`, autograd keeps them for backward (the bucket used last in forward) instead of a re-gather.
     """
     numels = [math.prod(s) for s in shapes]
     meta = BucketMeta(bucket, [shard_size(k, size) for k in numels], numels, [tuple(s) for s in shapes], size,
-                      group, tuple(partial), reduce_dtype, shards[0].dtype, dtype)
+                      group, tuple(partial), reduce_dtype, shards[0].dtype, dtype, fused)
     context = _ACTIVE.get()
     full = _Gather.apply(raw, meta, context.pending if context is not None else None, *shards)
     if context is not None:
@@ -168,14 +186,16 @@ class _Reduce(torch.autograd.Function):
 
 
 def zero_reduce(*params: torch.Tensor, bucket: int, fqns: tuple, group: str, size: int, partial: tuple = (),
-                reduce_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+                reduce_dtype: torch.dtype = torch.float32, fused: bool = False) -> tuple[torch.Tensor, ...]:
     """Identity; backward reduce-scatters the bucket's gradients into its master shards' .grad (ZeRO-2)."""
     context = _ACTIVE.get()
     if context is None:
+        if compat.is_fake(params[0]):  # shapes being propagated at compile time: nothing to reduce
+            return tuple(p.view_as(p) for p in params)
         raise RuntimeError("zero_reduce: expected to run inside a meshc job (its master shards receive the gradients)")
     numels = [p.numel() for p in params]
     meta = BucketMeta(bucket, [shard_size(k, size) for k in numels], numels, [tuple(p.shape) for p in params], size,
-                      group, tuple(partial), reduce_dtype, torch.float32, params[0].dtype)
+                      group, tuple(partial), reduce_dtype, torch.float32, params[0].dtype, fused)
     return _Reduce.apply(meta, tuple(context.masters[f] for f in fqns), context.pending, *params)
 
 
@@ -278,7 +298,7 @@ class ZeroContext:
             self.stats.live_bytes -= nbytes
         else:
             raw = self._start(bucket)
-        full = unpack(compat.wait(raw), meta.sizes, meta.numels, meta.shapes, meta.n)
+        full = _unpack(compat.wait(raw), meta)
         for i, t in enumerate(full):
             self._track(t, bucket, i)
         self.regathered[bucket] = full
@@ -288,7 +308,7 @@ class ZeroContext:
 
     def _start(self, bucket: int) -> torch.Tensor:
         meta, shards = self.buckets[bucket]
-        return zero_gather_start(*shards, group=meta.group, size=meta.n, dtype=meta.dtype)
+        return zero_gather_start(*shards, group=meta.group, size=meta.n, dtype=meta.dtype, fused=meta.fused)
 
     def _prefetch_before(self, bucket: int) -> None:
         """Backward needs the buckets in reverse: issue the next one's gather now, to overlap this block."""

@@ -22,7 +22,7 @@ def test_driver_logs_each_pass_with_time_and_changes(fake_mesh, caplog):
     with caplog.at_level(logging.INFO, logger="meshc.driver"):
         out = run_passes(program)
     assert [r.name for r in out.pass_log] == ["shapes", "plan", "tensor_parallel", "pipeline_split", "zero",
-                                              "grad_sync", "remat"]
+                                              "grad_sync", "fuse_comm", "remat"]
     record = next(r for r in out.pass_log if r.name == "grad_sync")
     assert record.seconds > 0
     assert record.added == {"grad_sync": 1, "getitem": 28}

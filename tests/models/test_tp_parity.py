@@ -1,6 +1,7 @@
 """Tensor parallelism against one process: five real models, tp=2, tp=4 and dp=2 x tp=2, 5 AdamW steps.
 
-Mixtral's experts stay replicated (the opaque grouped-expert op has no sharding rule; attention is
+Fusion is on (the default): the chains next to the collectives run as meshc's fused kernels (their CPU
+implementations here). Mixtral's experts stay replicated (the opaque grouped-expert op has no sharding rule; attention is
 tensor-parallel): that is meshc's documented choice for MoE.
 
 Tolerances: tensor parallelism splits contractions (row-parallel partial sums are added by an all-reduce)
@@ -26,6 +27,8 @@ CASES = [(m, mesh, {}) for m in ("reference", "gpt2", "llama", "bert", "mixtral"
     ("llama", {"tp": 4}, {"sequence_parallel": True}),
     ("llama", {"tp": 2}, {"vocab_parallel": True}),
     ("bert", {"tp": 2}, {"sequence_parallel": True}),
+    ("llama", {"tp": 2}, {"sequence_parallel": True, "collective_matmul": True}),
+    ("reference", {"tp": 4}, {"sequence_parallel": True, "collective_matmul": True}),
 ]
 
 
