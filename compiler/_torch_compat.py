@@ -69,11 +69,26 @@ def resolve_process_group(group_name: str) -> dist.ProcessGroup:
     return _c10d._resolve_process_group(group_name)
 
 
+def dcp_storage_info(relative_path: str, offset: int, length: int):
+    """DCP's record of where one chunk lies in a data file (torch.distributed.checkpoint.filesystem's
+    _StorageInfo; no public name), rebuilt from meshc's JSON metadata instead of DCP's pickle."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)
+
+
 def fake_store():
     """torch's FakeStore for the in-process fake backend ("fake"), used for simulated compiles."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+def is_fake(t) -> bool:
+    """Is `t` a FakeTensor (a value of compile-time shape propagation)?"""
+    from torch._subclasses.fake_tensor import is_fake as _is_fake
+
+    return _is_fake(t)
 
 
 def fake_tensor_mode():
