@@ -162,13 +162,15 @@ def _op(x: Tensor, bias: Optional[Tensor], residual: Tensor, weight: Tensor, nor
     y = xhat * _acc(weight)
     if norm_bias is not None:
         y = y + _acc(norm_bias)
-    return y.to(x.dtype), s
+    # contiguous as layer_norm's output is: the graph views the results afterwards, and a broadcast over a
+    # non-contiguous residual (a transposed activation) would otherwise hand back permuted strides
+    return y.to(x.dtype).contiguous(), s.contiguous()
 
 
 @_op.register_fake
 def _op_fake(x, bias, residual, weight, norm_bias, rng, p, norm, eps):
     _check(x, bias, residual, weight, norm_bias, rng, p, norm)
-    return torch.empty_like(x), torch.empty_like(residual)
+    return x.new_empty(x.shape), residual.new_empty(residual.shape)
 
 
 @_op.register_kernel("cuda")

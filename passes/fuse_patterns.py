@@ -166,6 +166,8 @@ def match_norm(program: Program, out: fx.Node):
         kind, norm_bias = "rmsnorm", None
     if weight is None:
         return "a norm without a weight"
+    if s.meta.get("meshc.stage") != out.meta.get("meshc.stage"):
+        return "a pipeline stage boundary lies between the residual add and the norm"
     for side, other in ((s.args[0], s.args[1]), (s.args[1], s.args[0])):
         found = _from_reduction(side) if isinstance(side, fx.Node) else None
         if found:
