@@ -21,6 +21,7 @@ from meshc.compiler.compile import compile_program, passes_for_rank
 from meshc.compiler.explain import Report, explain
 from meshc.compiler.program import Program
 
+from . import failures
 from .param_store import ParamStore
 from .pipelined import Pipelined
 from .sharding import LocalShard, full_tensor, local_shard
@@ -92,8 +93,14 @@ class Job:
     def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """Forward and backward on this rank's batch; gradients land on `parameters()`, averaged over dp.
 
-        Returns the loss averaged over dp (detached): the single-process loss of the global batch.
+        Returns the loss averaged over dp (detached): the single-process loss of the global batch. The first
+        step checks that every rank runs the same plan; a dead or stalled peer raises failures.RankFailure.
         """
+        failures.preflight(self)
+        with failures.watching(self.mesh, "job.step"):
+            return self._step(inputs, targets, loss_fn)
+
+    def _step(self, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
         args = inputs if isinstance(inputs, tuple) else (inputs,)
         if isinstance(targets, torch.Tensor):
             targets = targets.to(self.mesh.device)
@@ -146,6 +153,7 @@ class Job:
         """`cls` over this rank's trainable local parameters (any torch.optim optimizer)."""
         opt = cls([p for p in self._params.values() if p.requires_grad], **kwargs)
         self._store.attach(opt)
+        failures.guard_optimizer(opt, self.mesh)
         self._optimizers.append(weakref.ref(opt))
         return opt
 
@@ -189,6 +197,19 @@ class Job:
         full = self._whole(self._params, list(program.params))
         full.update(self._whole(self._buffers, list(program.buffers)))
         return {key: full[fqn] for key, fqn in self._state_keys.items()}
+
+    def save(self, path, *, step: int = 0, extra: dict | None = None, optimizers=None) -> str:
+        """Write parameters, optimizer states (of the job's live optimizers, or `optimizers`), RNG states and
+        `step`/`extra` (JSON) to the folder `path`, each rank its own shards (a collective). See checkpoint.py."""
+        from .checkpoint import save  # torch.distributed.checkpoint takes ~1 s to import: only when used
+
+        return save(self, path, step=step, extra=extra, optimizers=optimizers)
+
+    def load(self, path, *, optimizers=None) -> tuple[int, dict]:
+        """Read a checkpoint saved under any plan (a collective); returns (step, extra) as saved."""
+        from .checkpoint import load
+
+        return load(self, path, optimizers=optimizers)
 
     def _whole(self, local: dict[str, torch.Tensor], fqns: list[str]) -> dict[str, torch.Tensor]:
         """Whole tensors from this rank's shards (gathered over dp and tp); with pipeline stages, each is

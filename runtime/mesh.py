@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -17,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from meshc.compiler import _torch_compat as compat
+
+from .failures import elastic_store
 
 AXES = ("pp", "dp", "tp")  # outermost first
 
@@ -186,7 +189,18 @@ def mesh(*, dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float = 
             f"mesh: expected dp×tp×pp to equal the world size {world}, got {dp}×{tp}×{pp} = "
             f"{math.prod((dp, tp, pp))}; choose sizes whose product is {world}, or leave dp unset"
         )
-    return Mesh({"dp": dp, "tp": tp, "pp": pp}, device=device, timeout=timeout)
+    built = Mesh({"dp": dp, "tp": tp, "pp": pp}, device=device, timeout=timeout)
+    _LAST.clear()
+    _LAST.append(weakref.ref(built))
+    return built
+
+
+_LAST: list = []  # the mesh meshc.mesh() built last in this process (a weak reference), for meshc.backend()
+
+
+def last_mesh() -> Mesh | None:
+    """The mesh meshc.mesh() built last in this process, if it is still alive."""
+    return _LAST[0]() if _LAST else None
 
 
 def _init_world(timeout: timedelta) -> torch.device:
@@ -198,7 +212,7 @@ def _init_world(timeout: timedelta) -> torch.device:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             if use_cuda:
                 torch.cuda.set_device(local_rank)
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, **elastic_store(timeout))  # restarts: a fresh rendezvous
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     if dist.get_backend() == "nccl":

@@ -1,0 +1,337 @@
+"""Failures that never hang: bounded waits, errors that name the failed rank, and a pre-flight check.
+
+Timeouts. `meshc.mesh(timeout_s=...)` hands its timeout to init_process_group and to every new_group,
+and on gloo that bounds every wait: collectives, functional collectives' wait_tensor, and the pipeline's
+irecv().wait() alike (measured: a stalled peer makes each raise after exactly the timeout; a killed peer
+makes them raise in ~0.05 s with "Connection reset by peer"). On NCCL the same timeout arms torch's
+watchdog, which aborts the process; set TORCH_NCCL_TRACE_BUFFER_SIZE to keep its flight recorder.
+
+Naming the rank. gloo's errors name an address or nothing. So each rank runs a heartbeat thread that
+writes a counter and its current phase ("job.step 12") to the rendezvous store every 0.25 s, over its
+own connection (the store outlives a dead worker: torchrun's agent or the launcher serves it). When a
+communication error escapes a watched region (job.step, the optimizer step, job.save, job.load) the
+rank finds the op it was waiting in from the traceback (the innermost collective call, its group; the
+pipeline message and its peer), publishes its own failure, watches the heartbeats for a second, and
+raises RankFailure naming the dead ranks (heartbeat stopped, no failure of their own), the stalled ones
+(alive, in the op's group, not failing), their last phase, and its own op. This works where a monitored
+barrier cannot: after a peer died, the gloo pairs to it are gone, while the store still answers.
+
+Pre-flight. Before a job's first step, every rank's fingerprint (world and mesh sizes, every Plan
+field, parameter layouts, the program's ordered collectives, and this rank's pipeline messages) is
+all-gathered; the first disagreement is raised on every rank with both values, and every pipeline
+send is checked against its receive on the peer, in order.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+import threading
+import time
+import types
+import weakref
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from meshc.compiler.placement import format_placements
+
+INTERVAL = 0.25  # seconds between heartbeats
+PROBE = 1.0  # seconds a failing rank watches the others' heartbeats
+COMM_WORDS = ("gloo", "Connection", "connection", "Timed out", "timed out", "NCCL", "Socket", "Broken pipe",
+              "reset by peer", "closed by peer")
+
+
+class RankFailure(RuntimeError):
+    """A peer died or stalled while this rank waited for it. `dead` and `stalled` are world ranks."""
+
+    def __init__(self, message: str, dead: list[int], stalled: list[int], op: str):
+        super().__init__(message)
+        self.dead, self.stalled, self.op = dead, stalled, op
+
+
+# ---------------------------------------------------------------------------------------- heartbeats
+class _Monitor:
+    """This process's heartbeat in the rendezvous store, and reads of everyone else's."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int):
+        self.store, self.rank, self.world = store, rank, world
+        self.phase, self.count = "started", 0
+        self.counts: dict[str, int] = {}
+        self._stop, self._lock = threading.Event(), threading.Lock()
+        store.set(f"pid/{rank}", f"{socket.gethostname()}|{os.getpid()}")
+        self._beat_once()
+        threading.Thread(target=self._run, name="meshc-heartbeat", daemon=True).start()
+
+    def enter(self, what: str) -> str:
+        """Publish the phase this rank enters now (a peer that dies in it is reported there)."""
+        self.counts[what] = n = self.counts.get(what, 0) + 1
+        self.phase = f"{what} #{n}"
+        self._beat_once()
+        return self.phase
+
+    def _beat_once(self) -> None:
+        with self._lock:  # the main thread publishes phases, the heartbeat thread beats: one at a time
+            self.count += 1
+            self.store.set(f"beat/{self.rank}", f"{self.count}|{self.phase}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(INTERVAL):
+            try:
+                self._beat_once()
+            except Exception:  # noqa: BLE001 - the store is gone (launcher ended): nothing left to tell
+                return
+
+    def read(self, prefix: str) -> dict[int, str]:
+        keys = [f"{prefix}/{r}" for r in range(self.world)]
+        return {r: self.store.get(k).decode() for r, k in enumerate(keys) if self.store.check([k])}
+
+
+_MONITORS: dict[int, tuple[object, _Monitor]] = {}  # id(world group) -> (the group, kept so its id stays its own)
+
+
+def _monitor() -> _Monitor | None:
+    """The heartbeat of this process's world (started on first use; None without a TCP rendezvous)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or "MASTER_ADDR" not in os.environ:
+        return None
+    world = dist.group.WORLD
+    key = id(world)
+    if key not in _MONITORS:
+        for _, old in _MONITORS.values():  # an earlier world of this process: its heartbeat has nobody to tell
+            old._stop.set()
+        try:
+            client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                   timeout=timedelta(seconds=10), wait_for_workers=False)
+        except Exception:  # noqa: BLE001 - no store to reach: failures are reported without names
+            return None
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"meshc/{run}/{attempt}/{len(_MONITORS)}/", client)
+        _MONITORS[key] = (world, _Monitor(store, dist.get_rank(), dist.get_world_size()))
+    return _MONITORS[key][1]
+
+
+# ---------------------------------------------------------------------------------------- watching
+@contextlib.contextmanager
+def watching(mesh, what: str):
+    """Run a region whose communication errors become a RankFailure naming the failed rank and the op."""
+    monitor = _monitor()
+    phase = monitor.enter(what) if monitor else what
+    try:
+        yield
+    except RankFailure:
+        raise
+    except BaseException as e:
+        if not is_comm_failure(e):
+            raise
+        message, dead, stalled, op = _diagnose(mesh, monitor, phase, e)
+        raise RankFailure(message, dead, stalled, op) from e
+    finally:
+        if monitor:
+            monitor.phase = f"after {phase}"
+
+
+def guard_optimizer(optimizer: torch.optim.Optimizer, mesh) -> None:
+    """Run `optimizer.step` (and the ZeRO collectives its hooks issue) under `watching`. It stays a bound
+    method, as torch's LR schedulers expect when they wrap it."""
+    original = optimizer.step
+
+    def step(self, *args, **kwargs):
+        with watching(mesh, "optimizer.step"):
+            return original(*args, **kwargs)
+    optimizer.step = types.MethodType(step, optimizer)
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    if isinstance(e, dist.DistError):
+        return True
+    failures = getattr(e, "failures", None)  # DCP's CheckpointException: one error per failed rank
+    if isinstance(failures, dict):
+        errors = [f[0] if isinstance(f, tuple) else f for f in failures.values()]  # (exception, stack) pairs
+        return any(isinstance(f, BaseException) and is_comm_failure(f) for f in errors)
+    return isinstance(e, RuntimeError) and any(w in str(e) for w in COMM_WORDS)
+
+
+def _diagnose(mesh, monitor: _Monitor | None, phase: str, error: BaseException) -> tuple[str, list, list, str]:
+    op, members, where = _waiting_in(error, mesh)
+    me = dist.get_rank()
+    first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+    head = f"rank {me} failed in {phase}{f' ({where})' if where else ''} while waiting in {op}"
+    if monitor is None:
+        return f"{head}: {first_line}. No rendezvous store to tell which rank failed.", [], [], op
+    try:
+        monitor.store.set(f"failed/{me}", f"{phase}: {op}")
+        before = monitor.read("beat")
+        time.sleep(PROBE)
+        after, failed = monitor.read("beat"), monitor.read("failed")
+    except Exception as e:  # noqa: BLE001 - the store itself is gone
+        return (f"{head}: {first_line}. The rendezvous store is unreachable too ({e}); the rank hosting it "
+                "(rank 0 when launched without torchrun's agent) has probably died.", [], [], op)
+    others = [r for r in range(monitor.world) if r != me]
+    stopped = [r for r in others if r not in after or before.get(r) == after.get(r)]
+    stopped = [r for r in stopped if _process_state(monitor, r) != "alive"]  # a starved heartbeat is no death
+    dead = [r for r in stopped if r not in failed]
+    timed_out = "imed out" in str(error) or "timeout" in str(error).lower()
+    stalled = [r for r in members if r != me and r not in stopped and r not in failed] if timed_out else []
+    parts = []
+    for r in dead:
+        last = after.get(r, "").partition("|")[2] or "never started"
+        parts.append(f"rank {r} is dead (no heartbeat for {PROBE:.0f} s; last seen in {last})")
+    for r in stalled:
+        parts.append(f"rank {r} is alive but never joined the op (stalled in {after[r].partition('|')[2]})")
+    for r in sorted(set(stopped) - set(dead)):
+        parts.append(f"rank {r} failed too ({failed[r]})")
+    if not dead and not stalled:
+        parts.append("no peer found dead or stalled: the op failed on its own")
+    text = (f"{head}: " + "; ".join(parts) + f". Original error: {first_line}. Restart from the last checkpoint "
+            "(job.load); under torchrun --max-restarts this happens by itself.")
+    return text, dead, stalled, op
+
+
+def _process_state(monitor: _Monitor, rank: int) -> str:
+    """"alive" or "dead" (gone, or a zombie) for a rank on this host; "unknown" elsewhere."""
+    key = f"pid/{rank}"
+    try:
+        if not monitor.store.check([key]):
+            return "unknown"
+        host, _, pid = monitor.store.get(key).decode().partition("|")
+    except Exception:  # noqa: BLE001 - the store is gone: nothing more to learn
+        return "unknown"
+    if host != socket.gethostname() or not os.path.isdir("/proc"):
+        return "unknown"
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, ValueError):
+        return "dead"
+    return "dead" if state in ("Z", "X") else "alive"
+
+
+def _waiting_in(error: BaseException, mesh) -> tuple[str, list[int], str]:
+    """The op this rank was waiting in (from the traceback), the ranks taking part, and forward/backward."""
+    frames, tb = [], error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    op, members, where = "an unknown collective", list(range(dist.get_world_size())), ""
+    names = {name: (axis, list(ranks)) for (axis, ranks), name in mesh._group_names.items()}
+    previous_c10d = False
+    for f in frames:
+        file, fn, local = f.f_code.co_filename, f.f_code.co_name, f.f_locals
+        c10d = file.endswith(os.path.join("distributed", "distributed_c10d.py"))
+        if fn in ("backward", "_engine_run_backward"):
+            where = "backward"
+        if file.endswith("_torch_compat.py") and "group_name" in local:
+            axis, members = names.get(local["group_name"], ("?", members))
+            op = f"{fn} over {axis} (ranks {','.join(map(str, members))})"
+        elif file.endswith(os.path.join("runtime", "pipeline.py")) and fn == "_message" and "op" in local:
+            m, peer = local["op"], mesh.group_ranks("pp")[local["op"].peer]
+            members = [mesh.rank, peer]
+            what = "activations" if m.kind == "F" else "gradients"
+            toward = "to" if m.op == "send" else "from"
+            op = f"pipeline {m.op} of {what} of micro-batch {m.microbatch} (stage {m.stage}) {toward} rank {peer}"
+        elif file.endswith(os.path.join("runtime", "pipeline.py")) and fn == "_compute" and "a" in local:
+            where = "backward" if local["a"].kind in ("B", "I", "W") else "forward"
+        elif c10d and not previous_c10d:
+            group = local.get("group")
+            members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            op = f"torch.distributed.{fn} (ranks {','.join(map(str, members))})"
+        previous_c10d = c10d
+    if not where and any(f.f_code.co_filename.endswith(os.path.join("runtime", "job.py")) for f in frames):
+        where = "forward"
+    return op, list(members), where
+
+
+# ---------------------------------------------------------------------------------------- elastic restarts
+def elastic_store(timeout: timedelta) -> dict:
+    """init_process_group arguments for a worker that torchrun may restart: its rendezvous scoped by attempt.
+
+    torchrun keeps one store across restarts, and the previous attempt's gloo addresses are still in it: a
+    restarted worker connects to the dead ports and fails ("Connection refused", pytorch/pytorch#167288).
+    Empty (torch's own env:// rendezvous) when not launched by torchrun.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)  # else torchrun's agent serves it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=hosted and rank == 0, timeout=timeout)
+    return {"store": dist.PrefixStore(f"meshc/attempt_{attempt}/", store), "rank": rank, "world_size": world}
+
+
+# ---------------------------------------------------------------------------------------- pre-flight
+_CHECKED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def preflight(job) -> None:
+    """Compare every rank's plan fingerprint once, before the job's first step; raise on a mismatch."""
+    mesh = job.mesh
+    if job in _CHECKED or mesh.world_size == 1 or mesh.backend == "fake":
+        return
+    everyone = [None] * mesh.world_size
+    with watching(mesh, "pre-flight"):
+        dist.all_gather_object(everyone, fingerprint(job))
+    problem = first_mismatch(everyone, mesh)
+    if problem:
+        raise ValueError(problem)
+    _CHECKED.add(job)
+
+
+def fingerprint(job) -> dict:
+    """What every rank must agree on before a step, and this rank's pipeline messages."""
+    program, mesh = job.program, job.mesh
+    plan = {f.name: repr(getattr(job.plan, f.name)) for f in dataclasses.fields(job.plan)
+            if f.name not in ("debug_dir", "verify")}
+    params = [f"{s.fqn} {tuple(s.shape)} {s.dtype} {format_placements(s.placements)}" for s in program.params.values()]
+    comms = [f"{r.kind} over {r.axis}, {r.bytes} B, {r.phase}, x{r.count}" for _, r in program.comm_records()]
+    messages = []
+    if job._pipe is not None and mesh.size("pp") > 1:
+        ranks = mesh.group_ranks("pp")
+        for m in job._pipe.schedule.program(mesh.coord("pp")):
+            if hasattr(m, "peer"):
+                producer = m.stage if m.op == "send" else (m.stage - 1 if m.kind == "F" else m.stage + 1)
+                messages.append((m.op, ranks[m.peer], f"{m.kind} micro-batch {m.microbatch} from stage {producer}"))
+    return {"world": mesh.world_size, "mesh": dict(mesh.sizes), "plan": plan, "params": params,
+            "collectives": comms, "messages": messages}
+
+
+def first_mismatch(everyone: list[dict], mesh=None) -> str | None:
+    """The first disagreement between ranks' fingerprints, in words with both values; None if none."""
+    first = everyone[0]
+    for r, fp in enumerate(everyone):
+        for section in ("world", "mesh"):
+            if fp[section] != first[section]:
+                return _differ(section, first[section], fp[section], r)
+        for name, value in first["plan"].items():
+            if fp["plan"].get(name) != value:
+                return _differ(f"Plan.{name}", value, fp["plan"].get(name), r)
+        for section in ("params", "collectives"):
+            a, b = first[section], fp[section]
+            for i in range(max(len(a), len(b))):
+                x, y = (a[i] if i < len(a) else "nothing"), (b[i] if i < len(b) else "nothing")
+                if x != y:
+                    return _differ(f"{section} #{i}", x, y, r)
+    return _unmatched_message(everyone)
+
+
+def _differ(what: str, a, b, r: int) -> str:
+    return (f"pre-flight: ranks disagree on {what}: expected the same on every rank, got {a} on rank 0 and {b} on "
+            f"rank {r}; give every rank the same model, mesh and Plan")
+
+
+def _unmatched_message(everyone: list[dict]) -> str | None:
+    """Every pipeline send must meet its receive on the peer, in the same order."""
+    for src, fp in enumerate(everyone):
+        for dst in sorted({peer for op, peer, _ in fp["messages"] if op == "send"}):
+            sent = [what for op, peer, what in fp["messages"] if op == "send" and peer == dst]
+            got = [what for op, peer, what in everyone[dst]["messages"] if op == "recv" and peer == src]
+            for i in range(max(len(sent), len(got))):
+                x, y = (sent[i] if i < len(sent) else "nothing"), (got[i] if i < len(got) else "nothing")
+                if x != y:
+                    return (f"pre-flight: pipeline message #{i} from rank {src} to rank {dst}: expected the same on "
+                            f"both ends, got {x} sent by rank {src} and {y} awaited by rank {dst}; give every rank "
+                            "the same Plan (microbatches, schedule, virtual)")
+    return None
