@@ -84,6 +84,14 @@ def fake_store():
     return FakeStore()
 
 
+def make_wrapper_subclass(cls, shape, **kwargs):
+    """torch.Tensor._make_wrapper_subclass: a tensor subclass instance of `shape` that owns no storage."""
+    return torch.Tensor._make_wrapper_subclass(cls, shape, **kwargs)
+
+
+disabled_torch_function = torch._C._disabled_torch_function_impl  # subclasses that live at dispatch only
+
+
 def is_fake(t) -> bool:
     """Is `t` a FakeTensor (a value of compile-time shape propagation)?"""
     from torch._subclasses.fake_tensor import is_fake as _is_fake
@@ -103,3 +111,17 @@ def dispatch_mode_base():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     return TorchDispatchMode
+
+
+def graph_break() -> None:
+    """A TorchDynamo graph break at this line (tests of the torch.compile door: models in several graphs)."""
+    import torch._dynamo
+
+    torch._dynamo.graph_break()
+
+
+def inductor_compile(gm, example_inputs):
+    """TorchInductor on one FX graph (what torch.compile(backend="inductor") calls)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)

@@ -61,6 +61,8 @@ class Plan:
         require_fusion: raise if an eligible chain stayed unfused (the error says why).
         collective_matmul: overlap sequence parallelism's all-gather and reduce-scatter with the matmuls
             next to them (chunks passed around a ring of point-to-point transfers).
+        inductor: under torch.compile(model, backend=meshc.backend(...)), Inductor compiles each per-rank
+            program (the regions between collectives become generated kernels; the collectives stay).
         trace: "auto" tries strict torch.export (TorchDynamo) and falls back to non-strict; "strict" or
             "non-strict" forces one (non-strict is several times faster on Hugging Face models).
     """
@@ -86,6 +88,7 @@ class Plan:
     fusion: bool = True
     require_fusion: bool = False
     collective_matmul: bool = False
+    inductor: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:

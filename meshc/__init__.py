@@ -7,6 +7,7 @@
     print(job.explain())
 """
 from meshc.compiler.api import compile
+from meshc.compiler.backend import backend, last_compiled
 from meshc.compiler.errors import MeshcInternalError, MeshcWarning, TraceError
 from meshc.compiler.plan import Plan
 from meshc.compiler.show import show
@@ -14,5 +15,5 @@ from meshc.runtime.job import Job
 from meshc.runtime.mesh import Mesh, mesh
 from torch.distributed.pipelining import pipe_split  # a cut marker for model code: meshc.pipe_split()
 
-__all__ = ["compile", "mesh", "Plan", "Job", "Mesh", "show", "TraceError", "MeshcInternalError", "MeshcWarning", "pipe_split"]
+__all__ = ["compile", "backend", "last_compiled", "mesh", "Plan", "Job", "Mesh", "show", "TraceError", "MeshcInternalError", "MeshcWarning", "pipe_split"]
 __version__ = "0.1.0"

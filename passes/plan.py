@@ -59,9 +59,10 @@ def plan_pass(program: Program) -> Program:
     if n == 1:
         program.notes.append("tp = 1: every parameter replicated on tp")
         return program
-    if program.fixed_placements is not None:  # another program of the same job decided already
+    fixed = program.fixed_placements or {}
+    if fixed and all(f in fixed for f in program.params):  # another program of the same job decided already
         for fqn, spec in program.params.items():
-            spec.placements = dict(program.fixed_placements[fqn])
+            spec.placements = dict(fixed[fqn])
         program.notes.append("placements taken from the job's first program")
         return program
     weights = _weights(program)
@@ -79,6 +80,9 @@ def plan_pass(program: Program) -> Program:
             styles[w.fqn] = style
     for fqn, style in styles.items():
         _apply(program, weights[fqn], style)
+    for fqn, placements in fixed.items():  # decided by an earlier graph (torch.compile's graph breaks)
+        if fqn in program.params:
+            program.params[fqn].placements = dict(placements)
     col = sorted({weights[f].module for f, s in styles.items() if s == "colwise"})
     row = sorted({weights[f].module for f, s in styles.items() if s == "rowwise"})
     program.notes.append(f"tp={n}: {len(col)} column-parallel, {len(row)} row-parallel modules, "

@@ -226,7 +226,7 @@ class ZeroContext:
     """One step of a ZeRO program: keeps gathered parameters out of autograd's saved tensors (handles
     instead, re-gathered in backward) and tells zero_reduce where the master shards are."""
 
-    def __init__(self, masters: dict[str, torch.Tensor], stats: ZeroStats):
+    def __init__(self, masters: dict[str, torch.Tensor], stats: ZeroStats, overlap: bool = True):
         self.masters = masters
         self.stats = stats
         self.storages: dict[int, tuple[int, int]] = {}  # storage address -> (bucket, index)
@@ -234,7 +234,7 @@ class ZeroContext:
         self.outstanding: dict[int, int] = {}  # bucket -> saved handles not yet unpacked
         self.regathered: dict[int, list] = {}
         self.prefetched: dict[int, tuple[torch.Tensor, int]] = {}  # bucket -> (un-waited gather, bytes)
-        self.pending = PendingGrads()
+        self.pending = PendingGrads() if overlap else None  # None: gradients return through autograd
         self._token = None
         self._hooks = None
 

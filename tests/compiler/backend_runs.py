@@ -1,0 +1,103 @@
+"""Rank functions for the torch.compile door's tests (tests/compiler/test_backend.py): each trains a zoo model
+through `torch.compile(model, backend=meshc.backend(mesh, plan))` and, on the same process group, through
+`meshc.compile`, and returns both runs' losses and collective censuses."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+import meshc
+from meshc.compiler import _torch_compat as compat
+from meshc.runtime.census import CommCensus
+from tests import parity, zoo
+
+
+def broken(name: str, where: str) -> torch.nn.Module:
+    """The reference Transformer with a graph break `where` = "between" its blocks or "inside" each block
+    (between attention and MLP). Same weights and arithmetic as zoo.build("reference"). The blocks are
+    called one by one, not in a loop: TorchDynamo runs a frame whose loop holds a graph break eagerly,
+    which where="loop" does (the reference's own loop over blocks, a break inside each)."""
+    model = zoo.build(name)
+    if where != "loop":
+        model.forward = _unrolled.__get__(model)
+    for layer in model.layers:
+        layer.forward = (_block if where == "between" else _inside).__get__(layer)
+    model.break_after_block = where == "between"
+    return model
+
+
+def _unrolled(self, tokens):
+    h = self.tok_embeddings(tokens) + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+    h = self.layers[0](h)
+    if self.break_after_block:
+        compat.graph_break()  # the next block starts a new graph
+    h = self.layers[1](h)
+    if self.break_after_block:
+        compat.graph_break()
+    return self.output(self.norm(h)).float()
+
+
+def _block(self, x):
+    h = x + self.attention(self.attention_norm(x))
+    return h + self.feed_forward(self.ffn_norm(h))
+
+
+def _inside(self, x):
+    h = x + self.attention(self.attention_norm(x))
+    compat.graph_break()  # splits this block's parameters over two graphs
+    return h + self.feed_forward(self.ffn_norm(h))
+
+
+def _dp_mean(loss: torch.Tensor, mesh) -> float:
+    out = loss.detach().clone()
+    if mesh.size("dp") > 1:
+        dist.all_reduce(out, group=mesh.group("dp"))
+    return out.item() / mesh.size("dp")
+
+
+def backend_rank(model: str, steps: int, batch: int, sizes: dict, plan: dict, graph_break: str | None = None,
+                 compare: bool = True) -> dict:
+    mesh = meshc.mesh(timeout_s=90, **sizes)
+    m = broken(model, graph_break) if graph_break else zoo.build(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=parity.LR)  # before the first compiled call (the documented order)
+    backend = meshc.backend(mesh, meshc.Plan(trace="non-strict", **plan))
+    compiled = torch.compile(m, backend=backend)
+    data = zoo.batches(steps, batch)
+    losses, census = [], {}
+    for i, (x, y) in enumerate(data):
+        # counted once the parameters are shards; forward inside the compiled regions (TorchDynamo runs a
+        # frame eagerly under an outer dispatch mode such as the census), backward around autograd
+        counted = CommCensus(mesh)
+        with backend.counting(counted) if i == 2 else contextlib.nullcontext():
+            loss = zoo.lm_loss(compiled(mesh.shard_batch(x)), mesh.shard_batch(y))
+        with counted if i == 2 else contextlib.nullcontext():
+            loss.backward()
+        if i == 2:
+            census = counted.by_kind()
+        opt.step()
+        opt.zero_grad()
+        losses.append(_dp_mean(loss, mesh))
+    short = data[0][0][:, : zoo.SEQ // 2]  # a new input shape: recompiled, the parameters' shards reused
+    logits = compiled(short)
+    logits = (logits.logits if hasattr(logits, "logits") else logits).detach()
+    last = meshc.last_compiled()
+    out = {"losses": losses, "census": census, "short_logits": logits, "params": backend.state_dict(m),
+           "programs": len(last.programs), "report": str(last.explain()),
+           "sharded": sum(type(p).__name__ == "ShardedParam" for p in m.parameters()),
+           "shards_in_optimizer": [tuple(p.shape) for g in opt.param_groups for p in g["params"]]}
+    if compare:
+        job = meshc.compile(zoo.build(model), mesh, example_inputs=(mesh.shard_batch(data[0][0]),),
+                            plan=meshc.Plan(trace="non-strict", **plan))
+        jopt = job.optimizer(torch.optim.AdamW, lr=parity.LR)
+        out["compile_losses"] = []
+        for i, (x, y) in enumerate(data):
+            with CommCensus(mesh) as counted:
+                loss = job.step(mesh.shard_batch(x), mesh.shard_batch(y), zoo.lm_loss)
+            if i == 2:
+                out["compile_census"] = counted.by_kind()
+            jopt.step()
+            jopt.zero_grad()
+            out["compile_losses"].append(loss.item())
+    return out
