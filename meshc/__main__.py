@@ -2,6 +2,7 @@
 
     meshc demo [--nproc 2] [--steps 300] [--mesh dp=2]      train a small GPT over local processes
     meshc explain --model gpt2-small --mesh dp=2            the plan for one rank, without launching processes
+    meshc checkpoint export PATH --to hf|torch              one full state dict from a sharded checkpoint
 """
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshc", description="meshc: a compiler for distributed training")
     sub = parser.add_subparsers(dest="command", required=True)
-    from meshc import demo, explain_cli
+    from meshc import checkpoint_cli, demo, explain_cli
 
     demo.add_arguments(sub.add_parser("demo", help="train a small GPT over local CPU processes"))
     explain_cli.add_arguments(sub.add_parser("explain", help="explain the plan of a built-in model on a mesh"))
+    checkpoint_cli.add_arguments(sub.add_parser("checkpoint", help="work with checkpoints saved by job.save"))
     args = parser.parse_args(argv)
     try:
-        return {"demo": demo.run, "explain": explain_cli.run}[args.command](args)
+        return {"demo": demo.run, "explain": explain_cli.run, "checkpoint": checkpoint_cli.run}[args.command](args)
     except (ValueError, TypeError) as e:
         print(f"meshc {args.command}: error: {e}", file=sys.stderr)
         return 2
