@@ -12,18 +12,24 @@ from .plan import Plan
 
 
 def compile(model: torch.nn.Module, mesh: Mesh, *, example_inputs: Any, example_kwargs: dict | None = None,
-            plan: Plan | None = None) -> Job:
+            plan: Plan | str | None = None) -> Job:
     """Compile `model` for this rank of `mesh` and return the Job that trains it.
 
     `example_inputs` is this rank's dp-local batch (a tensor or a tuple of positional inputs), as the
-    job will be called; `example_kwargs` holds keyword inputs if the model takes any.
+    job will be called; `example_kwargs` holds keyword inputs if the model takes any. `plan="auto"` lets
+    the planner choose ZeRO stage, micro-batches, schedule and remat for this mesh by predicted step time
+    (compiler/planner.auto_plan, on the hardware profile of this device or the calibrated CPU).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"meshc.compile: expected an nn.Module, got {type(model).__name__}")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"meshc.compile: expected a meshc Mesh (from meshc.mesh(...)), got {type(mesh).__name__}")
     plan = Plan() if plan is None else plan
-    if not isinstance(plan, Plan):
-        raise TypeError(f"meshc.compile: expected plan to be a meshc.Plan, got {type(plan).__name__}")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if isinstance(plan, str) and plan == "auto":  # the planner chooses, for this model on this mesh
+        from .planner import auto_plan
+
+        plan, _ = auto_plan(model, mesh, args, dict(example_kwargs or {}))
+    if not isinstance(plan, Plan):
+        raise TypeError(f"meshc.compile: expected plan to be a meshc.Plan or \"auto\", got {type(plan).__name__}")
     return Job(model, mesh, plan, args, dict(example_kwargs or {}))

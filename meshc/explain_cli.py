@@ -1,11 +1,19 @@
-"""`meshc explain`: compile one rank of a built-in model on a mesh, in this process, and print the plan.
+"""`meshc explain`: compile one rank of a built-in model on a mesh, in this process, and print the plan
+with its predicted memory and step time.
 
 No processes are launched and no memory is spent on weights: the mesh runs on torch's fake process
-group and the model is built from fake tensors, so a plan for many ranks can be read on a laptop.
+group and the model is built from fake tensors, so a plan for thousands of ranks can be read on a laptop:
+
+    meshc explain --model llama-70b --mesh dp=64,tp=8,pp=4 --microbatches 16 --hardware h100
+
+From Python, `simulate(...)` does the same and returns the report and the estimates.
 """
 from __future__ import annotations
 
 import argparse
+import resource
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -13,37 +21,116 @@ import torch.distributed as dist
 import meshc
 from meshc import models
 from meshc.compiler import _torch_compat as compat
+from meshc.compiler.cost import Estimate, formula_estimate
+from meshc.compiler.cost_graph import estimate_job
+from meshc.compiler.hardware import load as load_hardware
 from meshc.compiler.show import format_graph
 from meshc.runtime.mesh import parse_sizes, simulated_mesh
 
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Simulation:
+    """What a simulated compile of one rank produced: the job (its graphs), its report, the estimates
+    from the compiled graph and from the formulas, and what the compile cost this process."""
+
+    job: object
+    report: object
+    compiled: Estimate
+    formula: Estimate | None
+    seconds: float
+    peak_rss: int  # bytes, this process's peak resident memory so far
+
+
+def simulate(model: str, mesh: dict[str, int], *, rank: int = 0, plan: meshc.Plan | None = None,
+             batch: int | None = None, seq: int | None = None, hardware="h100", **overrides) -> Simulation:
+    """Compile `rank` of a built-in model (or a transformers config .json) on a simulated mesh.
+
+    `batch` is the global batch in sequences (default 8, or one sequence per micro-batch per dp rank where 8
+    does not divide);
+    `overrides` change the model's config (e.g. layers=8).
+    """
+    plan = plan or meshc.Plan(trace="non-strict")
+    sizes = {axis: int(mesh.get(axis, 1)) for axis in ("dp", "tp", "pp")}
+    world = sizes["dp"] * sizes["tp"] * sizes["pp"]
+    if not 0 <= rank < world:
+        raise ValueError(f"explain: expected a rank in [0, {world}), got {rank}")
+    dp, mb = sizes["dp"], plan.microbatches
+    batch = batch or (8 if 8 % (dp * mb) == 0 else dp * mb)
+    if batch % (dp * mb):
+        raise ValueError(f"explain: expected the batch divisible by dp × microbatches = {dp * mb}, got {batch}")
+    seq = seq or models.seq_len(model)
+    hw = load_hardware(hardware)
+    t0 = time.perf_counter()
+    fake_mesh = simulated_mesh(rank=rank, **sizes)
+    try:
+        with compat.fake_tensor_mode():
+            net = models.build(model, seq_len=seq, **overrides)
+            tokens = torch.zeros(batch // dp, seq, dtype=torch.long)
+            job = meshc.compile(net, fake_mesh, example_inputs=(tokens,), plan=plan)
+        report = job.explain()
+        compiled = estimate_job(job, hw)
+    finally:
+        dist.destroy_process_group()
+    seconds = time.perf_counter() - t0
+    try:
+        shape = models.shape(model, seq=seq)
+        if overrides.get("layers"):
+            import dataclasses
+
+            shape = dataclasses.replace(shape, layers=overrides["layers"])
+        formula = formula_estimate(shape, sizes, plan, batch, hw)
+    except (ValueError, TypeError):
+        formula = None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return Simulation(job=job, report=report, compiled=compiled, formula=formula, seconds=seconds, peak_rss=peak)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gpt2-small", help=f"built-in model: {', '.join(models.CONFIGS)}")
+    p.add_argument("--model", default="gpt2-small",
+                   help=f"built-in model ({', '.join(models.NAMES)}) or a transformers config .json")
+    p.add_argument("--config", default=None, help="a transformers config.json to build instead of --model")
     p.add_argument("--mesh", default="dp=2", help="mesh sizes such as dp=2,tp=2 (default dp=2)")
     p.add_argument("--rank", type=int, default=0, help="which rank's program to show (default 0)")
-    p.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
+    p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default 8, or dp × microbatches)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    p.add_argument("--hardware", default="h100", help="profile for the predictions: h100, h200, a100, cpu, or a .json")
+    add_plan_arguments(p)
     p.add_argument("--graph", action="store_true", help="also print the rank's transformed graph")
 
 
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
+    p.add_argument("--microbatches", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved or zb-h1")
+    p.add_argument("--virtual", type=int, default=1, help="stages per pp rank (interleaved)")
+    p.add_argument("--remat", default="none", help="none, selective or full")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism")
+    p.add_argument("--vocab-parallel", action="store_true", help="shard the embedding and LM head over tp")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="compute dtype (bf16 needs --zero >= 1)")
+    p.add_argument("--no-fusion", action="store_true", help="switch the fuse_comm pass off")
+
+
+def plan_from_args(args: argparse.Namespace) -> meshc.Plan:
+    return meshc.Plan(trace="non-strict", zero=args.zero, microbatches=args.microbatches, schedule=args.schedule,
+                      virtual=args.virtual, remat=args.remat, sequence_parallel=args.sp,
+                      vocab_parallel=args.vocab_parallel, param_dtype=DTYPES[args.dtype], fusion=not args.no_fusion)
+
+
 def run(args: argparse.Namespace) -> int:
-    sizes = parse_sizes(args.mesh)
-    world = sizes.get("dp", 1) * sizes.get("tp", 1) * sizes.get("pp", 1)
-    if not 0 <= args.rank < world:
-        raise ValueError(f"explain: expected --rank in [0, {world}), got {args.rank}")
-    dp = sizes.get("dp", 1)
-    if args.batch % dp:
-        raise ValueError(f"explain: expected --batch divisible by dp={dp}, got {args.batch}")
-    mesh = simulated_mesh(rank=args.rank, **sizes)
-    try:
-        with compat.fake_tensor_mode():
-            seq = args.seq or models.CONFIGS[args.model].seq_len if args.model in models.CONFIGS else args.seq
-            model = models.build(args.model, **({"seq_len": seq} if seq else {}))
-            tokens = torch.zeros(args.batch // dp, model.cfg.seq_len, dtype=torch.long)
-            job = meshc.compile(model, mesh, example_inputs=(tokens,))
-        print(job.explain())
-        if args.graph:
-            print("\n" + format_graph(job.graph(), job.program))
-    finally:
-        dist.destroy_process_group()
+    model = args.config or args.model
+    overrides = {"layers": args.layers} if args.layers else {}
+    sim = simulate(model, parse_sizes(args.mesh), rank=args.rank, plan=plan_from_args(args), batch=args.batch,
+                   seq=args.seq, hardware=args.hardware, **overrides)
+    print(sim.report)
+    print(f"\npredicted on {load_hardware(args.hardware).name} (this rank's compiled graphs):")
+    print("\n".join(f"  {line}" for line in sim.compiled.lines()))
+    if sim.formula is not None:
+        print("predicted by the formulas (model sizes only):")
+        print("\n".join(f"  {line}" for line in sim.formula.lines()))
+    print(f"\nsimulated compile: {sim.seconds:.1f} s, peak memory of this process {sim.peak_rss / 2**30:.2f} GiB")
+    if args.graph:
+        print("\n" + format_graph(sim.job.graph(), sim.job.program))
     return 0

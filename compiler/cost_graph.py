@@ -1,0 +1,489 @@
+"""The cost model's compiled path: memory and step time read off a rank's transformed graphs.
+
+Where compiler/cost.py evaluates formulas of a model's sizes, this file measures the Program the passes
+produced for one rank: every parameter's local bytes under its placements and ZeRO stage (as the
+runtime holds them), the activations autograd will keep for backward (from each op's saved tensors,
+under the remat policy of each checkpointed block), FLOPs and bytes of every node (a roofline per node
+on the hardware profile), every collective the passes recorded (kind, axis, bytes, count, phase), and,
+for a pipeline, the schedule simulated with each stage's own costs.
+
+Terms: node cost = max-free roofline: FLOPs / device FLOP/s + bytes touched / memory bandwidth, plus
+op overhead per op; backward = 2 × forward in FLOPs and bytes; saved bytes = bytes of the distinct
+storages that ops keep for backward (views share their base's storage); in flight = micro-batches of
+activations a rank holds at the schedule's peak (runtime/schedule_sim).
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+from .cost import Estimate
+from .hardware import Hardware
+from .placement import FlatShard
+
+aten = torch.ops.aten
+VIEWS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
+         "squeeze", "split", "split_with_sizes", "chunk", "alias", "detach", "_assert_tensor_metadata", "unbind",
+         "as_strided", "view_as", "expand_as", "flatten", "unflatten", "movedim", "narrow", "lift_fresh_copy"}
+SAVES_NOTHING = VIEWS | {"add", "sub", "neg", "cat", "stack", "clone", "contiguous", "sum", "mean", "zeros_like",
+                         "ones_like", "full", "arange", "empty", "new_ones", "new_zeros", "zeros", "ones", "copy_",
+                         "to", "_to_copy", "type_as", "wait_tensor", "all_reduce", "all_gather_into_tensor",
+                         "reduce_scatter_tensor", "embedding", "cumsum", "topk", "sort", "histc", "argsort",
+                         "floor_divide", "eq", "ne", "lt", "le", "gt", "ge", "where", "masked_fill", "diff", "sin",
+                         "cos", "index_put_", "index_put"}
+SAVES_OUTPUT = {"softmax", "_softmax", "log_softmax", "_log_softmax", "tanh", "sigmoid", "exp", "rsqrt", "relu"}
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul"}
+
+
+def _name(target) -> str:
+    packet = getattr(target, "overloadpacket", None)
+    if packet is not None:
+        return packet.__name__
+    return getattr(target, "__name__", str(target))
+
+
+def _vals(node: fx.Node) -> list[torch.Tensor]:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    return [x for x in vals if isinstance(x, torch.Tensor)]
+
+
+def _nbytes(node: fx.Node) -> int:
+    return sum(x.numel() * x.element_size() for x in _vals(node))
+
+
+def _arg_val(x):
+    return x.meta.get("val") if isinstance(x, fx.Node) else x
+
+
+def node_flops(node: fx.Node) -> float:
+    """Forward FLOPs of one node, from the shapes in its inputs' "val" metadata (no dispatch: microseconds).
+
+    matmuls as 2·M·K·N (torch.utils.flop_counter's formulas), aten.linear, scaled-dot-product attention
+    (4·B·H·T·S·D, causal masking not discounted, as FlopCounterMode), grouped expert matmuls; other ops 0.
+    """
+    if node.op != "call_function":
+        return 0.0
+    target, name = node.target, _name(node.target)
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), _arg_val)
+    try:
+        if name == "linear":
+            x, w = args[0], args[1]
+            return 2.0 * math.prod(x.shape[:-1]) * w.shape[0] * w.shape[1]
+        if name == "scaled_dot_product_attention":
+            q, key, value = args[:3]
+            return 2.0 * math.prod(q.shape[:-1]) * key.shape[-2] * (q.shape[-1] + value.shape[-1])
+        if name == "grouped_mm_fallback":
+            x, w = args[0], args[1]
+            return 2.0 * x.shape[0] * w.shape[1] * w.shape[2]
+        if name == "matmul":
+            x, w = args[0], args[1]
+            return 2.0 * math.prod(x.shape) * w.shape[-1]
+        formula = flop_registry.get(getattr(target, "overloadpacket", None))
+        if formula is not None:
+            return float(formula(*args, out_val=node.meta.get("val"), **kwargs))
+    except (AttributeError, IndexError, TypeError, ValueError, AssertionError):
+        return 0.0
+    return 0.0
+
+
+def _is_compute(node: fx.Node) -> bool:
+    """An op that runs a kernel (not a view, a getitem or a collective, whose cost is the link's)."""
+    if node.op == "call_module":
+        return False
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    return _name(node.target) not in VIEWS and "meshc.comm" not in node.meta and "wait_tensor" != _name(node.target)
+
+
+@dataclass
+class GraphCost:
+    """What one graph (a stage, or a whole program) costs per micro-batch."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+    ops: int = 0
+    saved: float = 0.0  # bytes of activations kept for backward
+    recompute_flops: float = 0.0
+    recompute_bytes: float = 0.0
+    recompute_ops: int = 0
+    comms: list = field(default_factory=list)  # (CommRecord, recomputed_in_backward)
+
+    def time(self, hw: Hardware) -> tuple[float, float]:
+        """(forward + backward seconds, recompute seconds) of compute, without communication."""
+        work = 3 * (self.flops / hw.flops + self.bytes / hw.mem_bandwidth) + self.ops * hw.op_overhead
+        again = (self.recompute_flops / hw.flops + self.recompute_bytes / hw.mem_bandwidth
+                 + self.recompute_ops * hw.op_overhead / 3)
+        return work, again
+
+
+def graph_cost(gm: fx.GraphModule) -> GraphCost:
+    """FLOPs, bytes, ops, saved activations and collectives of one graph, descending into remat blocks."""
+    cost = GraphCost()
+    acts, grads = _flow(gm.graph)
+    saved: dict[fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            _remat_block(gm, node, acts, cost, saved)
+            continue
+        _add_node(node, cost)
+        for base in _saved_by(node, acts, grads):
+            saved[base] = _nbytes(base)
+        cost.comms += [(r, False) for r in node.meta.get("meshc.comm", ()) if not _skipped_regather(node, r, grads)]
+    cost.saved = float(sum(saved.values()))
+    return cost
+
+
+def _skipped_regather(node: fx.Node, record, grads: set[fx.Node]) -> bool:
+    """A ZeRO-3 bucket is gathered again in backward only when autograd unpacks a saved parameter of it
+    (runtime/zero.py's saved-tensor hooks): a bucket no op saves (an embedding table: its backward needs
+    only the indices) is never gathered again, though the pass records the gather."""
+    if record.kind != "all_gather" or record.phase != "backward" or "meshc.bucket" not in node.meta:
+        return False
+    return not any(_saves(user, item, grads) for item in _through_views(node) for user in item.users)
+
+
+def _through_views(node: fx.Node) -> list[fx.Node]:
+    """`node` and the getitems and views that read its storage."""
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack += [u for u in n.users if u.op == "call_function" and (u.target is operator.getitem or
+                                                                       _name(u.target) in VIEWS)]
+    return out
+
+
+def _saves(user: fx.Node, value: fx.Node, grads: set[fx.Node]) -> bool:
+    """Whether `user` keeps its input `value` for backward (the rules of _saved_by, for any input)."""
+    if user.op == "call_module":
+        return True
+    if user.op != "call_function" or user.target is operator.getitem:
+        return False
+    name = _name(user.target)
+    if name in SAVES_NOTHING or name in SAVES_OUTPUT:
+        return False
+    tensors = [x for x in user.args if isinstance(x, fx.Node)]
+    if name in MATMULS | {"mul", "div"} and len(tensors) >= 2:
+        first, second = tensors[-2], tensors[-1]
+        return (value is first and second in grads) or (value is second and (first in grads or name == "div"))
+    return True
+
+
+def _add_node(node: fx.Node, cost: GraphCost) -> None:
+    if not _is_compute(node):
+        return
+    cost.flops += node_flops(node)
+    cost.bytes += sum(_nbytes(a) for a in node.all_input_nodes) + _nbytes(node)
+    cost.ops += 1
+
+
+def _flow(graph: fx.Graph) -> tuple[set[fx.Node], set[fx.Node]]:
+    """(activations, values that need a gradient). Activations are computed from the inputs (model inputs,
+    or what a stage receives), not from parameters and buffers alone; a value needs a gradient when it
+    depends on a trainable parameter or on a received floating activation."""
+    acts: set[fx.Node] = set()
+    grads: set[fx.Node] = set()
+    for node in graph.nodes:
+        ins = node.all_input_nodes
+        if node.op == "placeholder":
+            role = node.meta.get("meshc.role")
+            vals = _vals(node)
+            if role not in ("param", "buffer"):
+                acts.add(node)
+                if role != "input" and vals and vals[0].is_floating_point():
+                    grads.add(node)  # a stage's received activation
+            elif role == "param":  # trainable as a rule; frozen parameters are rare and cheap to misjudge
+                grads.add(node)
+            continue
+        if node.op not in ("call_function", "call_module"):
+            continue
+        if any(x in acts for x in ins):
+            acts.add(node)
+        vals = _vals(node)  # nodes a pass inserted may carry no "val": assume they pass gradients on
+        if any(x in grads for x in ins) and (not vals or any(v.is_floating_point() for v in vals)):
+            grads.add(node)
+    return acts, grads
+
+
+def _base(node: fx.Node) -> fx.Node:
+    """The node whose storage a view (or a getitem of a split) shares."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and (
+            _name(node.target) in VIEWS or node.target is operator.getitem):
+        parent = node.args[0]
+        if node.target is operator.getitem and _name(getattr(parent, "target", None)) not in VIEWS:
+            break
+        node = parent
+    return node
+
+
+def _saved_by(node: fx.Node, acts: set[fx.Node], grads: set[fx.Node]) -> list[fx.Node]:
+    """The activation storages `node` keeps for its backward (autograd's saved tensors, by op)."""
+    if node.op != "call_function" or node not in grads or "meshc.comm" in node.meta:
+        return []
+    name = _name(node.target)
+    if name in SAVES_NOTHING or node.target is operator.getitem:
+        return []
+    if name in SAVES_OUTPUT:
+        return [_base(node)] if node in acts else []
+    tensors = [x for x in node.args if isinstance(x, fx.Node)]
+    if name in MATMULS | {"mul", "div"} and len(tensors) >= 2:
+        first, second = tensors[-2], tensors[-1]  # addmm/baddbmm: the last two are the operands
+        keep = ([first] if second in grads else []) + ([second] if first in grads or name == "div" else [])
+    else:
+        keep = list(node.all_input_nodes)
+    if name == "scaled_dot_product_attention":
+        keep.append(node)
+    return [_base(x) for x in keep if x in acts]
+
+
+def _remat_block(gm: fx.GraphModule, node: fx.Node, acts: set[fx.Node], cost: GraphCost, saved: dict) -> None:
+    """A checkpointed block: its inputs are kept; full recompute runs its forward again in backward
+    (collectives included); selective keeps matmul and tensor-parallel collective outputs."""
+    module = gm.get_submodule(node.target)
+    block = getattr(module, "block", None)
+    if not isinstance(block, fx.GraphModule):
+        return
+    policy = getattr(module, "policy", "full")
+    for a in node.all_input_nodes:
+        if a in acts:
+            saved[_base(a)] = _nbytes(_base(a))
+    for inner in block.graph.nodes:
+        _add_node(inner, cost)
+        records = inner.meta.get("meshc.comm", ())
+        tp_comm = any(r.axis != "dp" for r in records)
+        kept = policy == "selective" and (_name(inner.target) in MATMULS or tp_comm)
+        if kept:
+            saved[inner] = _nbytes(inner)
+        elif _is_compute(inner):
+            cost.recompute_flops += node_flops(inner)
+            cost.recompute_bytes += sum(_nbytes(a) for a in inner.all_input_nodes) + _nbytes(inner)
+            cost.recompute_ops += 1
+        cost.comms += [(r, policy == "full" and r.phase == "forward" and r.axis != "dp") for r in records]
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def model_state_bytes(specs, sizes: dict[str, int], plan) -> dict[str, float]:
+    """Bytes of parameters, gradients and optimizer states (AdamW) a rank holds for `specs`, as the
+    runtime stores them (runtime/param_store.py): ZeRO-1/2 keep whole compute copies in one padded buffer
+    (fp32) or beside fp32 master shards (mixed precision); ZeRO-3 keeps only the shards."""
+    out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
+    n = sizes.get("dp", 1)
+    for spec in specs:
+        floating = spec.dtype.is_floating_point
+        item = spec.dtype.itemsize
+        compute = (plan.param_dtype.itemsize if plan.param_dtype is not None and floating else item)
+        whole = math.prod(spec.unflat_shape(sizes))
+        flat = any(isinstance(pl, FlatShard) for pl in spec.placements.values())
+        shard = math.prod(spec.local_shape(sizes)) if flat else whole
+        zero = spec.zero if flat else 0
+        if zero in (1, 2):
+            out["params"] += whole * compute + shard * item if compute != item else shard * n * item
+        else:
+            out["params"] += shard * item
+        if not spec.requires_grad:
+            continue
+        out["grads"] += whole * compute if zero in (0, 1) else shard * item
+        out["optimizer"] += 2 * shard * item
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- time
+def comm_time(record, sizes: dict[str, int], hw: Hardware) -> float:
+    """Seconds of one CommRecord (all its calls) on the link its axis uses."""
+    stride = {"tp": 1, "dp": sizes.get("tp", 1), "pp": sizes.get("tp", 1) * sizes.get("dp", 1)}.get(record.axis, 1)
+    n = sizes.get(record.axis, 1)
+    if record.kind == "send":
+        link = hw.link(1, stride * n) if n > 1 else hw.intra
+        return record.count * link.time("send", 2, record.bytes)
+    return record.count * hw.link(stride, n).time(record.kind, n, record.bytes)
+
+
+@dataclass
+class StageTimes:
+    forward: float  # compute and blocking (tp) collectives of a forward, per micro-batch
+    backward: float
+    recompute: float
+    tp: float
+    dp: float  # data-parallel collectives per micro-batch
+    compute: float
+
+
+def stage_times(cost: GraphCost, sizes: dict[str, int], hw: Hardware) -> StageTimes:
+    work, again = cost.time(hw)
+    tp_fwd = tp_bwd = dp = 0.0
+    for record, recomputed in cost.comms:
+        seconds = comm_time(record, sizes, hw)
+        if record.axis == "dp":
+            dp += seconds
+        elif record.phase == "forward":
+            tp_fwd += seconds
+            tp_bwd += seconds if recomputed else 0.0
+        elif record.phase == "backward":
+            tp_bwd += seconds
+    return StageTimes(forward=work / 3 + tp_fwd, backward=2 * work / 3 + again + tp_bwd, recompute=again,
+                      tp=tp_fwd + tp_bwd, dp=dp, compute=work)
+
+
+# ---------------------------------------------------------------------------------------------- estimate
+def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None = None) -> Estimate:
+    """Memory and step time of a compiled program (and its pipeline stages, if it has them).
+
+    Memory is that of the fullest pp rank; step time is the simulated schedule's makespan (each stage's
+    forward and backward costing its compute plus its blocking tensor-parallel collectives, messages
+    costing the send of its boundary activations), plus data-parallel collectives not hidden behind
+    compute, the optimizer step's collectives and the update itself.
+    """
+    sizes, plan = program.mesh.sizes, program.plan
+    stages, schedule = _stages(program, pipeline)
+    m = schedule.microbatches if schedule is not None else 1
+    pp = sizes.get("pp", 1)
+    costs = [graph_cost(gm) for _, gm, _, _ in stages]
+    times = [stage_times(c, sizes, hw) for c in costs]
+    makespan, busy, in_flight = _makespan(stages, times, schedule, sizes, hw)
+    step_records = list(program.step_comms) + _extra_records(program, pipeline)
+    step = sum(comm_time(r, sizes, hw) for r in step_records)
+    ranks = []
+    for r in range(pp if schedule is not None else 1):
+        local = [i for i, (index, *_rest) in enumerate(stages) if index % pp == r]
+        ranks.append(_rank_memory(program, stages, costs, local, in_flight[r], schedule, hw, sizes))
+    fullest = max(range(len(ranks)), key=lambda r: sum(ranks[r][0].values())) if pp_rank is None else pp_rank
+    memory, _ = ranks[fullest]
+    busiest = max(range(len(ranks)), key=lambda r: busy[r])
+    local = [i for i, (index, *_rest) in enumerate(stages) if index % pp == busiest]
+    dp = m * sum(times[i].dp for i in local)
+    time = {"compute": m * sum(times[i].compute for i in local), "recompute": m * sum(times[i].recompute for i in local),
+            "bubble": max(makespan - busy[busiest], 0.0), "tp": m * sum(times[i].tp for i in local), "pp": 0.0,
+            "dp": max(dp - hw.overlap * busy[busiest], 0.0), "step": step,
+            "optimizer": hw.adam_time(max(r[1] for r in ranks)),
+            "overhead": hw.step_overhead + (2 * m * len(local) * hw.action_overhead if schedule is not None else 0.0)}
+    flops = m * sum(3 * costs[i].flops + costs[i].recompute_flops for i in local)
+    by_axis: dict[str, float] = {}
+    for (kind, axis), nbytes in comm_bytes(program, pipeline).items():
+        by_axis[axis] = by_axis.get(axis, 0.0) + nbytes
+    return Estimate(source="compiled", memory=memory, time=time, flops=flops, comm_bytes=by_axis)
+
+
+def _stages(program, pipeline):
+    """(index, graph, parameter FQNs, boundary bytes sent) per stage, and the schedule (None: no pipeline)."""
+    if pipeline is None:
+        return [(0, program.gm, list(program.params), 0)], None
+    out = [(s.index, s.gm, list(s.params), sum(math.prod(b.shape) * b.dtype.itemsize for b in s.send))
+           for s in pipeline.all_stages]
+    return out, pipeline.schedule
+
+
+def _makespan(stages, times, schedule, sizes, hw):
+    """(makespan, busy seconds per pp rank, peak micro-batches in flight per pp rank) of one step."""
+    if schedule is None:
+        t = times[0]
+        return t.forward + t.backward, [t.forward + t.backward], [1]
+    from meshc.runtime.schedule_sim import simulate
+
+    pp = sizes.get("pp", 1)
+    send = max((s[3] for s in stages), default=0)
+    link = hw.link(1, sizes.get("dp", 1) * sizes.get("tp", 1) * pp)
+    delay = link.time("send", 2, send) if pp > 1 else 0.0
+    by_stage = {s[0]: times[i] for i, s in enumerate(stages)}
+
+    def cost(action) -> float:
+        st = by_stage[action.stage]
+        return {"F": st.forward, "B": st.backward, "I": st.backward / 2, "W": st.backward / 2}[action.kind]
+    result = simulate(schedule, cost=cost, comm=delay)
+    return result.makespan, list(result.busy), list(result.peak_in_flight)
+
+
+def _rank_memory(program, stages, costs, local, in_flight, schedule, hw, sizes):
+    """({params, grads, optimizer, activations, buffers}, elements the optimizer updates) of one pp rank."""
+    fqns = {f for i in local for f in stages[i][2]}
+    specs = [s for f, s in program.params.items() if f in fqns]
+    states = model_state_bytes(specs, sizes, program.plan)
+    saved = sum(costs[i].saved for i in local) / max(len(local), 1)
+    last = any(stages[i][0] == len(stages) - 1 for i in local)
+    outputs = _output_bytes(stages[-1][1]) if last else 0
+    held_last = in_flight if schedule is None or schedule.name == "gpipe" else 1
+    activations = saved * in_flight + outputs * held_last
+    buffers = _buffers(program, sizes, max((stages[i][3] for i in local), default=0))
+    trainable = sum(math.prod(s.local_shape(sizes)) for s in specs if s.requires_grad)
+    return {**states, "activations": float(activations), "buffers": float(buffers)}, trainable
+
+
+def _output_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of a graph's floating outputs in fp32: the loss keeps its log-softmax of the logits."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    nodes = [a for a in fx.node.map_aggregate(out.args[0], lambda x: x) if isinstance(a, fx.Node)] \
+        if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    total = 0
+    for node in nodes:
+        for val in _vals(node) if isinstance(node, fx.Node) else ():
+            if val.is_floating_point() and val.dim() > 0:
+                total += val.numel() * 4
+    return total
+
+
+def _buffers(program, sizes, boundary: int) -> float:
+    """Communication buffers: a gradient bucket in flight (twice: the flat copy and its reduction), ZeRO-3's
+    gathered bucket and the one prefetched, pipeline messages in both directions."""
+    plan, out = program.plan, 2.0 * boundary
+    grads = sum(s.local_bytes(sizes) for s in program.params.values() if s.requires_grad)
+    if sizes.get("dp", 1) > 1 and plan.zero in (0, 2):
+        out += min(2 * plan.bucket_mb * 2**20, 2 * grads) if plan.zero == 0 else min(plan.zero_bucket_mb * 2**20, grads)
+    if plan.zero == 3:
+        out += min(2 * plan.zero_bucket_mb * 2**20, 2 * grads * sizes.get("dp", 1))
+    return out
+
+
+def _extra_records(program, pipeline) -> list:
+    """Collectives of a step that no graph node records: the dp loss average, the tied-gradient sum over pp."""
+    from .program import CommRecord
+
+    out = []
+    if program.mesh.sizes.get("dp", 1) > 1:
+        out.append(CommRecord("all_reduce", "dp", 4, "step", "job.step: the loss averaged over dp"))
+    if pipeline is not None and program.mesh.sizes.get("pp", 1) > 1:
+        out.append(CommRecord("all_reduce", "pp", 4, "step", "the pipeline's loss shared over pp"))
+        if pipeline.tied:
+            nbytes = sum(program.params[f].local_bytes(program.mesh.sizes) for f in pipeline.tied)
+            out.append(CommRecord("all_reduce", "pp", nbytes, "step", "tied gradients summed over pp"))
+    return out
+
+
+def comm_bytes(program, pipeline=None) -> dict[tuple[str, str], float]:
+    """(kind, axis) -> payload bytes this rank contributes per step: every graph collective of its stages
+    (once per micro-batch), the optimizer step's, the loss average and the tied-gradient sum."""
+    out: dict[tuple[str, str], float] = {}
+
+    def add(record, times: int = 1) -> None:
+        key = (record.kind, record.axis)
+        out[key] = out.get(key, 0.0) + record.bytes * record.count * times
+    if pipeline is None:
+        graphs, m = [program.gm], 1
+    else:
+        graphs, m = [s.gm for s in pipeline.local.values()], pipeline.schedule.microbatches
+    for gm in graphs:
+        for record, _ in graph_cost(gm).comms:
+            add(record, m)
+        if pipeline is not None:
+            for s in pipeline.local.values():
+                if s.gm is gm:
+                    sent = sum(math.prod(b.shape) * b.dtype.itemsize for b in s.send)
+                    grads = sum(math.prod(b.shape) * b.dtype.itemsize for b in s.recv if b.grad)
+                    out[("send", "pp")] = out.get(("send", "pp"), 0.0) + (sent + grads) * m
+    for record in list(program.step_comms) + _extra_records(program, pipeline):
+        add(record)
+    return out
+
+
+def estimate_job(job, hardware="cpu", own_rank: bool = False) -> Estimate:
+    """The compiled-path estimate of a compiled Job on `hardware` (a profile, name or JSON path); memory of
+    the fullest pp rank, or of the job's own with `own_rank`."""
+    from .hardware import load
+
+    pipeline = getattr(job, "_pipe", None)  # Job keeps its pipeline privately; explain() reads it the same way
+    rank = job.mesh.coord("pp") if own_rank and pipeline is not None else None
+    return compiled_estimate(job.program, load(hardware), pipeline, pp_rank=rank)

@@ -1,0 +1,326 @@
+"""The automatic planner: enumerate plans, keep those that fit in memory, rank them by predicted step time.
+
+A candidate is a factorization of the world into dp × tp × pp and a meshc Plan: ZeRO stage, micro-batches,
+schedule (and virtual stages), remat, sequence and vocabulary parallelism. Each is scored by the cost
+model (compiler/cost.py): by its formulas from the model's sizes for any number of ranks
+(`plan_model`), or by compiling the real graph for a simulated rank of each mesh (`plan_compiled`), or,
+inside a running job, for the job's own mesh (`auto_plan`, behind `meshc.compile(..., plan="auto")`).
+
+Nothing here encodes a rule such as "tensor parallelism inside a node": a tp group that spans nodes is
+slow because the cost model gives it the inter-node link's bandwidth, so plans with it rank lower.
+
+Terms: fits = predicted per-rank memory (the fullest rank) <= the memory given; rank = position by
+predicted step time among the plans that fit (ties: less memory first); reason = why a plan ranks where
+it does: for the best, what its step time is made of; for the others, the part of the step time by which
+they lose most against the best.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from .cost import Estimate, ModelShape, formula_estimate
+from .hardware import Hardware
+from .plan import Plan
+from .show import human_bytes
+
+log = logging.getLogger("meshc.planner")
+WHY = {"compute": "compute per rank", "recompute": "recomputation ({remat} remat)",
+       "bubble": "pipeline bubble (pp={pp}, m={m}, {schedule})", "tp": "tensor-parallel collectives{tp_nodes}",
+       "dp": "data-parallel traffic not hidden (ZeRO-{zero}){dp_nodes}", "pp": "pipeline messages",
+       "step": "optimizer-step collectives", "optimizer": "optimizer update",
+       "overhead": "runtime overhead (m={m} micro-batches)"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One plan to score: mesh sizes and the Plan."""
+
+    dp: int
+    tp: int
+    pp: int
+    plan: Plan
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+
+    def describe(self) -> str:
+        p = self.plan
+        parts = [f"dp={self.dp} tp={self.tp} pp={self.pp}", f"zero={p.zero}", f"m={p.microbatches}"]
+        if self.pp > 1:
+            parts.append(p.schedule + (f"x{p.virtual}" if p.virtual > 1 else ""))
+        parts.append(f"remat={p.remat}")
+        parts += [x for x, on in (("sp", p.sequence_parallel), ("vocab", p.vocab_parallel)) if on]
+        return " ".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ranked:
+    candidate: Candidate
+    estimate: Estimate
+    fits: bool
+    rank: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Search:
+    """The choices enumerated (defaults: all that meshc implements)."""
+
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    remat: tuple[str, ...] = ("none", "selective", "full")
+    schedules: tuple[str, ...] = ("1f1b", "gpipe", "zb-h1", "interleaved")
+    microbatches: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to max_microbatches
+    max_microbatches: int = 64
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    vocab_parallel: tuple[bool, ...] = (False, True)
+    meshes: tuple[tuple[int, int, int], ...] | None = None  # (dp, tp, pp) to consider; None: every factorization
+    virtual: int = 2
+    param_dtype: Any = None
+    base: Plan = field(default_factory=lambda: Plan(trace="non-strict"))
+
+    def __post_init__(self) -> None:
+        if self.param_dtype is not None and 0 in self.zero:
+            object.__setattr__(self, "zero", tuple(z for z in self.zero if z))  # mixed precision needs ZeRO
+        if not self.zero or not self.remat or not self.schedules:
+            raise ValueError("Search: expected at least one ZeRO stage, remat policy and schedule, got an empty choice")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanResult:
+    """Plans that fit, best first; how many did not; the hardware and memory they were judged on."""
+
+    ranked: tuple[Ranked, ...]
+    rejected: int
+    smallest_rejected: Ranked | None
+    memory: float
+    hardware: Hardware
+
+    @property
+    def best(self) -> Ranked:
+        if not self.ranked:
+            need = f"; the smallest needs {human_bytes(self.smallest_rejected.estimate.total_memory)} " \
+                   f"({self.smallest_rejected.candidate.describe()})" if self.smallest_rejected else ""
+            raise ValueError(f"planner: expected a plan that fits in {human_bytes(self.memory)} per rank, got none of "
+                             f"{self.rejected}{need}; use more ranks, a smaller batch, or allow remat/ZeRO-3")
+        return self.ranked[0]
+
+    def table(self, top: int = 10) -> str:
+        lines = [f"{'#':>3}  {'plan':<52}{'memory':>10}{'step':>11}  why"]
+        for r in self.ranked[:top]:
+            lines.append(f"{r.rank:>3}  {r.candidate.describe():<52}{human_bytes(r.estimate.total_memory):>10}"
+                         f"{_ms(r.estimate.step_time):>11}  {r.reason}")
+        lines.append(f"{len(self.ranked)} plans fit in {human_bytes(self.memory)} per rank on {self.hardware.name}; "
+                     f"{self.rejected} did not")
+        if self.smallest_rejected is not None and self.rejected:
+            r = self.smallest_rejected
+            lines.append(f"  the leanest plan that did not fit needs {human_bytes(r.estimate.total_memory)}: "
+                         f"{r.candidate.describe()}")
+        return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.2f} s"
+
+
+# ---------------------------------------------------------------------------------------------- search
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(world: int, *, heads: int | None = None, layers: int | None = None, batch: int | None = None,
+           search: Search = Search()) -> list[tuple[int, int, int]]:
+    """Every (dp, tp, pp) with dp·tp·pp = world that the model allows (tp divides the heads, pp at most the
+    layers, dp divides the batch)."""
+    if search.meshes is not None:
+        return [tuple(x) for x in search.meshes]
+    out = []
+    for tp in divisors(world):
+        if heads is not None and heads % tp:
+            continue
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            if (layers is not None and pp > layers) or (batch is not None and batch % dp):
+                continue
+            out.append((dp, tp, pp))
+    return out
+
+
+def plans_for(sizes: tuple[int, int, int], batch: int, search: Search, layers: int | None = None) -> Iterator[Plan]:
+    """Every Plan the search allows on one mesh for a global batch of `batch` sequences."""
+    dp, tp, pp = sizes
+    local = batch // dp
+    ms = search.microbatches or tuple(2**i for i in range(8) if 2**i <= search.max_microbatches)
+    ms = [m for m in ms if local % m == 0]
+    zeros = [z for z in search.zero if dp > 1 or z == 0] or [min(search.zero)]
+    sps = search.sequence_parallel if tp > 1 else (False,)
+    vps = search.vocab_parallel if tp > 1 else (False,)
+    for m, zero, remat, sp, vp in itertools.product(ms, zeros, search.remat, sps, vps):
+        for schedule, virtual in _schedules(pp, m, search, layers):
+            yield dataclasses.replace(search.base, zero=zero, microbatches=m, schedule=schedule, virtual=virtual,
+                                      remat=remat, sequence_parallel=sp, vocab_parallel=vp,
+                                      param_dtype=search.param_dtype)
+
+
+def _schedules(pp: int, m: int, search: Search, layers: int | None) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = []
+    for name in search.schedules:
+        if name != "interleaved":
+            out.append((name, 1))
+        elif m % pp == 0 and (layers is None or layers >= pp * search.virtual):
+            out.append((name, search.virtual))
+    return out
+
+
+def rank(scored: list[tuple[Candidate, Estimate]], memory: float, hw: Hardware) -> PlanResult:
+    """Keep what fits, order by step time (then memory), and say why each plan is where it is."""
+    fitting = [(c, e) for c, e in scored if e.total_memory <= memory]
+    rejected = [(c, e) for c, e in scored if e.total_memory > memory]
+    fitting.sort(key=lambda ce: (round(ce[1].step_time, 12), ce[1].total_memory, ce[0].describe()))
+    ranked = []
+    for i, (c, e) in enumerate(fitting):
+        reason = _best_reason(e, len(fitting)) if i == 0 else _reason(c, e, fitting[0][1], hw)
+        ranked.append(Ranked(candidate=c, estimate=e, fits=True, rank=i + 1, reason=reason))
+    smallest = min(rejected, key=lambda ce: ce[1].total_memory, default=None)
+    return PlanResult(ranked=tuple(ranked), rejected=len(rejected), memory=memory, hardware=hw,
+                      smallest_rejected=Ranked(candidate=smallest[0], estimate=smallest[1], fits=False)
+                      if smallest else None)
+
+
+def _best_reason(e: Estimate, n: int) -> str:
+    parts = sorted(((v, k) for k, v in e.time.items() if v > 0), reverse=True)[:3]
+    return f"fastest of {n} that fit: " + ", ".join(f"{k} {v / e.step_time:.0%}" for v, k in parts)
+
+
+def _reason(c: Candidate, e: Estimate, best: Estimate, hw: Hardware) -> str:
+    deltas = {k: e.time.get(k, 0.0) - best.time.get(k, 0.0) for k in e.time}
+    key = max(deltas, key=deltas.get)
+    p = c.plan
+    what = WHY[key].format(remat=p.remat, pp=c.pp, m=p.microbatches, schedule=p.schedule, zero=p.zero,
+                           tp_nodes=" across nodes" if hw.spans_nodes(1, c.tp) else "",
+                           dp_nodes=" across nodes" if hw.spans_nodes(c.tp, c.dp) else "")
+    slower = e.step_time / best.step_time - 1 if best.step_time else 0.0
+    return f"+{slower:.0%}: {what} +{_ms(max(deltas[key], 0.0)).strip()}"
+
+
+def plan_model(shape: ModelShape, world: int, batch: int, hardware: Hardware, memory: float | None = None,
+               search: Search = Search()) -> PlanResult:
+    """The formula path: every plan for `world` ranks of a model of this shape, scored from its sizes."""
+    memory = hardware.memory * 0.9 if memory is None else memory
+    scored = []
+    for sizes in meshes(world, heads=shape.heads, layers=shape.layers, batch=batch, search=search):
+        for plan in plans_for(sizes, batch, search, shape.layers):
+            cand = Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan)
+            scored.append((cand, formula_estimate(shape, cand.sizes, plan, batch, hardware)))
+    return rank(scored, memory, hardware)
+
+
+# ---------------------------------------------------------------------------------------------- compiled
+def estimate_plan(traced, mesh, plan: Plan, hardware: Hardware) -> Estimate:
+    """Run the passes of `plan` on a traced program and estimate the result (its pipeline too)."""
+    from meshc.runtime.pipelined import Pipelined
+
+    from .cost_graph import compiled_estimate
+    from .driver import run_passes
+
+    program = run_passes(traced.replace(plan=plan))
+    pipelined = mesh.size("pp") > 1 or plan.microbatches > 1
+    return compiled_estimate(program, hardware, Pipelined(program, mesh, plan) if pipelined else None)
+
+
+def _traced(model, mesh, args: tuple, kwargs: dict, plan: Plan, cache: dict):
+    """The model traced for one rank on one micro-batch of its local inputs (cached per micro-batch count),
+    as a Job traces a pipelined plan."""
+    import torch
+
+    from ._torch_compat import tree_map
+    from .trace import trace
+
+    key = (plan.microbatches, plan.param_dtype)
+    if key not in cache:
+        m = plan.microbatches
+
+        def cut(x):
+            return x[: x.shape[0] // m] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+        cut_args, cut_kwargs = tree_map(cut, (args, kwargs)) if m > 1 else (args, kwargs)
+        cache[key] = trace(model, tuple(cut_args), dict(cut_kwargs), mesh=mesh, plan=plan)[0]
+    return cache[key]
+
+
+def _score_pruned(plans, score: Callable[[Plan], Estimate], memory: float, pp: int) -> list[tuple[Plan, Estimate]]:
+    """Score plans, skipping those the cost model says cannot win: recomputation (and, without pipeline
+    stages, more micro-batches) only adds time, so they are tried only while the cheaper variant does not fit."""
+    groups: dict = {}
+    for plan in plans:
+        key = dataclasses.replace(plan, remat="none", microbatches=1 if pp == 1 else plan.microbatches)
+        groups.setdefault(key, []).append(plan)
+    order = {"none": 0, "selective": 1, "full": 2}
+    out = []
+    for group in groups.values():
+        for plan in sorted(group, key=lambda q: (q.microbatches, order[q.remat])):
+            try:
+                estimate = score(plan)
+            except Exception as error:  # noqa: BLE001 - a plan that does not compile is not a candidate
+                log.info("planner: %s does not compile: %s", plan.describe(), error)
+                continue
+            out.append((plan, estimate))
+            if estimate.total_memory <= memory:
+                break
+    return out
+
+
+def plan_compiled(build: Callable[[], Any], inputs: Callable[[int], tuple], world: int, hardware: Hardware,
+                  memory: float | None = None, search: Search = Search(), layers: int | None = None) -> PlanResult:
+    """The compiled path over every mesh of `world` ranks: each scored on the real graph of a simulated rank 0.
+
+    `build()` returns the model; `inputs(dp)` the example inputs of one dp rank. Runs torch's fake process
+    group in this process: call it with no torch.distributed world initialized.
+    """
+    import torch.distributed as dist
+
+    from meshc.runtime.mesh import simulated_mesh
+
+    memory = hardware.memory * 0.9 if memory is None else memory
+    scored = []
+    for sizes in meshes(world, search=search):
+        mesh = simulated_mesh(dp=sizes[0], tp=sizes[1], pp=sizes[2])
+        try:
+            model, args, cache = build(), inputs(sizes[0]), {}
+            batch = args[0].shape[0] * sizes[0]
+
+            def score(plan: Plan) -> Estimate:
+                return estimate_plan(_traced(model, mesh, args, {}, plan, cache), mesh, plan, hardware)
+            for plan, est in _score_pruned(plans_for(sizes, batch, search, layers), score, memory, sizes[2]):
+                scored.append((Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan), est))
+        finally:
+            dist.destroy_process_group()
+    return rank(scored, memory, hardware)
+
+
+def auto_plan(model, mesh, args: tuple, kwargs: dict, *, hardware: Hardware | str | None = None,
+              memory: float | None = None, search: Search | None = None) -> tuple[Plan, PlanResult]:
+    """The best plan for this model on this mesh (the mesh's sizes are given; everything else is chosen).
+
+    Deterministic: every rank scores the same candidates on the same graphs and picks the same plan.
+    """
+    from .hardware import detect, load
+
+    hw = detect() if hardware is None else load(hardware)
+    search = search or Search()
+    memory = hw.memory * 0.9 if memory is None else memory
+    sizes = (mesh.size("dp"), mesh.size("tp"), mesh.size("pp"))
+    batch = args[0].shape[0] * sizes[0]
+    cache: dict = {}
+
+    def score(plan: Plan) -> Estimate:
+        return estimate_plan(_traced(model, mesh, args, kwargs, plan, cache), mesh, plan, hw)
+    scored = [(Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan), est)
+              for plan, est in _score_pruned(plans_for(sizes, batch, search), score, memory, sizes[2])]
+    result = rank(scored, memory, hw)
+    return result.best.candidate.plan, result

@@ -1,0 +1,260 @@
+"""`meshc calibrate`: measure this machine as a hardware profile for the cost model ("this CPU over gloo").
+
+A short measurement on N local processes (torchrun, gloo on loopback, one thread per process, as meshc's
+CPU jobs run): FLOP/s of linear layers forward and backward, memory bandwidth of elementwise ops, the overhead of one graph op (forward
+and backward, through torch.ops as the compiled graphs call them), and each collective's latency and
+bandwidth (all-reduce, all-gather, reduce-scatter through the functional collectives the graphs use;
+send as a ping-pong of isend/irecv), fitted to hardware.Link's α-β model. Every process measures at once,
+so shared memory bandwidth and cores are accounted as a job sees them. The profile is written as JSON
+where `load("cpu")` reads it (hardware.default_cpu_path()).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshc.compiler import _torch_compat as compat
+from meshc.compiler.hardware import GiB, Hardware, Link, fit_alpha_beta, latency_steps, wire_bytes
+
+SIZES = {True: (2**12, 2**16, 2**19, 2**21), False: (2**12, 2**16, 2**19, 2**21, 2**23)}  # payload bytes
+
+
+def _median_time(fn, reps: int, barrier=None, repeat: int = 1, before=None) -> float:
+    """Seconds per call: the median over `reps` samples of `repeat` calls each, after a warm-up.
+
+    Compute samples are made tens of milliseconds long (`repeat`), as long as the stretches of compute in
+    a training step: on a shared machine a short sample runs at full speed on the credit the scheduler gives
+    a process that slept, where a step gets only its share of a core. `before` runs untimed before each
+    sample (after the barrier)."""
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        if barrier:
+            barrier()
+        if before:
+            before()
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        times.append((time.perf_counter() - t0) / repeat)
+    return statistics.median(times)
+
+
+LINEAR_SHAPES = ((512, 128, 384), (512, 384, 128), (1024, 256, 256))  # (tokens, in, out) of a small model's linears
+
+
+def measure_compute(quick: bool = True) -> dict[str, float]:
+    """FLOP/s of fp32 linear layers' forward and backward, bytes/s of an elementwise add, seconds per graph
+    op (fwd + bwd), and elements per second of an AdamW step."""
+    reps = 5 if quick else 20
+    flops = _linear_rate(reps)
+    x, y = torch.randn(2**22), torch.randn(2**22)
+    seconds = _median_time(lambda: torch.add(x, y), reps, repeat=8)
+    bandwidth = 3 * x.numel() * 4 / seconds
+    overhead = _op_overhead(100 if quick else 400)
+    return {"flops": flops, "mem_bandwidth": bandwidth, "op_overhead": overhead, "adam_rate": _adam_rate(quick)}
+
+
+def _linear_rate(reps: int) -> float:
+    """FLOP/s of aten.linear forward and backward (3 matmuls, two of them on transposed operands) at a few
+    small-model shapes: the rate the cost model's 3 × forward FLOPs run at. A square matmul alone runs
+    ~1.7× faster on one CPU thread than the backward's skinny, transposed ones, and would underpredict."""
+    layers = [(torch.randn(m, k, requires_grad=True), torch.randn(n, k, requires_grad=True), torch.randn(m, n))
+              for m, k, n in LINEAR_SHAPES]
+
+    def fwd_bwd() -> None:
+        for x, w, g in layers:
+            torch.nn.functional.linear(x, w).backward(g)
+    flops = sum(6.0 * m * k * n for m, k, n in LINEAR_SHAPES)
+    return flops / _median_time(fwd_bwd, reps, repeat=5)  # samples of ~60 ms
+
+
+def median_of(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over several rounds of measure_compute (or over ranks)."""
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+
+
+def _op_overhead(ops: int) -> float:
+    """Seconds of one tiny aten op called through torch.ops, forward and its backward under autograd."""
+    aten = torch.ops.aten
+    w = torch.randn(8, requires_grad=True)
+
+    def chain():
+        x = w
+        for _ in range(ops // 2):
+            x = aten.mul.Tensor(x, 1.0001)
+            x = aten.add.Tensor(x, w)
+        x.sum().backward()
+    return _median_time(chain, 5, repeat=16) / ops
+
+
+def measure_links(group_name: str, size: int, quick: bool = True) -> dict[str, list[tuple[float, float, float]]]:
+    """Samples (latency steps, wire bytes, seconds) per collective kind over the named group of `size` ranks.
+
+    Each collective is timed from the end of a short compute burst on every rank, as it runs inside a
+    training step: a rank that reaches a collective first sleeps in it and must be woken, which on an
+    oversubscribed CPU costs milliseconds that back-to-back collectives (or ones right after a barrier)
+    never show."""
+    barrier = dist.barrier
+    samples: dict[str, list] = {"all_reduce": [], "all_gather": [], "reduce_scatter": [], "send": []}
+    reps = 5 if quick else 15
+    a = torch.randn(256, 256)
+
+    def burst() -> None:  # ~5 ms: the compute between two of a tensor-parallel step's collectives
+        for _ in range(16):
+            torch.mm(a, a)
+    for nbytes in SIZES[quick]:
+        t = torch.randn(nbytes // 4)
+        runs = {"all_reduce": lambda: compat.all_reduce_sum(t, group_name),
+                "all_gather": lambda: compat.all_gather(t, size, group_name),
+                "reduce_scatter": lambda: compat.reduce_scatter_sum(t, size, group_name),
+                "send": lambda: _ping_pong(t)}
+        for kind, fn in runs.items():
+            seconds = _median_time(fn, reps, barrier, before=burst)
+            if kind == "send":
+                seconds /= 2
+            samples[kind].append((float(latency_steps(kind, size)), float(wire_bytes(kind, size, nbytes)), seconds))
+    return samples
+
+
+def _ping_pong(t: torch.Tensor) -> None:
+    rank = dist.get_rank()
+    if rank > 1:
+        return
+    peer = 1 - rank
+    if rank == 0:
+        dist.send(t, peer)
+        dist.recv(t, peer)
+    else:
+        dist.recv(t, peer)
+        dist.send(t, peer)
+
+
+def calibrate_rank(quick: bool = True) -> dict:
+    """One rank's part of a calibration (run on every rank at once); rank 0's result is the profile dict."""
+    import meshc
+
+    torch.set_num_threads(1)
+    mesh = meshc.mesh(timeout_s=120)
+    dist.barrier()
+    compute = measure_compute(quick)
+    samples = measure_links(mesh.group_name("dp"), mesh.size("dp"), quick)
+    everyone = [None] * mesh.world_size
+    dist.all_gather_object(everyone, compute)
+    hw = Hardware.from_dict(profile(median_of(everyone), samples, mesh.world_size))
+    hw = runtime_overheads(hw, mesh, quick)
+    return hw.to_dict()
+
+
+def _adam_rate(quick: bool) -> float:
+    """Elements per second of torch.optim.AdamW's step (its default implementation) on a few tensors."""
+    params = [torch.nn.Parameter(torch.randn(2**18)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    return 4 * 2**18 / _median_time(opt.step, 5 if quick else 15)
+
+
+class _Blocks(torch.nn.Module):
+    """A few linear blocks: the smallest model meshc can split into pipeline stages."""
+
+    def __init__(self, width: int = 64, layers: int = 2):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def runtime_overheads(hw: Hardware, mesh, quick: bool) -> Hardware:
+    """meshc's own per-step and per-pipeline-action overheads: a tiny job measured against its prediction."""
+    import dataclasses
+
+    hw = dataclasses.replace(hw, step_overhead=max(0.0, _job_excess(hw, {"dp": mesh.world_size}, 1, quick)))
+    if mesh.world_size >= 2:
+        m = 4
+        excess = _job_excess(hw, {"pp": 2, "dp": mesh.world_size // 2}, m, quick)
+        hw = dataclasses.replace(hw, action_overhead=max(0.0, excess / (2 * m)))
+    return hw
+
+
+def _job_excess(hw: Hardware, sizes: dict, m: int, quick: bool) -> float:
+    """Measured minus predicted step time of a tiny job on this world (every rank runs it)."""
+    import meshc
+    from meshc.compiler.cost_graph import estimate_job
+
+    torch.manual_seed(0)
+    mesh = meshc.mesh(timeout_s=120, **sizes)
+    x, y = torch.randn(8 * m, 64), torch.randn(8 * m, 64)
+    job = meshc.compile(_Blocks(), mesh, example_inputs=(x,),
+                        plan=meshc.Plan(trace="non-strict", microbatches=m))
+    opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
+
+    def step():
+        job.step(x, y, _mse)
+        opt.step()
+        opt.zero_grad()
+    measured = _median_time(step, 7 if quick else 20, dist.barrier)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, measured)
+    return statistics.median(everyone) - estimate_job(job, hw).step_time
+
+
+def profile(compute: dict[str, float], samples: dict, ranks: int, name: str = "cpu-gloo") -> dict:
+    """The hardware profile (as a dict) from the measured compute figures and collective samples."""
+    kinds = {}
+    for kind, rows in samples.items():
+        lat, bw = fit_alpha_beta(rows)
+        kinds[kind] = (bw, lat)
+    bw, lat = kinds.pop("all_reduce")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks
+    intra = Link(bandwidth=bw, latency=lat, kinds=kinds)
+    inter = Link(bandwidth=bw / 10, latency=lat * 4)  # no second node to measure: a 10x slower network, guessed
+    hw = Hardware(name=name, flops=compute["flops"], mem_bandwidth=compute["mem_bandwidth"],
+                  op_overhead=compute["op_overhead"], adam_rate=compute.get("adam_rate", 0.0),
+                  memory=float(memory), ranks_per_node=ranks, intra=intra,
+                  inter=inter, overlap=0.0,
+                  description=f"this machine: {ranks} processes over gloo on loopback, one thread each, measured "
+                              f"by meshc calibrate on {time.strftime('%Y-%m-%d %H:%M')}")
+    return hw.to_dict()
+
+
+def calibrate(out: str, nproc: int = 2, quick: bool = False, timeout: float = 300.0) -> Hardware:
+    """Launch the measurement on `nproc` local processes under torchrun; write and return the profile."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "profile.json")
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "MESHC_CALIBRATE_OUT": result}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "meshc", "calibrate", "--worker"] + (["--quick"] if quick else [])
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"meshc calibrate: the measurement failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        with open(result) as f:
+            hw = Hardware.from_dict(json.load(f))
+    hw.save(out)
+    return hw
+
+
+def worker(quick: bool) -> int:
+    """Under torchrun: measure, and rank 0 writes the profile where the launcher asked."""
+    data = calibrate_rank(quick)
+    if dist.get_rank() == 0:
+        with open(os.environ["MESHC_CALIBRATE_OUT"], "w") as f:
+            json.dump(data, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,103 @@
+"""`meshc plan` and `meshc calibrate`: choose a plan for a model on N devices; measure this machine.
+
+    meshc plan --model llama-70b --gpus 1024 --memory 80GB [--batch 1024] [--seq 8192] [--hardware h100]
+    meshc plan --model gpt-tiny --gpus 2 --hardware cpu --compiled     (score the real graphs, small models)
+    meshc calibrate [--out ~/.cache/meshc/cpu-gloo.json] [--nproc 2] [--quick]
+
+`meshc plan` enumerates every dp × tp × pp factorization of the device count with every ZeRO stage,
+micro-batch count, schedule, remat policy, sequence and vocabulary parallelism, keeps the plans that fit
+in the memory given, and prints the best as a table with the reason for each one's rank.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import time
+
+import torch
+
+from meshc import models
+from meshc.compiler.hardware import default_cpu_path, load
+from meshc.compiler.planner import Search, plan_compiled, plan_model
+
+UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+         "tib": 2**40, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_bytes(text: str) -> float:
+    """"80GB" -> 80e9, "80GiB" -> 80 * 2**30, "512MB" -> 512e6."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in UNITS:
+        raise ValueError(f"--memory: expected a size such as 80GB or 80GiB, got {text!r}")
+    return float(match.group(1)) * UNITS[match.group(2).lower()]
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt2-small",
+                   help=f"built-in model ({', '.join(models.NAMES)}) or a transformers config .json")
+    p.add_argument("--gpus", type=int, required=True, help="number of devices (ranks)")
+    p.add_argument("--memory", default=None, help="memory per device, e.g. 80GB (default: 90%% of the profile's)")
+    p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: one per device)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--hardware", default="h100", help="h100, h200, a100, cpu (calibrated), or a profile .json")
+    p.add_argument("--dtype", default=None, choices=("fp32", "bf16"),
+                   help="compute dtype (default: bf16 with fp32 masters on GPUs, fp32 on cpu)")
+    p.add_argument("--top", type=int, default=10, help="rows to print")
+    p.add_argument("--compiled", action="store_true",
+                   help="score each plan on the real graph of a simulated rank (slow; for small models)")
+
+
+def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None, help=f"profile file to write (default {default_cpu_path()})")
+    p.add_argument("--nproc", type=int, default=2, help="local processes to measure (default 2)")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (a few seconds)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    hw = load(args.hardware)
+    gpu = hw.name != "cpu-gloo" and not hw.name.startswith("cpu")
+    dtype = {"bf16": torch.bfloat16, "fp32": None}[args.dtype or ("bf16" if gpu else "fp32")]
+    memory = parse_bytes(args.memory) if args.memory else None
+    batch = args.batch or args.gpus
+    search = Search(param_dtype=dtype)
+    t0 = time.perf_counter()
+    if args.compiled:
+        seq = args.seq or models.seq_len(args.model)
+
+        def build():
+            return models.build(args.model, seq_len=seq)
+
+        def inputs(dp: int) -> tuple:
+            return (torch.zeros(batch // dp, seq, dtype=torch.long),)
+        result = plan_compiled(build, inputs, args.gpus, hw, memory, search)
+    else:
+        shape = models.shape(args.model, seq=args.seq)
+        result = plan_model(shape, args.gpus, batch, hw, memory, search)
+    print(f"meshc plan: {args.model} on {args.gpus} x {hw.name}, global batch {batch} sequences "
+          f"({'compiled graphs' if args.compiled else 'formulas'}, {time.perf_counter() - t0:.1f} s)")
+    print(result.table(args.top))
+    best = result.best
+    p = best.candidate.plan
+    print(f"\nbest: meshc.mesh(dp={best.candidate.dp}, tp={best.candidate.tp}, pp={best.candidate.pp}) with "
+          f"meshc.Plan(zero={p.zero}, microbatches={p.microbatches}, schedule={p.schedule!r}, virtual={p.virtual}, "
+          f"remat={p.remat!r}, sequence_parallel={p.sequence_parallel}, vocab_parallel={p.vocab_parallel}"
+          + (f", param_dtype=torch.{str(dtype).split('.')[-1]}" if dtype is not None else "") + ")")
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from meshc import calibrate
+
+    if args.worker:
+        return calibrate.worker(args.quick)
+    out = args.out or default_cpu_path()
+    t0 = time.perf_counter()
+    hw = calibrate.calibrate(out, nproc=args.nproc, quick=args.quick)
+    print(f"meshc calibrate: {args.nproc} processes, {time.perf_counter() - t0:.1f} s; wrote {out}")
+    print(f"  linear layers (forward + backward) {hw.flops / 1e9:.1f} GFLOP/s per process, memory {hw.mem_bandwidth / 1e9:.2f} GB/s, "
+          f"{hw.op_overhead * 1e6:.1f} us per graph op (forward + backward)")
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "send"):
+        lat, bw = hw.intra.alpha_beta(kind)
+        print(f"  {kind:<15} latency {lat * 1e6:8.1f} us, bandwidth {bw / 1e9:6.2f} GB/s")
+    return 0

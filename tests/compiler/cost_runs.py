@@ -1,0 +1,122 @@
+"""Measured runs for the cost-model and planner tests: a small model's plans on 2 gloo ranks, and the
+calibration of this machine taken in the same run.
+
+`measure(candidates)` runs once per test session (cached): on 2 ranks it compiles every plan, then
+times them in interleaved rounds, each round preceded by a calibration (linear layers, elementwise, op
+overhead, AdamW, and each collective's latency and bandwidth). A plan's "ratio" is the median over rounds
+of predicted (on that round's calibration) over measured (that round's median step): a shared machine's
+load moves from round to round, and moves a calibration and the steps right after it alike. "hardware"
+is the profile of the medians over all rounds; "estimate" the prediction on it; "load" the machine's
+1-minute load average at the end (other jobs on the cores). Each plan also reports the bytes
+CommCensus counted for one step, the model state held after backward (job.held_bytes()), and the
+compiled-path estimate on the calibrated profile.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import time
+
+import torch
+
+DIM, LAYERS, VOCAB, SEQ, BATCH = 128, 2, 256, 128, 8
+ROUNDS, STEPS = 4, 3
+
+
+def model() -> torch.nn.Module:
+    """torch's reference Transformer, 2 layers of width 128 (0.45M parameters): large enough that matmuls,
+    not Python, dominate a step on this CPU."""
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    return Transformer(ModelArgs(n_layers=LAYERS, vocab_size=VOCAB, max_seq_len=SEQ, dim=DIM, n_heads=4,
+                                 dropout_p=0.0))
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _rank(candidates: list[tuple[dict, object]]) -> dict:
+    import torch.distributed as dist
+
+    import meshc
+    from meshc import calibrate
+    from meshc.compiler.cost_graph import comm_bytes, estimate_job
+    from meshc.compiler.hardware import Hardware
+    from meshc.runtime.census import CommCensus
+    from tests import zoo
+
+    torch.set_num_threads(1)
+    base = meshc.mesh(timeout_s=120)
+    x, y = batch()
+    jobs = []
+    for sizes, plan in candidates:
+        mesh = meshc.mesh(timeout_s=120, **sizes)
+        xs, ys = mesh.shard_batch(x), mesh.shard_batch(y)
+        job = meshc.compile(model(), mesh, example_inputs=(xs,), plan=plan)
+        opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
+
+        def step(job=job, opt=opt, xs=xs, ys=ys):
+            job.step(xs, ys, zoo.lm_loss)
+            opt.step()
+            opt.zero_grad()
+        step()
+        jobs.append((job, opt, step, mesh, xs, ys))
+    computes, links = [], []
+    times: list[list[float]] = [[] for _ in jobs]  # [plan][round]: median of the round's steps
+    for _ in range(ROUNDS):
+        computes.append(calibrate.measure_compute(quick=True))
+        links.append(calibrate.measure_links(base.group_name("dp"), base.world_size, quick=True))
+        for i, (_job, _opt, step, *_rest) in enumerate(jobs):
+            step()
+            steps = []
+            for _ in range(STEPS):
+                dist.barrier()
+                t0 = time.perf_counter()
+                step()
+                steps.append(time.perf_counter() - t0)
+            times[i].append(statistics.median(steps))
+    everyone = [None] * base.world_size
+    dist.all_gather_object(everyone, computes)
+    computes = [calibrate.median_of([ranks[r] for ranks in everyone]) for r in range(ROUNDS)]  # per round
+    hw = Hardware.from_dict(calibrate.profile(calibrate.median_of(computes), _median_samples(links), base.world_size))
+    hw = calibrate.runtime_overheads(hw, base, quick=True)
+    overheads = {"step_overhead": hw.step_overhead, "action_overhead": hw.action_overhead}
+    by_round = [Hardware.from_dict({**calibrate.profile(c, lk, base.world_size), **overheads})
+                for c, lk in zip(computes, links)]
+    out = {"hardware": hw.to_dict(), "plans": [], "load": os.getloadavg()[0]}  # the minute of the measurement
+    for i, (job, opt, step, mesh, xs, ys) in enumerate(jobs):
+        job.step(xs, ys, zoo.lm_loss)  # gradients held, Adam's states exist: what held_bytes measures
+        held = job.held_bytes()
+        opt.zero_grad()
+        with CommCensus(mesh) as census:
+            step()
+        estimate = estimate_job(job, hw, own_rank=True)
+        ratios = [estimate_job(job, h).step_time / t for h, t in zip(by_round, times[i])]
+        predicted_bytes = comm_bytes(job.program, getattr(job, "_pipe", None))
+        out["plans"].append({"seconds": statistics.median(times[i]), "ratio": statistics.median(ratios),
+                             "held": held, "census": census.by_kind(), "estimate": estimate, "bytes": predicted_bytes})
+    return out
+
+
+def _median_samples(rounds: list[dict]) -> dict:
+    """Per collective kind and size, the median seconds over rounds of calibrate.measure_links."""
+    return {kind: [(steps, wire, statistics.median(r[kind][i][2] for r in rounds))
+                   for i, (steps, wire, _) in enumerate(rounds[0][kind])] for kind in rounds[0]}
+
+
+@functools.lru_cache(maxsize=None)
+def measure(candidates: tuple) -> list[dict]:
+    """Every rank's measurements of `candidates`: a tuple of (mesh sizes as sorted items, meshc.Plan)."""
+    from tests.harness import run_ranks
+
+    return run_ranks(_rank, 2, [(dict(sizes), plan) for sizes, plan in candidates], timeout=300)
+
+
+def candidates_of(result) -> tuple:
+    """The planner's scored candidates (a PlanResult), as measure() takes them, in the planner's order."""
+    return tuple((tuple(sorted(r.candidate.sizes.items())), r.candidate.plan) for r in result.ranked)
