@@ -30,6 +30,8 @@ Formulas:
       4h + (2h + 2k·h/a + (2 + 2·gated)·K·f)/t, with sequence parallelism all of it over t; selective
       (meshc: matmul and tp-collective outputs kept) (h + 2kh/a + (1+gated)Kf)/t + 2h + (2h + h)/t_sp;
       full recompute the block input h/t_sp.
+  mixture of experts: meshc shards attention over tp but no expert (the experts are one opaque grouped op),
+      so an MoE layer's expert weights, FLOPs and activations are not divided by t.
   bubble: GPipe and 1F1B (p−1)/m, interleaved (p−1)/(v·m), ZB-H1 (p−1)/(3m) for m ≥ p.
   in flight: GPipe m; 1F1B min(m, p) on the first rank, 1 on the last; ZB-H1 min(m, p) on both;
       interleaved min(v·m, v·p + p − 1) first and min(v·m, (v−1)·p + 1) last (stage-sets of L/(p·v) layers).
@@ -209,11 +211,11 @@ def _layer_params(flags, tp=t, kv=None):
     gated, _tied, bias, norm, moe = flags
     kvd = k * h / a
     kv_div = c_kv if kv is None else kv
-    mats = 3 if gated else 2
+    mats, mlp_div = 3 if gated else 2, 1 if moe else tp  # meshc shards no expert over tp
     attn = 2 * h * h / tp + 2 * h * kvd / kv_div
-    mlp = E * mats * h * f / tp
+    mlp = E * mats * h * f / mlp_div
     if bias:
-        attn, mlp = attn + h / tp + 2 * kvd / kv_div + h, mlp + f / tp + h
+        attn, mlp = attn + h / tp + 2 * kvd / kv_div + h, mlp + f / mlp_div + h
     if moe:
         mlp += h * E  # the router, replicated
     return attn + mlp + 2 * (2 if norm == "layer" else 1) * h
@@ -243,12 +245,13 @@ def _states(psi, zz1, zz2, zz3, n, pbb, gbb, kob) -> dict:
 
 def _activations_per_layer(flags):
     """Bytes of one layer's saved activations for one micro-batch on one rank: (under the remat policy, none)."""
-    gated, *_ = flags
+    gated, *_rest, moe = flags
     kvd, b = k * h / a, B / (N * m)
-    t_sp = 1 + sp * (t - 1)
-    inner = 2 * h + 2 * kvd + (4 if gated else 2) * K * f  # q, k, v, attention out; MLP internals
-    none = sp * (4 * h + inner) / t + (1 - sp) * (4 * h + inner / t)
-    selective = (h + 2 * kvd + (2 if gated else 1) * K * f) / t + 2 * h + (2 * h * u_t + h) / t_sp
+    t_sp, mlp_div = 1 + sp * (t - 1), 1 if moe else t
+    attn = 2 * h + 2 * kvd  # q, k, v, attention out
+    mlp = (4 if gated else 2) * K * f  # MLP internals
+    none = sp * (4 * h + attn) / t + (1 - sp) * (4 * h + attn / t) + mlp / mlp_div
+    selective = (h + 2 * kvd) / t + (2 if gated else 1) * K * f / mlp_div + 2 * h + (2 * h * u_t + h) / t_sp
     full = h / t_sp
     return cb * s * b * ((1 - rs - rf) * none + rs * selective + rf * full), cb * s * b * none
 
@@ -286,7 +289,7 @@ def formulas(hw: Hardware, flags) -> dict[str, sympy.Expr]:
     buffers = (1 - zz) * 2 * bucket * u_n + z2 * bucket + z3 * (2 * layer * pb + V * h / v_div * pb) + u_p * 2 * boundary
     # time of one micro-batch on the busiest stage
     kvd = k * h / a
-    mm = 2 * h * h / t + 2 * h * kvd / c_kv + K * (3 if gated else 2) * h * f / t
+    mm = 2 * h * h / t + 2 * h * kvd / c_kv + K * (3 if gated else 2) * h * f / (1 if flags[4] else t)
     layer_flops = 2 * s * b * mm + 4 * s * s * b * h / t
     layer_bytes = 2 * act_none + layer * pb
     head_flops, head_bytes = 2 * s * b * h * V / v_div, 2 * logits + V * h / v_div * pb

@@ -19,9 +19,7 @@ SCRIPT = r"""
 import json, sys
 import meshc
 from meshc.explain_cli import simulate
-# fusion=False: fuse_comm (committed f664590) fuses a norm whose tuple output then crosses a pipeline cut,
-# which stage extraction refuses; drop this once fuse_comm keeps fused chains inside one stage.
-plan = meshc.Plan(trace="non-strict", fusion=False)
+plan = meshc.Plan(trace="non-strict")  # the default passes, fuse_comm included, as `meshc explain` runs them
 sim = simulate("llama-70b", {"dp": 32, "tp": 8, "pp": 4}, rank=int(sys.argv[1]), seq=4096, hardware="h100", plan=plan,
                layers=int(sys.argv[2]))
 r, c = sim.report, sim.compiled
