@@ -3,11 +3,21 @@
 Launched from a plain shell it starts torchrun itself (N processes on this machine, gloo on
 127.0.0.1); under torchrun it is one rank. Rank 0 prints the plan, then a progress bar with step, loss
 and tokens/s; every rank writes its transformed graph into the output folder.
+
+Checkpoints: every `--save-every` steps and at the end, into `--ckpt-dir` (default OUT/ckpt) as
+step_NNNNNN folders written by job.save (model, AdamW states, RNG states, step, data position). A fresh
+run removes the step_* checkpoints an earlier run left there. `--resume` continues from the newest
+complete checkpoint up to `--steps` in all, with the same losses an uninterrupted run has; with no
+checkpoint to resume from, or one saved with another model, batch, sequence length or lr, it refuses
+(exit status 2) and says why. Rank 0 writes OUT/losses.txt, `step<TAB>loss` for every step of the curve
+(a resumed run keeps the lines up to its checkpoint's step and appends its own).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -33,20 +43,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", type=int, default=None, help="override the model's width")
     p.add_argument("--out", default="meshc-out/demo", help="folder for the transformed graphs")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any collective may wait")
+    p.add_argument("--save-every", type=int, default=100,
+                   help="save a checkpoint every N steps, and always at the end (0: only at the end)")
+    p.add_argument("--ckpt-dir", default=None, help="folder for the checkpoints (default: OUT/ckpt)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --ckpt-dir up to --steps in all")
+
+
+# what a checkpoint must agree on with the command that resumes it (the model and the data it reads)
+_SAME = ("model", "layers", "dim", "batch", "seq", "lr")
 
 
 def run(args: argparse.Namespace) -> int:
+    args.ckpt_dir = os.path.abspath(args.ckpt_dir or os.path.join(args.out, "ckpt"))
+    resume = _resume_point(args) if args.resume else None  # refused here, before any process starts
     if "RANK" not in os.environ and args.nproc > 1:
         return _launch(args)
     mesh = meshc.mesh(timeout_s=args.timeout, **parse_sizes(args.mesh))
     lead = mesh.rank == 0
+    if resume is None and lead:
+        _clear_old_checkpoints(args.ckpt_dir)
     text = resources.files("meshc").joinpath("data/sonnets.txt").read_text(encoding="utf-8")
     chars = sorted(set(text))
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
     overrides = {k: v for k, v in (("layers", args.layers), ("dim", args.dim)) if v is not None}
     torch.manual_seed(0)  # every rank builds the same weights
     model = models.build(args.model, vocab_size=len(chars), seq_len=args.seq, **overrides)
-    batches = _batches(data, args.batch, args.seq, seed=1234)
+    start = resume[1] if resume else 0
+    batches = _batches(data, args.batch, args.seq, seed=1234, skip=start)  # the data position: batches drawn
     x, y = next(batches)
     t0 = time.perf_counter()
     job = meshc.compile(model, mesh, example_inputs=(mesh.shard_batch(x),))
@@ -58,29 +82,99 @@ def run(args: argparse.Namespace) -> int:
               f"{mesh.describe()}, compiled in {compile_s:.1f} s\n")
         print(job.explain(), "\n", flush=True)
     opt = job.optimizer(torch.optim.AdamW, lr=args.lr)
-    bar = _Progress(args.steps, enabled=lead)
+    if resume:
+        loaded, _ = job.load(resume[0])  # parameters, AdamW states, RNG states: as they were after that step
+        assert loaded == start, (loaded, start)
+        if lead:
+            print(f"resumed from step {start} (checkpoint {resume[0]}); training steps {start + 1}..{args.steps}\n",
+                  flush=True)
+    log = _loss_log(args.out, start) if lead else None
+    config = {k: getattr(args, k) for k in _SAME}
+    bar = _Progress(args.steps, enabled=lead, start=start)
     tokens = args.batch * args.seq
     losses = []
-    for step in range(1, args.steps + 1):
+    saved = None
+    for step in range(start + 1, args.steps + 1):
         t = time.perf_counter()
         loss = job.step(mesh.shard_batch(x), mesh.shard_batch(y), models.lm_loss)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
         bar.update(step, losses[-1], tokens / (time.perf_counter() - t))
+        if log is not None:
+            log.write(f"{step}\t{losses[-1]!r}\n")
+            log.flush()
         x, y = next(batches)
+        if step == args.steps or (args.save_every > 0 and step % args.save_every == 0):
+            bar.pause()
+            t = time.perf_counter()
+            saved = job.save(os.path.join(args.ckpt_dir, f"step_{step:06d}"), step=step,
+                             extra={"data_position": step, "config": config})
+            bar.note(f"saved checkpoint {saved} (step {step}, {time.perf_counter() - t:.1f} s)")
     if lead:
         bar.close()
-        k = max(1, args.steps // 10)  # single batches are noisy: compare the first and last tenths
-        first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-        print(f"mean loss of the first {k} steps {first:.3f} -> of the last {k} steps {last:.3f}; "
-              f"transformed graphs in {folder}/", flush=True)
+        log.close()
+        if losses:
+            k = max(1, len(losses) // 10)  # single batches are noisy: compare the first and last tenths
+            first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+            print(f"mean loss of the first {k} steps {first:.3f} -> of the last {k} steps {last:.3f}; "
+                  f"transformed graphs in {folder}/", flush=True)
+        else:
+            print(f"nothing to train: the checkpoint is at step {start}, --steps is {args.steps}", flush=True)
+        print(f"losses in {os.path.abspath(os.path.join(args.out, 'losses.txt'))}; "
+              + (f"last checkpoint {saved} (resume with --resume)" if saved else "no checkpoint saved"), flush=True)
     return 0
 
 
-def _batches(data: torch.Tensor, batch: int, seq: int, seed: int):
-    """Random windows of the text, the same global batch on every rank (each then takes its dp slice)."""
+def _resume_point(args: argparse.Namespace) -> tuple[str, int]:
+    """(folder, step) of the newest complete checkpoint in --ckpt-dir; a ValueError (exit status 2) if there
+    is none or it was saved for another model or data."""
+    from meshc.runtime.checkpoint import latest
+    from meshc.runtime.checkpoint_format import MANIFEST, read_json
+
+    folder = latest(args.ckpt_dir)
+    if folder is None:
+        raise ValueError(f"--resume: expected a complete checkpoint in {os.path.abspath(args.ckpt_dir)}, got none; "
+                         "run without --resume to start fresh (or pass the --ckpt-dir/--out of the earlier run)")
+    manifest = read_json(os.path.join(folder, MANIFEST))
+    saved = manifest.get("extra", {}).get("config", {})
+    diff = [f"--{k} {saved.get(k)} (now {getattr(args, k)})" for k in _SAME if saved.get(k) != getattr(args, k)]
+    if diff:
+        raise ValueError(f"--resume: {folder} was saved with {', '.join(diff)}; resume with the same options")
+    return folder, int(manifest["step"])
+
+
+def _clear_old_checkpoints(ckpt_dir: str) -> None:
+    """A fresh run starts a new series: the step_* checkpoints of an earlier run would be taken by --resume."""
+    if not os.path.isdir(ckpt_dir):
+        return
+    old = [n for n in os.listdir(ckpt_dir) if re.fullmatch(r"step_\d+(\.partial|\.old)?", n)]
+    for name in old:
+        shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+    if old:
+        print(f"meshc demo: fresh run: removed {len(old)} checkpoint folder(s) of an earlier run from "
+              f"{os.path.abspath(ckpt_dir)}", flush=True)
+
+
+def _loss_log(out: str, start: int):
+    """OUT/losses.txt for appending, holding the earlier run's lines up to `start` (none on a fresh run)."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "losses.txt")
+    kept = []
+    if start and os.path.isfile(path):
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and int(line.split("\t")[0]) <= start]
+    f = open(path, "w")
+    f.writelines(kept)
+    return f
+
+
+def _batches(data: torch.Tensor, batch: int, seq: int, seed: int, skip: int = 0):
+    """Random windows of the text, the same global batch on every rank (each then takes its dp slice);
+    `skip` batches are drawn and dropped first (the data position of a resumed run)."""
     g = torch.Generator().manual_seed(seed)
+    for _ in range(skip):
+        torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
     while True:
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
         window = torch.stack([data[s: s + seq + 1] for s in starts.tolist()])
@@ -101,11 +195,12 @@ def _write_graphs(job, mesh, out: str) -> str:
 class _Progress:
     """`step 40/300 [######--------------] loss 2.871  12,345 tok/s`, in place on a terminal."""
 
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled = total, enabled
+    def __init__(self, total: int, enabled: bool, start: int = 0):
+        self.total, self.enabled, self.start = total, enabled, start
         self.tty = sys.stdout.isatty()
         self.every = max(1, total // 20)
         self.rates: list[float] = []
+        self.open = False  # a line in place on the terminal
 
     def update(self, step: int, loss: float, rate: float) -> None:
         if not self.enabled:
@@ -117,12 +212,22 @@ class _Progress:
                 f"loss {loss:.3f}  {sorted(self.rates)[len(self.rates) // 2]:,.0f} tok/s")
         if self.tty:
             print("\r" + line, end="", flush=True)
-        elif step % self.every == 0 or step in (1, self.total):
+            self.open = True
+        elif step % self.every == 0 or step in (1, self.start + 1, self.total):
             print(line, flush=True)
 
+    def pause(self) -> None:
+        """End the line in place (before a message, or a save's warnings)."""
+        if self.enabled and self.open:
+            print(flush=True)
+            self.open = False
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            print(text, flush=True)
+
     def close(self) -> None:
-        if self.enabled and self.tty:
-            print()
+        self.pause()
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -138,7 +243,8 @@ def _launch(args: argparse.Namespace) -> int:
 def _forward(args: argparse.Namespace) -> list[str]:
     out = []
     for key, value in vars(args).items():
-        if key in ("command", "nproc") or value is None:  # torchrun would take --nproc as its own
+        if key in ("command", "nproc") or value is None or value is False:  # torchrun would take --nproc
             continue
-        out += [f"--{key}", str(value)]
+        flag = "--" + key.replace("_", "-")
+        out += [flag] if value is True else [flag, str(value)]
     return out
