@@ -73,6 +73,11 @@ class MeshcBackend:
             raise ValueError(f"meshc.backend: expected zero 0 or 3 and one micro-batch, got zero={self.plan.zero}, "
                              f"microbatches={self.plan.microbatches}; ZeRO-1/2 and micro-batches need the whole "
                              "training step: use meshc.compile(model, mesh, ...) instead")
+        if self.plan.inductor and self.plan.zero == 3:
+            raise ValueError("meshc.backend: expected inductor=False with zero=3, got both; ZeRO-3 re-gathers parameters "
+                             "in backward through saved-tensor hooks, which Inductor's compiled regions do not "
+                             "support here (a crash in backward was measured); use zero=3 with eager regions, "
+                             "inductor=True with zero=0, or meshc.compile(model, mesh, ...)")
         self.placements: dict[str, dict] = {}  # FQN -> placements, decided by the first graph using it
         self.block_graphs: dict[str, set[frozenset]] = {}
         self.swaps: dict[str, list] = {}  # FQN -> [spec, Parameter, shard leaf]: swapped after the first backward
