@@ -29,7 +29,7 @@ def worker(config: dict) -> None:
     from meshc.explain_cli import simulate
 
     dp, tp, pp = config["mesh"]
-    plan = meshc.Plan(trace="non-strict", fusion=False)
+    plan = meshc.Plan(trace="non-strict")  # the default passes, fuse_comm included
     sim = simulate("llama-70b", {"dp": dp, "tp": tp, "pp": pp}, rank=dp * tp * pp - 1, seq=4096, plan=plan,
                    layers=config["layers"])
     program = sim.job.program

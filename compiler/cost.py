@@ -36,7 +36,7 @@ Formulas:
   in flight: GPipe m; 1F1B min(m, p) on the first rank, 1 on the last; ZB-H1 min(m, p) on both;
       interleaved min(v·m, v·p + p − 1) first and min(v·m, (v−1)·p + 1) last (stage-sets of L/(p·v) layers).
   step time: m·t_mb·(1 + β) + T_tp + T_pp + max(0, T_dp − overlap·m·t_mb) + T_step + T_opt, with
-      t_mb = 3·(FLOPs/F + bytes/BW) + ops·τ (+ a forward again under full recompute, + its
+      t_mb = (3·(FLOPs/F + bytes/BW) + ops·τ)·κ, κ the profile's calibrated compute_scale (+ a forward again under full recompute, + its
       memory-bound part under selective), FLOPs per layer 2·s·b·(matmul weights) + 4·s²·b·h/t;
       T_tp: 4 collectives of s·b·h per layer and micro-batch (6 with full recompute: Megatron's f/g);
       T_dp: meshc reduces per micro-batch (DP all-reduce, ZeRO-2 reduce-scatter, ZeRO-3 2 all-gathers +
@@ -296,9 +296,9 @@ def formulas(hw: Hardware, flags) -> dict[str, sympy.Expr]:
     fwd = L / p * (layer_flops / hw.flops + layer_bytes / hw.mem_bandwidth) + head_flops / hw.flops \
         + head_bytes / hw.mem_bandwidth
     ops = L / p * OPS_PER_LAYER + 10
-    t_mb = 3 * fwd + ops * hw.op_overhead
-    recompute = rf * (fwd + ops * hw.op_overhead / 3) + rs * (L / p * layer_bytes / hw.mem_bandwidth
-                                                              + ops * hw.op_overhead / 3)
+    t_mb = (3 * fwd + ops * hw.op_overhead) * hw.compute_scale
+    recompute = (rf * (fwd + ops * hw.op_overhead / 3) + rs * (L / p * layer_bytes / hw.mem_bandwidth
+                                                               + ops * hw.op_overhead / 3)) * hw.compute_scale
     act_payload = s * b * h * cb
     tp_one = ((1 - sp) * _coll(hw, "all_reduce", t, act_payload, x_t)
               + sp * (_coll(hw, "reduce_scatter", t, act_payload, x_t) + _coll(hw, "all_gather", t, act_payload / t, x_t)))

@@ -119,7 +119,7 @@ class GraphCost:
         work = 3 * (self.flops / hw.flops + self.bytes / hw.mem_bandwidth) + self.ops * hw.op_overhead
         again = (self.recompute_flops / hw.flops + self.recompute_bytes / hw.mem_bandwidth
                  + self.recompute_ops * hw.op_overhead / 3)
-        return work, again
+        return work * hw.compute_scale, again * hw.compute_scale
 
 
 def graph_cost(gm: fx.GraphModule) -> GraphCost:

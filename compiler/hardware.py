@@ -24,6 +24,9 @@ Terms:
     adam_rate      elements per second an AdamW update processes (0: mem_bandwidth / 32 bytes).
     step_overhead  seconds meshc's runtime adds to each training step beyond the graph (calibrated).
     action_overhead seconds the pipeline executor adds per scheduled forward or backward (calibrated).
+    compute_scale  a real training step's compute time over the roofline's from the figures above: what
+                   microbenchmarks on reused tensors miss (fresh allocations, caches, dispatch); fitted by
+                   `meshc calibrate` on a small transformer's step; 1 for the GPU profiles.
 """
 from __future__ import annotations
 
@@ -109,10 +112,11 @@ class Hardware:
     adam_rate: float = 0.0
     step_overhead: float = 0.0
     action_overhead: float = 0.0
+    compute_scale: float = 1.0
     description: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("flops", "mem_bandwidth", "memory"):
+        for name in ("flops", "mem_bandwidth", "memory", "compute_scale"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Hardware.{name}: expected a positive number, got {getattr(self, name)!r}")
         for name in ("op_overhead", "adam_rate", "step_overhead", "action_overhead"):

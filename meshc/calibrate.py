@@ -181,15 +181,45 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def runtime_overheads(hw: Hardware, mesh, quick: bool) -> Hardware:
-    """meshc's own per-step and per-pipeline-action overheads: a tiny job measured against its prediction."""
+    """The compute scale (a small GPT's data-parallel step against its roofline), then meshc's own per-step
+    and per-pipeline-action overheads (a tiny job measured against its prediction)."""
     import dataclasses
 
+    hw = dataclasses.replace(hw, compute_scale=_compute_scale(hw, mesh.world_size, quick))
     hw = dataclasses.replace(hw, step_overhead=max(0.0, _job_excess(hw, {"dp": mesh.world_size}, 1, quick)))
     if mesh.world_size >= 2:
         m = 4
         excess = _job_excess(hw, {"pp": 2, "dp": mesh.world_size // 2}, m, quick)
         hw = dataclasses.replace(hw, action_overhead=max(0.0, excess / (2 * m)))
     return hw
+
+
+def _compute_scale(hw: Hardware, world: int, quick: bool) -> float:
+    """Measured over predicted compute of a 2-layer GPT (width 128, 128 tokens × 4 sequences per rank) on
+    dp = world: the part of a step that is not communication, optimizer or overhead, over its roofline."""
+    import dataclasses
+
+    import meshc
+    from meshc import models
+    from meshc.compiler.cost_graph import estimate_job
+
+    torch.manual_seed(0)
+    mesh = meshc.mesh(timeout_s=120, dp=world)
+    net = models.GPT(models.GPTConfig(vocab_size=512, seq_len=128, layers=2, heads=4, dim=128))
+    x = torch.randint(0, 512, (4, 128))
+    job = meshc.compile(net, mesh, example_inputs=(x,), plan=meshc.Plan(trace="non-strict"))
+    opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
+
+    def step():
+        job.step(x, x, models.lm_loss)
+        opt.step()
+        opt.zero_grad()
+    measured = _median_time(step, 7 if quick else 20, dist.barrier)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, measured)
+    est = estimate_job(job, dataclasses.replace(hw, compute_scale=1.0))
+    compute = est.time["compute"] + est.time["recompute"]
+    return min(max((statistics.median(everyone) - (est.step_time - compute)) / compute, 0.5), 4.0)
 
 
 def _job_excess(hw: Hardware, sizes: dict, m: int, quick: bool) -> float:

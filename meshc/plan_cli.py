@@ -96,7 +96,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     hw = calibrate.calibrate(out, nproc=args.nproc, quick=args.quick)
     print(f"meshc calibrate: {args.nproc} processes, {time.perf_counter() - t0:.1f} s; wrote {out}")
     print(f"  linear layers (forward + backward) {hw.flops / 1e9:.1f} GFLOP/s per process, memory {hw.mem_bandwidth / 1e9:.2f} GB/s, "
-          f"{hw.op_overhead * 1e6:.1f} us per graph op (forward + backward)")
+          f"{hw.op_overhead * 1e6:.1f} us per graph op (forward + backward); a training step's compute "
+          f"runs {hw.compute_scale:.2f}x its roofline")
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "send"):
         lat, bw = hw.intra.alpha_beta(kind)
         print(f"  {kind:<15} latency {lat * 1e6:8.1f} us, bandwidth {bw / 1e9:6.2f} GB/s")

@@ -21,6 +21,20 @@ import time
 import torch
 
 DIM, LAYERS, VOCAB, SEQ, BATCH = 128, 2, 256, 128, 8
+
+
+def _search():
+    import meshc
+    from meshc.compiler.planner import Search
+
+    # fusion off: the cost model charges a fused meshc kernel the bytes of one fused op, as its Triton
+    # version runs on a GPU; on CPU its torch reference runs the ops it replaces and more (measured: a tp=2
+    # step of this model 151 ms fused, 104 ms unfused, predicted ~90 ms either way; dp=2 60 vs 68 ms).
+    return Search(zero=(0, 3), remat=("none",), schedules=("1f1b",), microbatches=(1, 2), sequence_parallel=(False,),
+                  vocab_parallel=(False,), base=meshc.Plan(trace="non-strict", fusion=False))
+
+
+SEARCH = _search()
 ROUNDS, STEPS = 4, 3
 
 
@@ -85,7 +99,8 @@ def _rank(candidates: list[tuple[dict, object]]) -> dict:
     computes = [calibrate.median_of([ranks[r] for ranks in everyone]) for r in range(ROUNDS)]  # per round
     hw = Hardware.from_dict(calibrate.profile(calibrate.median_of(computes), _median_samples(links), base.world_size))
     hw = calibrate.runtime_overheads(hw, base, quick=True)
-    overheads = {"step_overhead": hw.step_overhead, "action_overhead": hw.action_overhead}
+    overheads = {"step_overhead": hw.step_overhead, "action_overhead": hw.action_overhead,
+                 "compute_scale": hw.compute_scale}
     by_round = [Hardware.from_dict({**calibrate.profile(c, lk, base.world_size), **overheads})
                 for c, lk in zip(computes, links)]
     out = {"hardware": hw.to_dict(), "plans": [], "load": os.getloadavg()[0]}  # the minute of the measurement

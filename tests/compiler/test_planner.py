@@ -85,10 +85,8 @@ def test_chosen_plan_is_the_fastest_measured_on_two_ranks():
     2-core machine move by ~10% from run to run, so a choice within 10% of the fastest measured counts."""
     candidates, runs = _measured()
     hw = hardware.Hardware.from_dict(runs[0]["hardware"])
-    search = Search(zero=(0, 3), remat=("none",), schedules=("1f1b",), microbatches=(1, 2),
-                    sequence_parallel=(False,), vocab_parallel=(False,))
     x, _ = cost_runs.batch()
-    result = plan_compiled(cost_runs.model, lambda dp: (x[: x.shape[0] // dp],), 2, hw, search=search)
+    result = plan_compiled(cost_runs.model, lambda dp: (x[: x.shape[0] // dp],), 2, hw, search=cost_runs.SEARCH)
     measured = {c: run["seconds"] for c, run in zip(candidates, runs[0]["plans"])}
     best = result.best.candidate
     chosen = measured[(tuple(sorted(best.sizes.items())), best.plan)]
