@@ -6,10 +6,10 @@ times them in interleaved rounds, each round preceded by a calibration (linear l
 overhead, AdamW, and each collective's latency and bandwidth). A plan's "ratio" is the median over rounds
 of predicted (on that round's calibration) over measured (that round's median step): a shared machine's
 load moves from round to round, and moves a calibration and the steps right after it alike. "hardware"
-is the profile of the medians over all rounds; "estimate" the prediction on it; "load" the machine's
-1-minute load average at the end (other jobs on the cores). Each plan also reports the bytes
-CommCensus counted for one step, the model state held after backward (job.held_bytes()), and the
-compiled-path estimate on the calibrated profile.
+is the profile of the medians over all rounds (compute scale and runtime overheads fitted at the end);
+"load" the machine's 1-minute load average, the higher of before and after the rounds (other jobs on the
+cores). Each plan also reports the bytes CommCensus counted for one step, the model state held after
+backward (job.held_bytes()), and the compiled-path estimate on the profile ("estimate").
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _rank(candidates: list[tuple[dict, object]]) -> dict:
             opt.zero_grad()
         step()
         jobs.append((job, opt, step, mesh, xs, ys))
-    computes, links = [], []
+    computes, links, load = [], [], os.getloadavg()[0]
     times: list[list[float]] = [[] for _ in jobs]  # [plan][round]: median of the round's steps
     for _ in range(ROUNDS):
         computes.append(calibrate.measure_compute(quick=True))
@@ -103,7 +103,7 @@ def _rank(candidates: list[tuple[dict, object]]) -> dict:
                  "compute_scale": hw.compute_scale}
     by_round = [Hardware.from_dict({**calibrate.profile(c, lk, base.world_size), **overheads})
                 for c, lk in zip(computes, links)]
-    out = {"hardware": hw.to_dict(), "plans": [], "load": os.getloadavg()[0]}  # the minute of the measurement
+    out = {"hardware": hw.to_dict(), "plans": [], "load": max(load, os.getloadavg()[0])}
     for i, (job, opt, step, mesh, xs, ys) in enumerate(jobs):
         job.step(xs, ys, zoo.lm_loss)  # gradients held, Adam's states exist: what held_bytes measures
         held = job.held_bytes()
