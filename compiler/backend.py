@@ -16,6 +16,7 @@ one program), is an error that says to use meshc.compile.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,10 +75,10 @@ class MeshcBackend:
                              f"microbatches={self.plan.microbatches}; ZeRO-1/2 and micro-batches need the whole "
                              "training step: use meshc.compile(model, mesh, ...) instead")
         if self.plan.inductor and self.plan.zero == 3:
-            raise ValueError("meshc.backend: expected inductor=False with zero=3, got both; ZeRO-3 re-gathers parameters "
-                             "in backward through saved-tensor hooks, which Inductor's compiled regions do not "
-                             "support here (a crash in backward was measured); use zero=3 with eager regions, "
-                             "inductor=True with zero=0, or meshc.compile(model, mesh, ...)")
+            raise ValueError("meshc.backend: expected inductor=False with zero=3, got both; Inductor traces into ZeRO-3's "
+                             "per-bucket gathers and saved-tensor hooks and recompiles them per bucket (measured: "
+                             "TorchDynamo's recompile limit hit, those parts falling back to eager); use zero=3 with "
+                             "eager regions, inductor=True with zero=0, or meshc.compile(model, mesh, ...)")
         self.placements: dict[str, dict] = {}  # FQN -> placements, decided by the first graph using it
         self.block_graphs: dict[str, set[frozenset]] = {}
         self.swaps: dict[str, list] = {}  # FQN -> [spec, Parameter, shard leaf]: swapped after the first backward
@@ -145,7 +146,10 @@ class MeshcBackend:
         """The per-rank program of one region for these input shapes; shards newly placed parameters."""
         wrapper, fake_inputs = _wrapper(gm, roles, args)
         fixed = dict(self.placements)
-        traced, _ = trace(wrapper, tuple(fake_inputs), mesh=self.mesh, plan=self.plan, prefix="model.")
+        # non-strict always: the graph is TorchDynamo's already, and a strict export would run TorchDynamo again
+        # inside its own backend (measured: intermittent crashes in the frame that called the compiled model)
+        plan = dataclasses.replace(self.plan, trace="non-strict")
+        traced, _ = trace(wrapper, tuple(fake_inputs), mesh=self.mesh, plan=plan, prefix="model.")
         _scopes_from_parameters(traced)
         program = run_passes(traced.replace(fixed_placements=fixed or None))
         self._shard(program, roles, args)
