@@ -61,6 +61,18 @@ def _optimizer_args(name: str):
     return torch.optim.AdamW, {"lr": LR}
 
 
+def assert_matches(rank: int, out: dict, ref: dict, steps: int, params_tol: float = 5e-5) -> None:
+    """One rank's run against the single-process reference: losses within 2e-5, step-1 gradients within 2e-6,
+    parameters after `steps` within `params_tol`, and the same parameter names (the tests say why)."""
+    worst = max(abs(a - b) for a, b in zip(out["losses"], ref["losses"]))
+    assert worst < 2e-5, (rank, out["losses"], ref["losses"])
+    diff, where = max_diff(out["grads0"], ref["grads0"])
+    assert diff < 2e-6, f"rank {rank}: step-1 gradient of {where} off by {diff}"
+    diff, where = max_diff(out["params"], ref["params"])
+    assert diff < params_tol, f"rank {rank}: parameter {where} off by {diff} after {steps} steps"
+    assert set(out["params"]) == set(ref["params"])
+
+
 def max_diff(a: dict, b: dict) -> tuple[float, str]:
     """The largest absolute difference over the keys both share, and where."""
     worst, where = 0.0, ""
