@@ -26,35 +26,19 @@ from benchmarks.common import launch, report, table  # noqa: E402
 FIELDS = ("zero", "microbatches", "schedule", "virtual", "remat", "sequence_parallel", "vocab_parallel", "fusion")
 
 
-def _model():
-    from tests.compiler import cost_runs
-
-    return cost_runs.model()
-
-
 def worker(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
     import meshc
-    from tests import zoo
     from tests.compiler import cost_runs
 
     torch.set_num_threads(1)
     x, y = cost_runs.batch()
     steps = []
     for sizes, fields in config["plans"]:
-        mesh = meshc.mesh(timeout_s=300, **sizes)
-        xs, ys = mesh.shard_batch(x), mesh.shard_batch(y)
-        job = meshc.compile(_model(), mesh, example_inputs=(xs,), plan=meshc.Plan(trace="non-strict", **fields))
-        opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
-
-        def step(job=job, opt=opt, xs=xs, ys=ys):
-            job.step(xs, ys, zoo.lm_loss)
-            opt.step()
-            opt.zero_grad()
-        step()
-        steps.append(step)
+        plan = meshc.Plan(trace="non-strict", **fields)
+        steps.append(cost_runs.compiled_step(sizes, plan, x, y, timeout_s=300)[2])
     times: list[list[float]] = [[] for _ in steps]
     for _ in range(config["rounds"]):
         for i, step in enumerate(steps):

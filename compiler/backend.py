@@ -82,9 +82,8 @@ class MeshcBackend:
         self.placements: dict[str, dict] = {}  # FQN -> placements, decided by the first graph using it
         self.block_graphs: dict[str, set[frozenset]] = {}
         self.swaps: dict[str, list] = {}  # FQN -> [spec, Parameter, shard leaf]: swapped after the first backward
-        self._queued = False
+        self._queued: set[str] = set()  # callbacks queued for the end of the current backward
         self._counting = None
-        self._check_queued = False
         self._fqn_of: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (parameter or buffer, FQN)
         self._lowered: dict[Any, tuple[Program, list, Any]] = {}
 
@@ -157,7 +156,8 @@ class MeshcBackend:
         return program
 
     def _shard(self, program: Program, roles, example_inputs) -> None:
-        """Swap each newly placed, sharded parameter for its ShardedParam (in place: references stay)."""
+        """Record the placements of parameters this graph places first; a sharded one is queued for its swap
+        to a ShardedParam (apply_swaps, after the first backward)."""
         for (kind, fqn), value in zip(roles, example_inputs):
             if kind != "param" or fqn in self.placements:
                 continue
@@ -171,16 +171,17 @@ class MeshcBackend:
         """Shard each newly placed parameter in place: the Parameter object (which the user's optimizer
         holds) takes this rank's shard and its gradient; its modules get a ShardedParam around it. Queued at
         the end of the first backward, so the optimizer's first step already sees shards."""
-        for fqn, (spec, value, shard) in list(self.swaps.items()):
-            if value is None:
-                continue
-            owners = module_tree.owners(value)
+        ready = {fqn: entry for fqn, entry in self.swaps.items() if entry[1] is not None}
+        if not ready:
+            return
+        owners = module_tree.owners([value for _, value, _ in ready.values()])  # one pass over the modules
+        for fqn, (spec, value, shard) in ready.items():
             with torch.no_grad():
                 value.data = shard.detach()
             value.grad = shard.grad
             sharded = ShardedParam(value, spec)  # what the model's code (and Dynamo) sees from now on
             self._fqn_of[id(sharded)] = (sharded, fqn)
-            for module, name in owners:
+            for module, name in owners[id(value)]:
                 module._parameters[name] = sharded
             del self.swaps[fqn]
 
@@ -200,22 +201,28 @@ class MeshcBackend:
         return entry[2]
 
     def _queue_swaps(self, grad: torch.Tensor) -> torch.Tensor:
-        if not self._queued:
-            self._queued = True
-            compat.queue_backward_callback(self._swap_after_backward)
+        self._after_backward(self.apply_swaps)
         return grad
 
     def queue_eager_check(self, grad: torch.Tensor) -> torch.Tensor:
-        if not self._check_queued:
-            self._check_queued = True
-            compat.queue_backward_callback(self._check_eager_use)
+        self._after_backward(self._check_eager_use)
         return grad
+
+    def _after_backward(self, fn) -> None:
+        """Run `fn` once when the current backward ends, however many hooks ask for it."""
+        if fn.__name__ in self._queued:
+            return
+        self._queued.add(fn.__name__)
+
+        def run():
+            self._queued.discard(fn.__name__)
+            fn()
+        compat.queue_backward_callback(run)
 
     def _check_eager_use(self) -> None:
         """A parameter that got a gradient but is in no compiled graph ran outside them (TorchDynamo runs
         some frames eagerly, e.g. one whose loop holds a graph break): its gradient was never averaged over
         dp nor its shards used; refuse rather than train it wrong."""
-        self._check_queued = False
         eager = sorted(fqn for t, fqn in self._fqn_of.values() if fqn not in self.placements
                        and not isinstance(t, ShardedParam) and t.grad is not None)
         if eager:
@@ -223,10 +230,6 @@ class MeshcBackend:
                                "outside the compiled graphs (TorchDynamo ran that code eagerly: a graph break in "
                                "a loop skips its whole frame), so their gradients were not synchronised; move the "
                                "break out of the loop, or use meshc.compile(model, mesh, ...)")
-
-    def _swap_after_backward(self) -> None:
-        self._queued = False
-        self.apply_swaps()
 
     @contextlib.contextmanager
     def counting(self, mode):

@@ -12,11 +12,15 @@ import gc
 import torch
 
 
-def owners(param: torch.Tensor) -> list[tuple[torch.nn.Module, str]]:
-    """The modules (and attribute names) that hold `param` (several for tied weights)."""
-    out = []
+def owners(params: list[torch.Tensor]) -> dict[int, list[tuple[torch.nn.Module, str]]]:
+    """id(param) -> the modules (and attribute names) that hold it (several for tied weights), for each of
+    `params`, in one pass over the live modules."""
+    wanted = {id(p) for p in params}
+    out: dict[int, list] = {i: [] for i in wanted}
     for module in _modules():
-        out += [(module, name) for name, p in module._parameters.items() if p is param]
+        for name, p in module._parameters.items():
+            if id(p) in wanted:
+                out[id(p)].append((module, name))
     return out
 
 

@@ -54,6 +54,25 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def compiled_step(sizes: dict, plan, x: torch.Tensor, y: torch.Tensor, timeout_s: float):
+    """The test model compiled under `plan` on a mesh of `sizes`, and one training step of it (run once here,
+    so that what is timed afterwards is steady): (job, opt, step, mesh, xs, ys)."""
+    import meshc
+    from tests import zoo
+
+    mesh = meshc.mesh(timeout_s=timeout_s, **sizes)
+    xs, ys = mesh.shard_batch(x), mesh.shard_batch(y)
+    job = meshc.compile(model(), mesh, example_inputs=(xs,), plan=plan)
+    opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
+
+    def step():
+        job.step(xs, ys, zoo.lm_loss)
+        opt.step()
+        opt.zero_grad()
+    step()
+    return job, opt, step, mesh, xs, ys
+
+
 def _rank(candidates: list[tuple[dict, object]]) -> dict:
     import torch.distributed as dist
 
@@ -69,17 +88,7 @@ def _rank(candidates: list[tuple[dict, object]]) -> dict:
     x, y = batch()
     jobs = []
     for sizes, plan in candidates:
-        mesh = meshc.mesh(timeout_s=120, **sizes)
-        xs, ys = mesh.shard_batch(x), mesh.shard_batch(y)
-        job = meshc.compile(model(), mesh, example_inputs=(xs,), plan=plan)
-        opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
-
-        def step(job=job, opt=opt, xs=xs, ys=ys):
-            job.step(xs, ys, zoo.lm_loss)
-            opt.step()
-            opt.zero_grad()
-        step()
-        jobs.append((job, opt, step, mesh, xs, ys))
+        jobs.append(compiled_step(sizes, plan, x, y, timeout_s=120))
     computes, links, load = [], [], os.getloadavg()[0]
     times: list[list[float]] = [[] for _ in jobs]  # [plan][round]: median of the round's steps
     for _ in range(ROUNDS):
