@@ -67,13 +67,13 @@ def worker(config: dict) -> None:
             job.step(x, y, _loss)
             opt.step()
             opt.zero_grad()
-            busy.append(job._pipe.last_busy)
-            elapsed.append(job._pipe.last_elapsed)
+            busy.append(job.pipeline_timing()[0])
+            elapsed.append(job.pipeline_timing()[1])
         seconds = median_step(step, steps=config["steps"], barrier=dist.barrier)
         measured = sum(e for e in elapsed[-config["steps"]:]) / sum(b for b in busy[-config["steps"]:]) - 1
         bubble = torch.tensor([measured])
         dist.all_reduce(bubble)
-        report({"step_s": seconds, "bubble": bubble.item() / pp, "predicted": job._pipe.simulated.bubble,
+        report({"step_s": seconds, "bubble": bubble.item() / pp, "predicted": job.compiled.pipeline.simulated.bubble,
                 "stages": [s.blocks for s in job.program.stage_info]})
         return
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline

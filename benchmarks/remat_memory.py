@@ -30,7 +30,7 @@ def _live_after_forward(job, x) -> int:
     from meshc.compiler import _torch_compat as compat
 
     refs: dict[int, tuple] = {}
-    held = [*job._store.masters.values(), *job._store.compute.values(), *job._buffers.values()]
+    held = [*dict(job.named_parameters()).values(), *job.compute_copies().values(), *dict(job.named_buffers()).values()]
     before = {StorageWeakRef(t.untyped_storage()).cdata for t in held}  # parameters: not activations
 
     class Meter(compat.dispatch_mode_base()):

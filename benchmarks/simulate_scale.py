@@ -32,7 +32,7 @@ def worker(config: dict) -> None:
     plan = meshc.Plan(trace="non-strict")  # the default passes, fuse_comm included
     sim = simulate("llama-70b", {"dp": dp, "tp": tp, "pp": pp}, rank=dp * tp * pp - 1, seq=4096, plan=plan,
                    layers=config["layers"])
-    program = sim.job.program
+    program = sim.rank_program.program
     trace = next((float(n.split(" in ")[1].split(" s")[0]) for n in program.notes if n.startswith("trace:")), 0.0)
     passes = sum(r.seconds for r in program.pass_log)
     out = {"seconds": sim.seconds, "trace_s": trace, "passes_s": passes, "peak_mib": sim.peak_rss / 2**20,

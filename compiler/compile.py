@@ -1,16 +1,36 @@
-"""compile_program: trace a model and run the passes its Plan calls for, for one rank."""
+"""compile_program and compile_rank: trace a model and run the passes its Plan calls for, for one rank.
+
+Nothing here needs a process group: the mesh is a MeshSpec (a runtime Mesh is accepted for its topology),
+so the planner and `meshc explain` compile any rank of any mesh in one process.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from ._torch_compat import tree_map
 from .driver import run_passes
-from .program import Program
+from .ir.program import Program
+from .pipeline_plan import PipelinePlan
 from .trace import trace
+
+
+@dataclass
+class CompiledRank:
+    """What one rank runs, as the compiler made it: the traced program, the transformed one, and its
+    pipeline (stages and schedule) when the plan has one. The public view that explain(), the cost model
+    and checkpoints read of a job."""
+
+    traced: Program
+    program: Program
+    pipeline: PipelinePlan | None
 
 
 def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, plan, rank: int | None = None,
                     prefix: str = "", fixed: dict | None = None) -> tuple[Program, Program, dict[str, torch.Tensor]]:
-    """(traced program, transformed program, full tensors by FQN) for `rank` (default: this process's).
+    """(traced program, transformed program, full tensors by FQN) for `rank` (default: a runtime Mesh's own).
 
     `fixed` gives placements decided by an earlier program of the same job, so that every program of a
     job shards each parameter the same way.
@@ -21,6 +41,30 @@ def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, 
     return traced, run_passes(traced), tensors
 
 
+def compile_rank(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, plan,
+                 rank: int | None = None) -> tuple[CompiledRank, dict[str, torch.Tensor]]:
+    """Compile `rank` of `mesh` for `model` called on this rank's dp-local `args`/`kwargs`; with pipeline
+    stages or micro-batches, the program is traced on one micro-batch and cut into its stages."""
+    pipelined = mesh.size("pp") > 1 or plan.microbatches > 1
+    if pipelined:
+        args, kwargs = one_microbatch((args, kwargs), plan.microbatches)
+    traced, program, tensors = compile_program(model, args, kwargs, mesh=mesh, plan=plan, rank=rank)
+    pipeline = PipelinePlan(program, plan) if pipelined else None
+    return CompiledRank(traced, program, pipeline), tensors
+
+
 def passes_for_rank(traced: Program, rank: int) -> Program:
     """The transformed program another rank runs, from the same trace (inspection only)."""
     return run_passes(traced.replace(rank=rank))
+
+
+def one_microbatch(tree: Any, m: int) -> Any:
+    """The example inputs cut to one micro-batch (their dim 0 divided by m)."""
+    def cut(t):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or m == 1:
+            return t
+        if t.shape[0] % m:
+            raise ValueError(f"meshc.compile: example input of {t.shape[0]} rows is not divisible by "
+                             f"microbatches={m}; pass this rank's dp-local batch, a multiple of {m}")
+        return t[: t.shape[0] // m]
+    return tree_map(cut, tree)

@@ -360,8 +360,8 @@ def schedule_terms(schedule: str, pp: int, m: int, virtual: int = 1) -> tuple[fl
 
 @functools.lru_cache(maxsize=4096)
 def _simulated_terms(schedule: str, pp: int, m: int, virtual: int) -> tuple[float, float, float]:
-    from meshc.runtime.schedule import schedule as make
-    from meshc.runtime.schedule_sim import simulate
+    from meshc.compiler.ir.named_schedule import schedule as make
+    from meshc.compiler.ir.schedule_sim import simulate
 
     result = simulate(make(schedule, pp, m, virtual))
     return float(result.peak_in_flight[0]), float(result.peak_in_flight[-1]), float(result.bubble)

@@ -10,7 +10,7 @@ for a pipeline, the schedule simulated with each stage's own costs.
 Terms: node cost = max-free roofline: FLOPs / device FLOP/s + bytes touched / memory bandwidth, plus
 op overhead per op; backward = 2 × forward in FLOPs and bytes; saved bytes = bytes of the distinct
 storages that ops keep for backward (views share their base's storage); in flight = micro-batches of
-activations a rank holds at the schedule's peak (runtime/schedule_sim).
+activations a rank holds at the schedule's peak (compiler/ir/schedule_sim).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from torch.utils.flop_counter import flop_registry
 
 from .cost import Estimate
 from .hardware import Hardware
-from .placement import FlatShard
+from .ir.placement import FlatShard
 
 aten = torch.ops.aten
 VIEWS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
@@ -141,7 +141,7 @@ def graph_cost(gm: fx.GraphModule) -> GraphCost:
 
 def _skipped_regather(node: fx.Node, record, grads: set[fx.Node]) -> bool:
     """A ZeRO-3 bucket is gathered again in backward only when autograd unpacks a saved parameter of it
-    (runtime/zero.py's saved-tensor hooks): a bucket no op saves (an embedding table: its backward needs
+    (runtime/zero_context.py's saved-tensor hooks): a bucket no op saves (an embedding table: its backward needs
     only the indices) is never gathered again, though the pass records the gather."""
     if record.kind != "all_gather" or record.phase != "backward" or "meshc.bucket" not in node.meta:
         return False
@@ -383,7 +383,7 @@ def _makespan(stages, times, schedule, sizes, hw):
     if schedule is None:
         t = times[0]
         return t.forward + t.backward, [t.forward + t.backward], [1]
-    from meshc.runtime.schedule_sim import simulate
+    from meshc.compiler.ir.schedule_sim import simulate
 
     pp = sizes.get("pp", 1)
     send = max((s[3] for s in stages), default=0)
@@ -440,7 +440,7 @@ def _buffers(program, sizes, boundary: int) -> float:
 
 def _extra_records(program, pipeline) -> list:
     """Collectives of a step that no graph node records: the dp loss average, the tied-gradient sum over pp."""
-    from .program import CommRecord
+    from .ir.program import CommRecord
 
     out = []
     if program.mesh.sizes.get("dp", 1) > 1:
@@ -479,11 +479,11 @@ def comm_bytes(program, pipeline=None) -> dict[tuple[str, str], float]:
     return out
 
 
-def estimate_job(job, hardware="cpu", own_rank: bool = False) -> Estimate:
-    """The compiled-path estimate of a compiled Job on `hardware` (a profile, name or JSON path); memory of
-    the fullest pp rank, or of the job's own with `own_rank`."""
+def estimate_compiled(compiled, hardware="cpu", own_rank: bool = False) -> Estimate:
+    """The compiled-path estimate of a CompiledRank (compiler/compile.py; `job.compiled` of a Job) on
+    `hardware` (a profile, name or JSON path); memory of the fullest pp rank, or of its own with `own_rank`."""
     from .hardware import load
 
-    pipeline = getattr(job, "_pipe", None)  # Job keeps its pipeline privately; explain() reads it the same way
-    rank = job.mesh.coord("pp") if own_rank and pipeline is not None else None
-    return compiled_estimate(job.program, load(hardware), pipeline, pp_rank=rank)
+    pipeline = compiled.pipeline
+    rank = pipeline.coord if own_rank and pipeline is not None else None
+    return compiled_estimate(compiled.program, load(hardware), pipeline, pp_rank=rank)

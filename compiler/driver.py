@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .program import Program
+from .ir.program import Program
 
 log = logging.getLogger("meshc.driver")
 

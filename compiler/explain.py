@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .placement import format_placements
-from .program import CommRecord, Program
+from .ir.placement import format_placements
+from .ir.program import CommRecord, Program
 from .show import human_bytes
 
 
@@ -135,7 +135,7 @@ def _stage_records(program: Program, pipeline) -> list:
 
 
 def _pipeline_lines(program: Program, pipeline) -> list[str]:
-    from meshc.runtime.schedule_sim import grid
+    from meshc.compiler.ir.schedule_sim import grid
 
     lines = []
     for s in program.stage_info:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 from .cost import Estimate, ModelShape, formula_estimate
 from .hardware import Hardware
-from .plan import Plan
+from .ir.plan import Plan
 from .show import human_bytes
 
 log = logging.getLogger("meshc.planner")
@@ -209,10 +209,18 @@ def _reason(c: Candidate, e: Estimate, best: Estimate, hw: Hardware) -> str:
     return f"+{slower:.0%}: {what} +{_ms(max(deltas[key], 0.0)).strip()}"
 
 
+USABLE = 0.9  # share of a device's memory a plan may fill by default: the rest is the allocator's and the runtime's
+
+
+def usable_memory(hardware: Hardware, memory: float | None) -> float:
+    """The per-rank memory plans must fit in: `memory` if given, else USABLE of the device's."""
+    return hardware.memory * USABLE if memory is None else memory
+
+
 def plan_model(shape: ModelShape, world: int, batch: int, hardware: Hardware, memory: float | None = None,
                search: Search = Search()) -> PlanResult:
     """The formula path: every plan for `world` ranks of a model of this shape, scored from its sizes."""
-    memory = hardware.memory * 0.9 if memory is None else memory
+    memory = usable_memory(hardware, memory)
     scored = []
     for sizes in meshes(world, heads=shape.heads, layers=shape.layers, batch=batch, search=search):
         for plan in plans_for(sizes, batch, search, shape.layers):
@@ -222,34 +230,27 @@ def plan_model(shape: ModelShape, world: int, batch: int, hardware: Hardware, me
 
 
 # ---------------------------------------------------------------------------------------------- compiled
-def estimate_plan(traced, mesh, plan: Plan, hardware: Hardware) -> Estimate:
+def estimate_plan(traced, plan: Plan, hardware: Hardware) -> Estimate:
     """Run the passes of `plan` on a traced program and estimate the result (its pipeline too)."""
-    from meshc.runtime.pipelined import Pipelined
-
     from .cost_graph import compiled_estimate
     from .driver import run_passes
+    from .pipeline_plan import PipelinePlan
 
     program = run_passes(traced.replace(plan=plan))
-    pipelined = mesh.size("pp") > 1 or plan.microbatches > 1
-    return compiled_estimate(program, hardware, Pipelined(program, mesh, plan) if pipelined else None)
+    pipelined = program.mesh.size("pp") > 1 or plan.microbatches > 1
+    return compiled_estimate(program, hardware, PipelinePlan(program, plan) if pipelined else None)
 
 
-def _traced(model, mesh, args: tuple, kwargs: dict, plan: Plan, cache: dict):
-    """The model traced for one rank on one micro-batch of its local inputs (cached per micro-batch count),
-    as a Job traces a pipelined plan."""
-    import torch
-
-    from ._torch_compat import tree_map
+def _traced(model, mesh, rank: int, args: tuple, kwargs: dict, plan: Plan, cache: dict):
+    """The model traced for `rank` on one micro-batch of its local inputs (cached per micro-batch count and
+    dtype), as a Job traces a pipelined plan."""
+    from .compile import one_microbatch
     from .trace import trace
 
     key = (plan.microbatches, plan.param_dtype)
     if key not in cache:
-        m = plan.microbatches
-
-        def cut(x):
-            return x[: x.shape[0] // m] if isinstance(x, torch.Tensor) and x.dim() > 0 else x
-        cut_args, cut_kwargs = tree_map(cut, (args, kwargs)) if m > 1 else (args, kwargs)
-        cache[key] = trace(model, tuple(cut_args), dict(cut_kwargs), mesh=mesh, plan=plan)[0]
+        cut_args, cut_kwargs = one_microbatch((args, kwargs), plan.microbatches)
+        cache[key] = trace(model, tuple(cut_args), dict(cut_kwargs), mesh=mesh, plan=plan, rank=rank)[0]
     return cache[key]
 
 
@@ -277,29 +278,24 @@ def _score_pruned(plans, score: Callable[[Plan], Estimate], memory: float, pp: i
 
 def plan_compiled(build: Callable[[], Any], inputs: Callable[[int], tuple], world: int, hardware: Hardware,
                   memory: float | None = None, search: Search = Search(), layers: int | None = None) -> PlanResult:
-    """The compiled path over every mesh of `world` ranks: each scored on the real graph of a simulated rank 0.
+    """The compiled path over every mesh of `world` ranks: each scored on the real graph of its rank 0.
 
-    `build()` returns the model; `inputs(dp)` the example inputs of one dp rank. Runs torch's fake process
-    group in this process: call it with no torch.distributed world initialized.
+    `build()` returns the model; `inputs(dp)` the example inputs of one dp rank. Every mesh is a MeshSpec:
+    no process group, fake or real, is created.
     """
-    import torch.distributed as dist
+    from .ir.mesh_spec import MeshSpec
 
-    from meshc.runtime.mesh import simulated_mesh
-
-    memory = hardware.memory * 0.9 if memory is None else memory
+    memory = usable_memory(hardware, memory)
     scored = []
     for sizes in meshes(world, search=search):
-        mesh = simulated_mesh(dp=sizes[0], tp=sizes[1], pp=sizes[2])
-        try:
-            model, args, cache = build(), inputs(sizes[0]), {}
-            batch = args[0].shape[0] * sizes[0]
+        mesh = MeshSpec({"dp": sizes[0], "tp": sizes[1], "pp": sizes[2]})
+        model, args, cache = build(), inputs(sizes[0]), {}
+        batch = args[0].shape[0] * sizes[0]
 
-            def score(plan: Plan) -> Estimate:
-                return estimate_plan(_traced(model, mesh, args, {}, plan, cache), mesh, plan, hardware)
-            for plan, est in _score_pruned(plans_for(sizes, batch, search, layers), score, memory, sizes[2]):
-                scored.append((Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan), est))
-        finally:
-            dist.destroy_process_group()
+        def score(plan: Plan) -> Estimate:
+            return estimate_plan(_traced(model, mesh, 0, args, {}, plan, cache), plan, hardware)
+        for plan, est in _score_pruned(plans_for(sizes, batch, search, layers), score, memory, sizes[2]):
+            scored.append((Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan), est))
     return rank(scored, memory, hardware)
 
 
@@ -313,13 +309,13 @@ def auto_plan(model, mesh, args: tuple, kwargs: dict, *, hardware: Hardware | st
 
     hw = detect() if hardware is None else load(hardware)
     search = search or Search()
-    memory = hw.memory * 0.9 if memory is None else memory
+    memory = usable_memory(hw, memory)
     sizes = (mesh.size("dp"), mesh.size("tp"), mesh.size("pp"))
     batch = args[0].shape[0] * sizes[0]
     cache: dict = {}
 
     def score(plan: Plan) -> Estimate:
-        return estimate_plan(_traced(model, mesh, args, kwargs, plan, cache), mesh, plan, hw)
+        return estimate_plan(_traced(model, mesh, mesh.rank, args, kwargs, plan, cache), plan, hw)
     scored = [(Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan), est)
               for plan, est in _score_pruned(plans_for(sizes, batch, search), score, memory, sizes[2])]
     result = rank(scored, memory, hw)

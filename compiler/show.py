@@ -11,7 +11,7 @@ from typing import Any, TextIO
 import torch
 import torch.fx as fx
 
-from .placement import format_placements
+from .ir.placement import format_placements
 
 
 def format_graph(gm: fx.GraphModule, program: Any = None) -> str:

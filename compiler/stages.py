@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .errors import MeshcInternalError
-from .program import Program
+from .ir.errors import MeshcInternalError
+from .ir.program import Program
 
 MARKER = "pippy::_pipe_split"
 

@@ -21,8 +21,9 @@ import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 
-from .errors import TraceError
-from .program import ParamSpec, Program, replicated
+from .ir.errors import TraceError
+from .ir.mesh_spec import as_spec
+from .ir.program import ParamSpec, Program, replicated
 
 log = logging.getLogger("meshc.trace")
 
@@ -54,15 +55,21 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, me
           rank: int | None = None, prefix: str = "") -> tuple[Program, dict[str, torch.Tensor]]:
     """Trace `model(*args, **kwargs)` into a Program; also return the full tensors by canonical FQN.
 
+    `mesh` is a MeshSpec (or a runtime Mesh: its topology is taken); `rank` defaults to the Mesh's own.
     `prefix` is stripped from every FQN (a wrapper module's attribute name for the model it wraps).
     """
+    if rank is None:
+        rank = getattr(mesh, "rank", None)
+        if rank is None:
+            raise ValueError("trace: expected a rank to compile for with a MeshSpec, got none; pass rank=")
+    mesh = as_spec(mesh)
     kwargs = dict(kwargs or {})
     t0 = time.perf_counter()
     with _in_dtype(model, plan.param_dtype):
         if plan.param_dtype is not None:
             args, kwargs = _cast_floating((tuple(args), kwargs), plan.param_dtype)
         ep, mode = export(model, tuple(args), kwargs, plan.trace)
-    program, tensors = _program_from_export(ep, model, mesh, plan, mesh.rank if rank is None else rank, mode, prefix)
+    program, tensors = _program_from_export(ep, model, mesh, plan, rank, mode, prefix)
     program.notes.append(f"trace: torch.export ({mode}) in {time.perf_counter() - t0:.2f} s, "
                          f"{len(program.gm.graph.nodes)} nodes")
     return program, tensors

@@ -12,9 +12,9 @@
 """
 from __future__ import annotations
 
-from .errors import MeshcInternalError
-from .placement import Shard
-from .program import Program
+from .ir.errors import MeshcInternalError
+from .ir.placement import Shard
+from .ir.program import Program
 
 KNOWN_META = {"meshc.role", "meshc.fqn", "meshc.placement", "meshc.why", "meshc.comm", "meshc.bucket",
               "meshc.shape", "meshc.stage"}

@@ -6,12 +6,12 @@
     loss = job.step(x, y, loss_fn); opt.step(); opt.zero_grad()
     print(job.explain())
 """
-from meshc.compiler.api import compile
-from meshc.compiler.backend import backend, last_compiled
-from meshc.compiler.errors import MeshcInternalError, MeshcWarning, TraceError
-from meshc.compiler.plan import Plan
+from meshc.api import compile
+from meshc.backend import backend, last_compiled
+from meshc.compiler.ir.errors import MeshcInternalError, MeshcWarning, TraceError
+from meshc.compiler.ir.plan import Plan
 from meshc.compiler.show import show
-from meshc.runtime.job import Job
+from meshc.job import Job
 from meshc.runtime.mesh import Mesh, mesh
 from torch.distributed.pipelining import pipe_split  # a cut marker for model code: meshc.pipe_split()
 

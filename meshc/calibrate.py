@@ -201,7 +201,7 @@ def _compute_scale(hw: Hardware, world: int, quick: bool) -> float:
 
     import meshc
     from meshc import models
-    from meshc.compiler.cost_graph import estimate_job
+    from meshc.compiler.cost_graph import estimate_compiled
 
     torch.manual_seed(0)
     mesh = meshc.mesh(timeout_s=120, dp=world)
@@ -217,7 +217,7 @@ def _compute_scale(hw: Hardware, world: int, quick: bool) -> float:
     measured = _median_time(step, 7 if quick else 20, dist.barrier)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, measured)
-    est = estimate_job(job, dataclasses.replace(hw, compute_scale=1.0))
+    est = estimate_compiled(job.compiled, dataclasses.replace(hw, compute_scale=1.0))
     compute = est.time["compute"] + est.time["recompute"]
     return min(max((statistics.median(everyone) - (est.step_time - compute)) / compute, 0.5), 4.0)
 
@@ -225,7 +225,7 @@ def _compute_scale(hw: Hardware, world: int, quick: bool) -> float:
 def _job_excess(hw: Hardware, sizes: dict, m: int, quick: bool) -> float:
     """Measured minus predicted step time of a tiny job on this world (every rank runs it)."""
     import meshc
-    from meshc.compiler.cost_graph import estimate_job
+    from meshc.compiler.cost_graph import estimate_compiled
 
     torch.manual_seed(0)
     mesh = meshc.mesh(timeout_s=120, **sizes)
@@ -241,7 +241,7 @@ def _job_excess(hw: Hardware, sizes: dict, m: int, quick: bool) -> float:
     measured = _median_time(step, 7 if quick else 20, dist.barrier)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, measured)
-    return statistics.median(everyone) - estimate_job(job, hw).step_time
+    return statistics.median(everyone) - estimate_compiled(job.compiled, hw).step_time
 
 
 def profile(compute: dict[str, float], samples: dict, ranks: int, name: str = "cpu-gloo") -> dict:

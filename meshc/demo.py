@@ -28,7 +28,7 @@ import torch
 import meshc
 from meshc import models
 from meshc.compiler.show import format_graph
-from meshc.runtime.mesh import parse_sizes
+from meshc.compiler.ir.mesh_spec import parse_sizes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,8 +1,9 @@
 """`meshc explain`: compile one rank of a built-in model on a mesh, in this process, and print the plan
 with its predicted memory and step time.
 
-No processes are launched and no memory is spent on weights: the mesh runs on torch's fake process
-group and the model is built from fake tensors, so a plan for thousands of ranks can be read on a laptop:
+No processes are launched, no process group is created and no memory is spent on weights: the mesh is a
+MeshSpec (sizes and group names only) and the model is built from fake tensors, so a plan for thousands of
+ranks can be read on a laptop:
 
     meshc explain --model llama-70b --mesh dp=64,tp=8,pp=4 --microbatches 16 --hardware h100
 
@@ -16,26 +17,27 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 import meshc
 from meshc import models
 from meshc.compiler import _torch_compat as compat
 from meshc.compiler.cost import Estimate, formula_estimate
-from meshc.compiler.cost_graph import estimate_job
+from meshc.compiler.compile import CompiledRank, compile_rank
+from meshc.compiler.cost_graph import estimate_compiled
+from meshc.compiler.explain import explain
 from meshc.compiler.hardware import load as load_hardware
 from meshc.compiler.show import format_graph
-from meshc.runtime.mesh import parse_sizes, simulated_mesh
+from meshc.compiler.ir.mesh_spec import MeshSpec, parse_sizes
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Simulation:
-    """What a simulated compile of one rank produced: the job (its graphs), its report, the estimates
+    """What a simulated compile of one rank produced: its programs (and pipeline), its report, the estimates
     from the compiled graph and from the formulas, and what the compile cost this process."""
 
-    job: object
+    rank_program: CompiledRank
     report: object
     compiled: Estimate
     formula: Estimate | None
@@ -63,16 +65,13 @@ def simulate(model: str, mesh: dict[str, int], *, rank: int = 0, plan: meshc.Pla
     seq = seq or models.seq_len(model)
     hw = load_hardware(hardware)
     t0 = time.perf_counter()
-    fake_mesh = simulated_mesh(rank=rank, **sizes)
-    try:
-        with compat.fake_tensor_mode():
-            net = models.build(model, seq_len=seq, **overrides)
-            tokens = torch.zeros(batch // dp, seq, dtype=torch.long)
-            job = meshc.compile(net, fake_mesh, example_inputs=(tokens,), plan=plan)
-        report = job.explain()
-        compiled = estimate_job(job, hw)
-    finally:
-        dist.destroy_process_group()
+    spec = MeshSpec(sizes)
+    with compat.fake_tensor_mode():
+        net = models.build(model, seq_len=seq, **overrides)
+        tokens = torch.zeros(batch // dp, seq, dtype=torch.long)
+        result, _ = compile_rank(net, (tokens,), {}, mesh=spec, plan=plan, rank=rank)
+    report = explain(result.program, (), result.pipeline)
+    compiled = estimate_compiled(result, hw)
     seconds = time.perf_counter() - t0
     try:
         shape = models.shape(model, seq=seq)
@@ -84,7 +83,7 @@ def simulate(model: str, mesh: dict[str, int], *, rank: int = 0, plan: meshc.Pla
     except (ValueError, TypeError):
         formula = None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return Simulation(job=job, report=report, compiled=compiled, formula=formula, seconds=seconds, peak_rss=peak)
+    return Simulation(rank_program=result, report=report, compiled=compiled, formula=formula, seconds=seconds, peak_rss=peak)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -132,5 +131,5 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(f"  {line}" for line in sim.formula.lines()))
     print(f"\nsimulated compile: {sim.seconds:.1f} s, peak memory of this process {sim.peak_rss / 2**30:.2f} GiB")
     if args.graph:
-        print("\n" + format_graph(sim.job.graph(), sim.job.program))
+        print("\n" + format_graph(sim.rank_program.program.gm, sim.rank_program.program))
     return 0

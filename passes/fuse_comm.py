@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from meshc.compiler.program import Program
+from meshc.compiler.ir.program import Program
 
 from . import fuse_patterns as fp
 

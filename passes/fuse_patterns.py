@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from meshc.compiler.placement import Shard
-from meshc.compiler.program import Program
+from meshc.compiler.ir.placement import Shard
+from meshc.compiler.ir.program import Program
 from meshc.kernels.bias_act import bias_gelu, bias_swiglu
 from meshc.kernels.bias_dropout_add_norm import bias_dropout_add_norm
-from meshc.runtime import collectives as C
-from meshc.runtime.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from meshc.runtime.zero import zero_gather, zero_reduce
+from meshc.runtime.ops import collectives as C
+from meshc.runtime.ops.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from meshc.runtime.ops.zero import zero_gather, zero_reduce
 
 aten = torch.ops.aten
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)

@@ -18,7 +18,7 @@ Terms: bucket = parameters grouped in order of first use, with one dtype, the sa
 Before:
     %linear = aten.linear(%x, %p_w1, %p_b1)
 After:
-    %grad_sync = meshc.runtime.collectives.grad_sync(%p_w1, %p_b1, groups=('3',), size=2)
+    %grad_sync = meshc.runtime.ops.collectives.grad_sync(%p_w1, %p_b1, groups=('3',), size=2)
     %getitem = getitem(%grad_sync, 0)
     %getitem_1 = getitem(%grad_sync, 1)
     %linear = aten.linear(%x, %getitem, %getitem_1)
@@ -29,8 +29,8 @@ import operator
 
 import torch.fx as fx
 
-from meshc.compiler.program import CommRecord, Program
-from meshc.runtime.collectives import grad_sync
+from meshc.compiler.ir.program import CommRecord, Program
+from meshc.runtime.ops.collectives import grad_sync
 
 from .blocks import stages_using
 

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from meshc.compiler.program import Program
+from meshc.compiler.ir.program import Program
 
 from .blocks import block_of
 

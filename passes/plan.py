@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from meshc.compiler.placement import Partial, Replicate, Shard
-from meshc.compiler.program import Program
+from meshc.compiler.ir.placement import Partial, Replicate, Shard
+from meshc.compiler.ir.program import Program
 
 from . import tp_views  # noqa: F401  (registers the view rules)
 from .shapes import divides

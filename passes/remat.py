@@ -2,7 +2,7 @@
 
 Purpose: trade compute for activation memory, as Megatron-LM's full and selective recompute do. Each
 transformer block's activations (per pipeline stage) become one checkpointed sub-graph: backward
-recomputes what was not kept (runtime/remat.py says what each policy keeps). Values that only that block
+recomputes what was not kept (runtime/ops/remat.py says what each policy keeps). Values that only that block
 uses and that depend only on parameters (its ZeRO-3 gather, its parameter slices) move inside it, so
 that its gathered parameters are recomputed with it rather than kept: remat composes with ZeRO-3.
 
@@ -22,8 +22,8 @@ import operator
 
 import torch.fx as fx
 
-from meshc.compiler.program import Program
-from meshc.runtime.remat import Remat
+from meshc.compiler.ir.program import Program
+from meshc.runtime.ops.remat import Remat
 
 from .blocks import block_of
 from .pipeline_split import activations

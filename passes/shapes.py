@@ -17,8 +17,8 @@ from __future__ import annotations
 import sympy
 import torch
 
-from meshc.compiler.placement import Shard
-from meshc.compiler.program import Program
+from meshc.compiler.ir.placement import Shard
+from meshc.compiler.ir.program import Program
 
 
 def shapes_pass(program: Program) -> Program:

@@ -17,7 +17,7 @@ Before (rowwise MLP output, tp=2):
     %linear_5 = aten.linear(%gelu, %p_w2, %p_b2)
 After:
     %linear_5 = aten.linear(%gelu, %p_w2)                        S(2) x S(1) -> P
-    %all_reduce = meshc.runtime.collectives.all_reduce(%linear_5, group='5')       P -> R
+    %all_reduce = meshc.runtime.ops.collectives.all_reduce(%linear_5, group='5')       P -> R
     %add_9 = aten.add.Tensor(%all_reduce, %p_b2)
 """
 from __future__ import annotations
@@ -29,11 +29,11 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler import _torch_compat as compat
-from meshc.compiler.errors import MeshcInternalError, MeshcWarning
-from meshc.compiler.placement import Partial, Replicate, Shard
-from meshc.compiler.program import CommRecord, Program
-from meshc.runtime import collectives as C
-from meshc.runtime.tp_ops import vocab_parallel_cross_entropy, vocab_parallel_embedding
+from meshc.compiler.ir.errors import MeshcInternalError, MeshcWarning
+from meshc.compiler.ir.placement import Partial, Replicate, Shard
+from meshc.compiler.ir.program import CommRecord, Program
+from meshc.runtime.ops import collectives as C
+from meshc.runtime.ops.tp_ops import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 from . import tp_views  # noqa: F401  (registers the view rules)
 from .shapes import check_divisible

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from meshc.compiler.placement import Partial, Placement, Replicate, Shard
+from meshc.compiler.ir.placement import Partial, Placement, Replicate, Shard
 
 aten = torch.ops.aten
 R, P = Replicate(), Partial()

@@ -12,7 +12,7 @@ import operator
 
 import torch.fx as fx
 
-from meshc.compiler.placement import Partial, Replicate, Shard
+from meshc.compiler.ir.placement import Partial, Replicate, Shard
 
 from .tp_rules import R, Decision, RuleCtx, register
 

@@ -37,9 +37,9 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler import _torch_compat as compat
-from meshc.compiler.placement import FlatShard
-from meshc.compiler.program import CommRecord, Program
-from meshc.runtime.zero import shard_size, zero_gather, zero_gather_start, zero_reduce
+from meshc.compiler.ir.placement import FlatShard
+from meshc.compiler.ir.program import CommRecord, Program
+from meshc.runtime.ops.zero import shard_size, zero_gather, zero_gather_start, zero_reduce
 
 from .blocks import block_of, stages_using
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshc.compiler.placement import FlatShard, Replicate
+from meshc.compiler.ir.placement import FlatShard, Replicate
 
 from . import failures
 from .checkpoint_format import (FORMAT, MANIFEST, VERSION, JsonReader, JsonWriter, Piece, PieceLoadPlanner,
@@ -91,13 +91,13 @@ def _save_items(job, opts: list) -> tuple[dict, dict]:
             placements = {} if scalar else spec.placements
             items[key] = (shape, t.dtype, pieces(t.detach(), shape, placements, sizes, coords))
 
-    for fqn, p in job._params.items():
+    for fqn, p in job.named_parameters():
         add(_model_key(fqn), "param", p, job.program.params[fqn])
-    for fqn, b in job._buffers.items():
+    for fqn, b in job.named_buffers():
         add(_model_key(fqn), "buffer", b, job.program.buffers[fqn])
     optim_docs = []
     for i, opt in enumerate(opts):
-        fqn_of = {id(p): f for f, p in job._params.items()}
+        fqn_of = {id(p): f for f, p in job.named_parameters()}
         doc = {"class": type(opt).__name__, "groups": [], "state": {}}
         for group in opt.param_groups:
             doc["groups"].append({"hyper": _json_hyper(group, type(opt).__name__),
@@ -145,7 +145,7 @@ def _publish(job, tmp: str, path: str, step: int, extra: dict, gathered: list) -
     files = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
     manifest = {"format": FORMAT, "version": VERSION, "step": int(step), "extra": extra,
                 "world_size": job.mesh.world_size, "mesh": dict(job.mesh.sizes), "plan": job.plan.describe(),
-                "tensors": tensors, "state_dict_keys": dict(job._state_keys), "optimizers": optims, "files": files}
+                "tensors": tensors, "state_dict_keys": job.state_dict_keys, "optimizers": optims, "files": files}
     write_json(os.path.join(tmp, MANIFEST), manifest)
     old = path + ".old"
     if os.path.isdir(old):
@@ -201,15 +201,16 @@ def _load_items(job, opts: list, manifest: dict) -> dict[str, tuple]:
         parts: list[Piece] = pieces(t.detach(), shape, placements, sizes, coords)
         items.setdefault(key, (tuple(shape), []))[1].extend(parts)
 
-    for fqn, p in job._params.items():
+    compute = job.compute_copies()
+    for fqn, p in job.named_parameters():
         spec = job.program.params[fqn]
         dest(_model_key(fqn), p, spec.shape, spec.placements)
-        if fqn in job._store.compute:  # ZeRO-1/2: the whole tp-local copy the graph reads (no gather needed)
+        if fqn in compute:  # ZeRO-1/2: the whole tp-local copy the graph reads (no gather needed)
             whole = {a: Replicate() if isinstance(pl, FlatShard) else pl for a, pl in spec.placements.items()}
-            dest(_model_key(fqn), job._store.compute[fqn], spec.shape, whole)
-    for fqn, b in job._buffers.items():
+            dest(_model_key(fqn), compute[fqn], spec.shape, whole)
+    for fqn, b in job.named_buffers():
         dest(_model_key(fqn), b, job.program.buffers[fqn].shape, job.program.buffers[fqn].placements)
-    fqn_of = {id(p): f for f, p in job._params.items()}
+    fqn_of = {id(p): f for f, p in job.named_parameters()}
     for i, (opt, doc) in enumerate(zip(opts, manifest["optimizers"])):
         for group in opt.param_groups:
             for p in group["params"]:
@@ -346,7 +347,7 @@ def export(path: str | os.PathLike, to: str = "hf", out: str | os.PathLike | Non
 
 def full_optimizer_state(job, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
     """{fqn: {state name: whole tensor or value}} gathered from every rank's shards (a collective)."""
-    fqn_of = {id(p): f for f, p in job._params.items()}
+    fqn_of = {id(p): f for f, p in job.named_parameters()}
     mine = {fqn_of[id(p)]: st for p, st in optimizer.state.items()}
     names = [None] * job.mesh.world_size  # (shaped like the parameter, value if not) of every state, every rank
     dist.all_gather_object(names, {f: {k: (_shaped(v), None if _shaped(v) else _plain(v)) for k, v in st.items()}
@@ -359,7 +360,7 @@ def full_optimizer_state(job, optimizer: torch.optim.Optimizer) -> dict[str, dic
     for f in sorted(merged):
         for name, (shaped, value) in sorted(merged[f].items()):
             if shaped:
-                out[f][name] = job._whole({f: mine[f][name]} if f in mine else {}, [f])[f].clone()
+                out[f][name] = job.whole_tensors({f: mine[f][name]} if f in mine else {}, [f])[f].clone()
             else:
                 out[f][name] = value
     return out
@@ -376,11 +377,11 @@ def _plain(v: Any) -> Any:
 def _optimizers(job, given) -> list:
     if given is not None:
         return list(given)
-    return [opt for ref in job._optimizers if (opt := ref()) is not None]
+    return job.live_optimizers()
 
 
 def _owner(job, fqn: str) -> int:
-    return job._pipe.owner(fqn) if job._pipe is not None else 0
+    return job.pp_owner(fqn)
 
 
 def _model_key(fqn: str) -> str:

@@ -42,8 +42,8 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, ReadIte
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from meshc.compiler import _torch_compat as compat
-from meshc.compiler.errors import MeshcInternalError
-from meshc.compiler.placement import FlatShard, Shard
+from meshc.compiler.ir.errors import MeshcInternalError
+from meshc.compiler.ir.placement import FlatShard, Shard
 
 FORMAT = "meshc-checkpoint"
 VERSION = 1

@@ -36,7 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshc.compiler.placement import format_placements
+from meshc.compiler.ir.placement import format_placements
 
 INTERVAL = 0.25  # seconds between heartbeats
 PROBE = 1.0  # seconds a failing rank watches the others' heartbeats
@@ -288,9 +288,10 @@ def fingerprint(job) -> dict:
     params = [f"{s.fqn} {tuple(s.shape)} {s.dtype} {format_placements(s.placements)}" for s in program.params.values()]
     comms = [f"{r.kind} over {r.axis}, {r.bytes} B, {r.phase}, x{r.count}" for _, r in program.comm_records()]
     messages = []
-    if job._pipe is not None and mesh.size("pp") > 1:
+    pipeline = job.compiled.pipeline
+    if pipeline is not None and mesh.size("pp") > 1:
         ranks = mesh.group_ranks("pp")
-        for m in job._pipe.schedule.program(mesh.coord("pp")):
+        for m in pipeline.schedule.program(mesh.coord("pp")):
             if hasattr(m, "peer"):
                 producer = m.stage if m.op == "send" else (m.stage - 1 if m.kind == "F" else m.stage + 1)
                 messages.append((m.op, ranks[m.peer], f"{m.kind} micro-batch {m.microbatch} from stage {producer}"))

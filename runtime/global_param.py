@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from meshc.compiler import _torch_compat as compat
-from meshc.compiler.program import ParamSpec
+from meshc.compiler.ir.program import ParamSpec
 
 aten = torch.ops.aten
 _VIEWS_OF_SELF = {aten.detach.default, aten.alias.default}

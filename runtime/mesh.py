@@ -1,10 +1,10 @@
-"""The device mesh: named axes pp × dp × tp over the ranks of a torch.distributed world.
+"""The device mesh at run time: a MeshSpec (compiler/ir/mesh_spec.py) and the process groups behind it.
 
-Ranks are laid out with tp innermost (consecutive ranks share a tp group, as Megatron-LM places tensor
-parallelism inside a node), then dp, then pp outermost. The Mesh creates one process group per group
-of every axis, on every rank, so that it knows each rank's group names: graphs compiled for any rank
-name the exact groups that rank will use. Nothing here lives in a global: the Mesh is passed
-explicitly wherever a group is needed.
+Ranks are laid out as the MeshSpec says (tp innermost, then dp, then pp). The Mesh creates one process
+group per group of every axis, on every rank, so that it knows each rank's group names: graphs compiled
+for any rank name the exact groups that rank will use. No process group lives in a module global: the
+Mesh is passed explicitly wherever a group is needed (the one module-level slot below only remembers, by
+weak reference, which mesh `meshc.mesh()` built last, for the torch.compile door's default).
 """
 from __future__ import annotations
 
@@ -18,78 +18,70 @@ import torch
 import torch.distributed as dist
 
 from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir.mesh_spec import AXES, MeshSpec, label
 
 from .failures import elastic_store
 
-AXES = ("pp", "dp", "tp")  # outermost first
-
 
 class Mesh:
-    """Named axes over an initialized process group. Build it with `meshc.mesh(...)`."""
+    """Named axes over an initialized process group. Build it with `meshc.mesh(...)`.
+
+    `spec` is its topology (what the compiler sees); the methods below answer for this rank by default.
+    """
 
     def __init__(self, sizes: dict[str, int], *, device: torch.device, timeout: timedelta):
         if not dist.is_initialized():
             raise ValueError("Mesh: expected an initialized torch.distributed world; use meshc.mesh(...)")
-        self.sizes = {axis: int(sizes.get(axis, 1)) for axis in AXES}
+        shape = MeshSpec(sizes)
+        self.sizes = dict(shape.sizes)
         self.world_size = dist.get_world_size()
+        if shape.world_size != self.world_size:
+            raise ValueError(f"Mesh: expected sizes whose product is the world size {self.world_size}, "
+                             f"got {shape.describe()}")
         self.rank = dist.get_rank()
         self.device = device
         self.backend = dist.get_backend()
         self.timeout = timeout
         self._groups: dict[str, dist.ProcessGroup] = {}
         for axis in AXES:
-            for row in self.all_groups(axis):  # every rank creates every group, in the same order
+            for row in shape.all_groups(axis):  # every rank creates every group, in the same order
                 group = dist.new_group(list(row), timeout=timeout)
                 if self.rank in row:
                     self._groups[axis] = group
-        self._group_names = self._exchange_group_names()
+        self.spec = MeshSpec(self.sizes, self._exchange_group_names(shape), device_type=device.type,
+                             backend=self.backend)
         self._device_mesh = None
 
     # ----------------------------------------------------------------------------- coordinates
     def size(self, axis: str) -> int:
-        self._check_axis(axis)
-        return self.sizes[axis]
+        return self.spec.size(axis)
 
     def coords(self, rank: int | None = None) -> dict[str, int]:
         """This rank's (or `rank`'s) index along every axis."""
-        rank = self.rank if rank is None else rank
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"Mesh.coords: expected a rank in [0, {self.world_size}), got {rank}")
-        out = {}
-        for axis in reversed(AXES):  # tp varies fastest
-            rank, out[axis] = divmod(rank, self.sizes[axis])
-        return {axis: out[axis] for axis in AXES}
+        return self.spec.coords(self.rank if rank is None else rank)
 
     def rank_at(self, coords: dict[str, int]) -> int:
         """The rank at the given index along every axis."""
-        rank = 0
-        for axis in AXES:
-            rank = rank * self.sizes[axis] + coords[axis]
-        return rank
+        return self.spec.rank_at(coords)
 
     def all_groups(self, axis: str) -> list[tuple[int, ...]]:
         """Every group along `axis` (each a tuple of ranks in axis order), in a fixed order."""
-        self._check_axis(axis)
-        firsts = [r for r in range(self.world_size) if self.coords(r)[axis] == 0]
-        return [self.group_ranks(axis, r) for r in firsts]
+        return self.spec.all_groups(axis)
 
     def coord(self, axis: str, rank: int | None = None) -> int:
-        self._check_axis(axis)
-        return self.coords(rank)[axis]
+        return self.spec.coord(axis, self.rank if rank is None else rank)
 
     def group_ranks(self, axis: str, rank: int | None = None) -> tuple[int, ...]:
         """The ranks that share `rank`'s group along `axis`, in axis order."""
-        c = self.coords(rank)
-        return tuple(self.rank_at({**c, axis: i}) for i in range(self.sizes[axis]))
+        return self.spec.group_ranks(axis, self.rank if rank is None else rank)
 
     def group_name(self, axis: str, rank: int | None = None) -> str:
         """The registered name of `rank`'s process group along `axis` (what functional collectives take)."""
-        self._check_axis(axis)
-        return self._group_names[(axis, self.group_ranks(axis, rank))]
+        return self.spec.group_name(axis, self.rank if rank is None else rank)
 
     def group(self, axis: str) -> dist.ProcessGroup:
         """This rank's process group along `axis`."""
-        self._check_axis(axis)
+        self.spec.size(axis)  # checks the axis
         return self._groups[axis]
 
     @property
@@ -125,13 +117,12 @@ class Mesh:
         return compat.tree_map(take, batch)
 
     def describe(self) -> str:
-        axes = " × ".join(f"{a}={self.sizes[a]}" for a in ("dp", "tp", "pp"))
-        return f"{axes} ({self.world_size} ranks, {self.backend} on {self.device.type})"
+        return self.spec.describe()
 
     def __repr__(self) -> str:
         return f"Mesh({self.describe()}, rank={self.rank})"
 
-    def _exchange_group_names(self) -> dict[tuple[str, tuple[int, ...]], str]:
+    def _exchange_group_names(self, shape: MeshSpec) -> dict[tuple[str, tuple[int, ...]], str]:
         """Every group's registered name, keyed by (axis, member ranks), known on every rank.
 
         A rank only gets a handle (and so a name) for the groups it belongs to; one all_gather_object
@@ -144,15 +135,11 @@ class Mesh:
         else:
             everyone = [None] * self.world_size
             dist.all_gather_object(everyone, mine)
-        names = {(axis, row): f"{axis}:{','.join(map(str, row))}" for axis in AXES for row in self.all_groups(axis)}
+        names = {(axis, row): label(axis, row) for axis in AXES for row in shape.all_groups(axis)}
         for theirs in everyone:
             for axis, (members, name) in theirs.items():
                 names[(axis, members)] = name
         return names
-
-    def _check_axis(self, axis: str) -> None:
-        if axis not in AXES:
-            raise ValueError(f"mesh axis: expected one of {', '.join(AXES)}, got {axis!r}")
 
 
 def _members(group: dist.ProcessGroup) -> tuple[int, ...]:
@@ -232,16 +219,3 @@ def simulated_mesh(*, dp: int = 1, tp: int = 1, pp: int = 1, rank: int = 0) -> M
                          "got one; destroy it first (torch.distributed.destroy_process_group())")
     dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=world)
     return Mesh({"dp": dp, "tp": tp, "pp": pp}, device=torch.device("cpu"), timeout=timedelta(minutes=5))
-
-
-def parse_sizes(text: str) -> dict[str, int]:
-    """"dp=2,tp=2" -> {"dp": 2, "tp": 2}, with errors that say what was expected."""
-    sizes: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, value = part.partition("=")
-        if not sep or not value.strip().isdigit():
-            raise ValueError(f"mesh: expected 'axis=size' pairs such as dp=2,tp=2, got {part!r}")
-        if name.strip() not in AXES:
-            raise ValueError(f"mesh: unknown axis {name.strip()!r}: expected axes among dp, tp, pp")
-        sizes[name.strip()] = int(value)
-    return sizes

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 
 from meshc.compiler import _torch_compat as compat
-from meshc.compiler.placement import FlatShard, Replicate, Shard
-from meshc.compiler.program import Program
+from meshc.compiler.ir.placement import FlatShard, Replicate, Shard
+from meshc.compiler.ir.program import Program
 
 from .sharding import local_shard
-from .zero import pack, shard_size, unpack
+from .ops.zero import pack, shard_size, unpack
 
 DP = "dp"
 

@@ -1,6 +1,6 @@
 """Pipeline execution: one rank runs its stages' micro-batches in the order its schedule gives.
 
-The schedule (runtime/schedule.py) is data, proven before anything runs (runtime/schedule_sim.py):
+The schedule (compiler/ir/schedule.py) is data, proven before anything runs (compiler/ir/schedule_sim.py):
 every receive has its send and nothing deadlocks under blocking receives and buffered sends, which is
 exactly how this executor runs each rank's program:
 
@@ -26,8 +26,8 @@ import torch.distributed as dist
 from meshc.compiler import _torch_compat as compat
 from meshc.compiler.stages import Stage
 
-from .schedule import P2P, Action, Schedule
-from .zero import ZeroContext
+from meshc.compiler.ir.schedule import P2P, Action, Schedule
+from .zero_context import ZeroContext
 
 KINDS = {"F": 0, "B": 1}
 

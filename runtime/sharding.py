@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from meshc.compiler import _torch_compat as compat
-from meshc.compiler.placement import FlatShard, Partial, Shard
-from meshc.compiler.program import ParamSpec
+from meshc.compiler.ir.placement import FlatShard, Partial, Shard
+from meshc.compiler.ir.program import ParamSpec
 
-from .collectives import gather_shard, slice_shard
-from .zero import flat_shard
+from .ops.collectives import gather_shard, slice_shard
+from .ops.zero import flat_shard
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ def _rank(candidates: list[tuple[dict, object]]) -> dict:
 
     import meshc
     from meshc import calibrate
-    from meshc.compiler.cost_graph import comm_bytes, estimate_job
+    from meshc.compiler.cost_graph import comm_bytes, estimate_compiled
     from meshc.compiler.hardware import Hardware
     from meshc.runtime.census import CommCensus
     from tests import zoo
@@ -119,9 +119,9 @@ def _rank(candidates: list[tuple[dict, object]]) -> dict:
         opt.zero_grad()
         with CommCensus(mesh) as census:
             step()
-        estimate = estimate_job(job, hw, own_rank=True)
-        ratios = [estimate_job(job, h).step_time / t for h, t in zip(by_round, times[i])]
-        predicted_bytes = comm_bytes(job.program, getattr(job, "_pipe", None))
+        estimate = estimate_compiled(job.compiled, hw, own_rank=True)
+        ratios = [estimate_compiled(job.compiled, h).step_time / t for h, t in zip(by_round, times[i])]
+        predicted_bytes = comm_bytes(job.program, job.compiled.pipeline)
         out["plans"].append({"seconds": statistics.median(times[i]), "ratio": statistics.median(ratios),
                              "held": held, "census": census.by_kind(), "estimate": estimate, "bytes": predicted_bytes})
     return out

@@ -14,7 +14,7 @@ import meshc
 from meshc import models
 from meshc.compiler import cost, hardware
 from meshc.compiler.cost import MIXED, ModelShape, formula_estimate, model_state_bytes
-from meshc.compiler.cost_graph import comm_bytes, estimate_job, graph_cost, node_flops
+from meshc.compiler.cost_graph import comm_bytes, estimate_compiled, graph_cost, node_flops
 from meshc.compiler.planner import plan_compiled
 from tests.compiler import cost_runs
 
@@ -124,7 +124,7 @@ def test_compiled_and_formula_model_state_agree(fake_mesh, zero):
     plan = meshc.Plan(trace="non-strict", zero=zero)
     job = meshc.compile(models.build("gpt-tiny"), mesh, example_inputs=(torch.zeros(2, 64, dtype=torch.long),),
                         plan=plan)
-    compiled = estimate_job(job, "h100")
+    compiled = estimate_compiled(job.compiled, "h100")
     formula = formula_estimate(shape, mesh.sizes, plan, 8, hardware.load("h100"))
     assert compiled.model_state == pytest.approx(formula.model_state, rel=0.02)
 
@@ -150,7 +150,7 @@ def test_compiled_and_formula_agree_on_transformers_models(kind, tmp_path):
     path.write_text(json.dumps(config))
     plan = meshc.Plan(trace="non-strict", microbatches=2)
     sim = simulate(str(path), {"tp": 2, "pp": 2}, plan=plan, batch=4, hardware="h100")
-    first = estimate_job(sim.job, "h100", own_rank=True)  # rank 0: the first pp rank
+    first = estimate_compiled(sim.rank_program, "h100", own_rank=True)  # rank 0: the first pp rank
     shape = models.shape(str(path))
     layer = cost._layer_params(shape.flags()).subs({**shape.values(), cost.t: 2, cost.c_kv: 2})
     stage_layers = (first.memory["params"] / 4 - shape.vocab * shape.hidden) / float(layer)

@@ -8,7 +8,7 @@ import torch
 
 import meshc
 from meshc.compiler.driver import run_passes
-from meshc.compiler.placement import R, S
+from meshc.compiler.ir.placement import R, S
 from meshc.compiler.trace import trace
 from meshc.compiler.verify import verify
 from tests import zoo

@@ -63,8 +63,8 @@ def test_fusion_off(fake_mesh):
 
 
 def _collective_matmul_rank() -> dict:
-    from meshc.runtime.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-    from meshc.runtime.collectives import all_gather_rs, reduce_scatter
+    from meshc.runtime.ops.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+    from meshc.runtime.ops.collectives import all_gather_rs, reduce_scatter
 
     mesh = meshc.mesh(tp=int(__import__("os").environ["WORLD_SIZE"]), timeout_s=60)
     n, index, group = mesh.size("tp"), mesh.coord("tp"), mesh.group_name("tp")

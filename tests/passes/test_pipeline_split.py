@@ -77,7 +77,7 @@ def test_plan_errors_for_schedules():
         meshc.Plan(schedule="interleaved")
     with pytest.raises(ValueError, match="Plan.schedule: expected one of"):
         meshc.Plan(schedule="zbv")
-    from meshc.runtime.schedule import schedule
+    from meshc.compiler.ir.named_schedule import schedule
     with pytest.raises(ValueError, match="multiple of pp"):
         schedule("interleaved", 2, 3, 2)
 

@@ -10,7 +10,7 @@ import torch
 
 import meshc
 from meshc.compiler.driver import run_passes
-from meshc.compiler.placement import Shard
+from meshc.compiler.ir.placement import Shard
 from meshc.compiler.trace import trace
 from meshc.runtime.census import CommCensus
 from tests import zoo
@@ -80,7 +80,7 @@ def test_fused_qkv_is_split_per_projection(fake_mesh):
 def test_fewer_kv_heads_than_tp_are_replicated(fake_mesh):
     program = _program(fake_mesh(tp=4), zoo.llama(kv_heads=2))
     assert program.params["model.layers.0.self_attn.q_proj.weight"].placements["tp"] == Shard(0)
-    assert program.params["model.layers.0.self_attn.k_proj.weight"].placements["tp"] == meshc.compiler.placement.R
+    assert program.params["model.layers.0.self_attn.k_proj.weight"].placements["tp"] == meshc.compiler.ir.placement.R
     assert any("k_proj" in w and "replicated" in w for w in program.warnings)
 
 
@@ -106,7 +106,7 @@ def test_explicit_plan_glob_must_match(fake_mesh):
 
 def test_explicit_plan_overrides_auto(fake_mesh):
     program = _program(fake_mesh(tp=2), zoo.gpt2(), tp={"*.mlp.*": "replicate"})
-    assert program.params["transformer.h.0.mlp.c_fc.weight"].placements["tp"] == meshc.compiler.placement.R
+    assert program.params["transformer.h.0.mlp.c_fc.weight"].placements["tp"] == meshc.compiler.ir.placement.R
     assert program.params["transformer.h.0.attn.c_attn.weight"].placements["tp"] == Shard(1, 3)
 
 

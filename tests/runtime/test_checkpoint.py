@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import meshc
-from meshc.compiler.placement import FlatShard, Replicate, Shard
-from meshc.compiler.program import ParamSpec
+from meshc.compiler.ir.placement import FlatShard, Replicate, Shard
+from meshc.compiler.ir.program import ParamSpec
 from meshc.runtime import checkpoint
 from meshc.runtime.checkpoint_format import pieces, writes
 from meshc.runtime.sharding import local_shard

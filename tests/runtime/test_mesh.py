@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import meshc
-from meshc.runtime.mesh import parse_sizes
+from meshc.compiler.ir.mesh_spec import parse_sizes
 from tests.harness import run_ranks
 
 

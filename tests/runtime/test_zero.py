@@ -7,7 +7,7 @@ import torch
 
 import meshc
 from meshc.runtime.census import CommCensus
-from meshc.runtime.zero import shard_size
+from meshc.runtime.ops.zero import shard_size
 from tests import parity, zoo
 from tests.harness import run_ranks
 

@@ -1,4 +1,4 @@
-"""ZeRO at run time: flat shards, bucketed gathers with recompute in backward, and reduce-scatters.
+"""ZeRO ops at run time: flat shards, bucketed gathers with recompute in backward, and reduce-scatters.
 
 Graph nodes inserted by passes/zero.py call these functions on plain local tensors:
 
@@ -8,7 +8,8 @@ Graph nodes inserted by passes/zero.py call these functions on plain local tenso
     full = zero_reduce(*params, ...)            identity; backward: reduce-scatter the bucket's
                                                 gradients into the master shards' .grad (ZeRO-2)
 
-A gathered parameter must not live until backward. While a job runs its graph under a ZeroContext,
+A gathered parameter must not live until backward. While a job runs its graph under a ZeroContext
+(runtime/zero_context.py),
 autograd's saved-tensor hooks replace every saved gathered parameter (or view of one) by a handle; the
 parameter is freed after its last forward use, and backward gathers its bucket again when it first
 needs it (SimpleFSDP's recompute of the all-gather), keeping it only until its last saved use.
@@ -21,14 +22,29 @@ from __future__ import annotations
 
 import contextvars
 import math
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from meshc.compiler import _torch_compat as compat
 
-_ACTIVE: contextvars.ContextVar["ZeroContext | None"] = contextvars.ContextVar("meshc_zero", default=None)
+# The ZeRO context of the step being run (runtime/zero_context.ZeroContext), if any: the gather registers
+# its buckets with it and the ZeRO-2 reduce finds the master shards through it. Set by that context alone.
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("meshc_zero", default=None)
+
+
+def active_context():
+    """The ZeRO context of the step being run, or None."""
+    return _ACTIVE.get()
+
+
+def activate(context) -> contextvars.Token:
+    """Make `context` the active ZeRO context (the runtime's ZeroContext on entering a step)."""
+    return _ACTIVE.set(context)
+
+
+def deactivate(token: contextvars.Token) -> None:
+    _ACTIVE.reset(token)
 
 
 def shard_size(numel: int, n: int) -> int:
@@ -74,7 +90,7 @@ def _pack(tensors: list[torch.Tensor], sizes: list[int], dtype: torch.dtype, n: 
     return pack(tensors, sizes, dtype, n)
 
 
-def _unpack(buffer: torch.Tensor, meta) -> list[torch.Tensor]:
+def unpack_bucket(buffer: torch.Tensor, meta) -> list[torch.Tensor]:
     if meta.fused:
         from meshc.kernels.zero_copy import unpack as unpack_kernel
 
@@ -128,7 +144,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, raw, meta, pending, *shards):
         ctx.meta, ctx.pending, ctx.shards = meta, pending, shards
-        return tuple(_unpack(compat.wait(raw), meta))
+        return tuple(unpack_bucket(compat.wait(raw), meta))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -165,7 +181,7 @@ def zero_gather(raw: torch.Tensor, *shards: torch.Tensor, bucket: int, shapes: t
     numels = [math.prod(s) for s in shapes]
     meta = BucketMeta(bucket, [shard_size(k, size) for k in numels], numels, [tuple(s) for s in shapes], size,
                       group, tuple(partial), reduce_dtype, shards[0].dtype, dtype, fused)
-    context = _ACTIVE.get()
+    context = active_context()
     full = _Gather.apply(raw, meta, context.pending if context is not None else None, *shards)
     if context is not None:
         context.register(meta, shards, full, recompute=not keep)
@@ -188,7 +204,7 @@ class _Reduce(torch.autograd.Function):
 def zero_reduce(*params: torch.Tensor, bucket: int, fqns: tuple, group: str, size: int, partial: tuple = (),
                 reduce_dtype: torch.dtype = torch.float32, fused: bool = False) -> tuple[torch.Tensor, ...]:
     """Identity; backward reduce-scatters the bucket's gradients into its master shards' .grad (ZeRO-2)."""
-    context = _ACTIVE.get()
+    context = active_context()
     if context is None:
         if compat.is_fake(params[0]):  # shapes being propagated at compile time: nothing to reduce
             return tuple(p.view_as(p) for p in params)
@@ -197,126 +213,3 @@ def zero_reduce(*params: torch.Tensor, bucket: int, fqns: tuple, group: str, siz
     meta = BucketMeta(bucket, [shard_size(k, size) for k in numels], numels, [tuple(p.shape) for p in params], size,
                       group, tuple(partial), reduce_dtype, torch.float32, params[0].dtype, fused)
     return _Reduce.apply(meta, tuple(context.masters[f] for f in fqns), context.pending, *params)
-
-
-# ---------------------------------------------------------------------------------------- context
-@dataclass
-class ZeroStats:
-    """What the gathers did in the last step: counts, and bytes of gathered parameters alive."""
-
-    gathers_forward: int = 0
-    gathers_backward: int = 0
-    live_bytes: int = 0
-    peak_bytes_backward: int = 0
-    live_after_forward: int = 0
-    kept_bytes: int = 0  # the bucket kept gathered from forward to backward (Plan.zero_keep_last)
-    bucket_bytes: dict = field(default_factory=dict)
-
-
-@dataclass
-class _Saved:
-    bucket: int
-    index: int
-    size: tuple
-    stride: tuple
-    offset: int
-
-
-class ZeroContext:
-    """One step of a ZeRO program: keeps gathered parameters out of autograd's saved tensors (handles
-    instead, re-gathered in backward) and tells zero_reduce where the master shards are."""
-
-    def __init__(self, masters: dict[str, torch.Tensor], stats: ZeroStats, overlap: bool = True):
-        self.masters = masters
-        self.stats = stats
-        self.storages: dict[int, tuple[int, int]] = {}  # storage address -> (bucket, index)
-        self.buckets: dict[int, tuple[BucketMeta, tuple]] = {}
-        self.outstanding: dict[int, int] = {}  # bucket -> saved handles not yet unpacked
-        self.regathered: dict[int, list] = {}
-        self.prefetched: dict[int, tuple[torch.Tensor, int]] = {}  # bucket -> (un-waited gather, bytes)
-        self.pending = PendingGrads() if overlap else None  # None: gradients return through autograd
-        self._token = None
-        self._hooks = None
-
-    def __enter__(self):
-        self._token = _ACTIVE.set(self)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-        _ACTIVE.reset(self._token)
-        self.stats.live_after_forward = self.stats.live_bytes
-        return False
-
-    def register(self, meta: BucketMeta, shards: tuple, full: tuple, recompute: bool = True) -> None:
-        self.buckets[meta.bucket] = (meta, shards)
-        self.stats.gathers_forward += 1
-        self.stats.bucket_bytes[meta.bucket] = sum(t.numel() * t.element_size() for t in full)
-        if not recompute:
-            self.stats.kept_bytes += self.stats.bucket_bytes[meta.bucket]
-            return
-        for i, t in enumerate(full):
-            self._track(t, meta.bucket, i)
-
-    def _track(self, t: torch.Tensor, bucket: int, index: int) -> None:
-        key = t.untyped_storage().data_ptr()
-        self.storages[key] = (bucket, index)
-        nbytes = t.numel() * t.element_size()
-        self.stats.live_bytes += nbytes
-        weakref.finalize(t, self._freed, key, nbytes)
-
-    def _freed(self, key: int, nbytes: int) -> None:
-        self.storages.pop(key, None)
-        self.stats.live_bytes -= nbytes
-
-    def _pack(self, t: torch.Tensor):
-        where = self.storages.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
-        if where is None:
-            return t
-        bucket, index = where
-        self.outstanding[bucket] = self.outstanding.get(bucket, 0) + 1
-        return _Saved(bucket, index, tuple(t.size()), tuple(t.stride()), t.storage_offset())
-
-    def _unpack(self, saved):
-        if not isinstance(saved, _Saved):
-            return saved
-        full = self.regathered.get(saved.bucket)
-        if full is None:
-            full = self._regather(saved.bucket)
-        self.outstanding[saved.bucket] -= 1
-        if self.outstanding[saved.bucket] <= 0:  # a retained graph may unpack again: it gathers again then
-            self.regathered.pop(saved.bucket, None)
-        self.stats.peak_bytes_backward = max(self.stats.peak_bytes_backward, self.stats.live_bytes)
-        return full[saved.index].as_strided(saved.size, saved.stride, saved.offset)
-
-    def _regather(self, bucket: int) -> list[torch.Tensor]:
-        meta, shards = self.buckets[bucket]
-        if bucket in self.prefetched:
-            raw, nbytes = self.prefetched.pop(bucket)
-            self.stats.live_bytes -= nbytes
-        else:
-            raw = self._start(bucket)
-        full = _unpack(compat.wait(raw), meta)
-        for i, t in enumerate(full):
-            self._track(t, bucket, i)
-        self.regathered[bucket] = full
-        self.stats.gathers_backward += 1
-        self._prefetch_before(bucket)
-        return full
-
-    def _start(self, bucket: int) -> torch.Tensor:
-        meta, shards = self.buckets[bucket]
-        return zero_gather_start(*shards, group=meta.group, size=meta.n, dtype=meta.dtype, fused=meta.fused)
-
-    def _prefetch_before(self, bucket: int) -> None:
-        """Backward needs the buckets in reverse: issue the next one's gather now, to overlap this block."""
-        waiting = [b for b, count in self.outstanding.items()
-                   if count > 0 and b < bucket and b not in self.regathered and b not in self.prefetched]
-        if waiting:
-            b = max(waiting)
-            nbytes = self.stats.bucket_bytes[b]
-            self.prefetched[b] = (self._start(b), nbytes)
-            self.stats.live_bytes += nbytes
-            self.stats.peak_bytes_backward = max(self.stats.peak_bytes_backward, self.stats.live_bytes)

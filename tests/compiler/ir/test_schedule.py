@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from meshc.runtime.schedule import (
-    P2P, Action, Schedule, ScheduleError, actions, gpipe, interleaved_1f1b, one_f_one_b, schedule, zb_h1,
+from meshc.compiler.ir.named_schedule import schedule
+from meshc.compiler.ir.schedule import (
+    P2P, Action, Schedule, ScheduleError, actions, gpipe, interleaved_1f1b, one_f_one_b, zb_h1,
 )
-from meshc.runtime.schedule_sim import DEFAULT_COST, check, grid, simulate
+from meshc.compiler.ir.schedule_sim import DEFAULT_COST, check, grid, simulate
 
 PS = range(2, 9)
 UNIFORM = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}

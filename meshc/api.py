@@ -5,10 +5,10 @@ from typing import Any
 
 import torch
 
-from meshc.runtime.job import Job
+from meshc.job import Job
 from meshc.runtime.mesh import Mesh
 
-from .plan import Plan
+from meshc.compiler.ir.plan import Plan
 
 
 def compile(model: torch.nn.Module, mesh: Mesh, *, example_inputs: Any, example_kwargs: dict | None = None,
@@ -27,7 +27,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, *, example_inputs: Any, example_
     plan = Plan() if plan is None else plan
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if isinstance(plan, str) and plan == "auto":  # the planner chooses, for this model on this mesh
-        from .planner import auto_plan
+        from meshc.compiler.planner import auto_plan
 
         plan, _ = auto_plan(model, mesh, args, dict(example_kwargs or {}))
     if not isinstance(plan, Plan):

@@ -27,16 +27,16 @@ import torch.fx as fx
 from meshc.runtime.global_param import ShardedParam, local
 from meshc.runtime.mesh import Mesh, last_mesh
 from meshc.runtime.sharding import full_tensor, local_shard
-from meshc.runtime.zero import ZeroContext, ZeroStats
+from meshc.runtime.zero_context import ZeroContext, ZeroStats
 
-from . import _torch_compat as compat
-from . import module_tree
-from .driver import run_passes
-from .explain import Report, explain
-from .placement import Replicate
-from .plan import Plan
-from .program import Program
-from .trace import trace
+from meshc.compiler import _torch_compat as compat
+from meshc import module_tree
+from meshc.compiler.driver import run_passes
+from meshc.compiler.explain import Report, explain
+from meshc.compiler.ir.placement import Replicate
+from meshc.compiler.ir.plan import Plan
+from meshc.compiler.ir.program import Program
+from meshc.compiler.trace import trace
 
 _SOURCE = re.compile(r"_(modules|parameters|buffers)\['([^']+)'\]")
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")

@@ -1,5 +1,5 @@
 """Pipeline schedules as data: per-rank orders of compute actions, and the point-to-point messages
-they imply. Nothing here talks to torch.distributed; `meshc.runtime.schedule_sim` proves a schedule
+they imply. Nothing here talks to torch.distributed; `meshc.compiler.ir.schedule_sim` proves a schedule
 valid and deadlock-free, and times it, before an executor runs it.
 
 Terms:
@@ -219,7 +219,7 @@ def _msg_kind(a: Action) -> str:
 
 
 # ------------------------------------------------------------------------------------ generators
-def _check_sizes(name: str, pp: int, m: int, virtual: int, *, allowed_virtual: int | None = 1) -> None:
+def check_sizes(name: str, pp: int, m: int, virtual: int, *, allowed_virtual: int | None = 1) -> None:
     _check_int(f"{name} pp", pp, 1)
     _check_int(f"{name} microbatches", m, 1)
     _check_int(f"{name} virtual", virtual, 1)
@@ -230,7 +230,7 @@ def _check_sizes(name: str, pp: int, m: int, virtual: int, *, allowed_virtual: i
 
 def gpipe(pp: int, m: int) -> Schedule:
     """GPipe: every rank runs F0..F(m-1), then B0..B(m-1). Holds all m micro-batches' activations."""
-    _check_sizes("gpipe", pp, m, 1)
+    check_sizes("gpipe", pp, m, 1)
     rows = [[Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)] for r in range(pp)]
     return Schedule(name="gpipe", pp=pp, microbatches=m, actions=rows)
 
@@ -238,7 +238,7 @@ def gpipe(pp: int, m: int) -> Schedule:
 def one_f_one_b(pp: int, m: int) -> Schedule:
     """1F1B (PipeDream-Flush, Megatron-LM's default): rank r runs min(pp-1-r, m) warm-up forwards, then
     alternates one F and one B, then finishes the Bs. Rank r holds at most pp-r micro-batches."""
-    _check_sizes("1f1b", pp, m, 1)
+    check_sizes("1f1b", pp, m, 1)
     rows = []
     for r in range(pp):
         warmup = min(pp - 1 - r, m)
@@ -258,7 +258,7 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
     stages in reverse. Rank r runs min((v-1)*pp + 2*(pp-1-r), m*v) warm-up forwards, then F,B pairs, then
     the remaining Bs. Needs m to be a multiple of pp, as Megatron-LM does (torch relaxes this).
     """
-    _check_sizes("interleaved", pp, m, v, allowed_virtual=None)
+    check_sizes("interleaved", pp, m, v, allowed_virtual=None)
     if v < 2:
         raise ValueError(f"interleaved needs several stages per rank: expected virtual >= 2, got {v}; "
                          "use '1f1b' for one stage per rank")
@@ -295,7 +295,7 @@ def zb_h1(pp: int, m: int) -> Schedule:
     most pp micro-batches (activations live from F until W), as rank 0 does in 1F1B.
     This is the order torch's ScheduleInterleavedZeroBubble gives for one stage per rank.
     """
-    _check_sizes("zb-h1", pp, m, 1)
+    check_sizes("zb-h1", pp, m, 1)
     rows = []
     for r in range(pp):
         warmup = min(pp - 1 - r, m)
@@ -313,30 +313,10 @@ def zb_h1(pp: int, m: int) -> Schedule:
     return Schedule(name="zb-h1", pp=pp, microbatches=m, actions=rows)
 
 
-_ALIASES = {
+ALIASES = {
     "gpipe": "gpipe",
     "1f1b": "1f1b", "one_f_one_b": "1f1b",
     "interleaved": "interleaved", "interleaved_1f1b": "interleaved", "interleaved-1f1b": "interleaved",
     "zb-h1": "zb-h1", "zbh1": "zb-h1", "zb_h1": "zb-h1",
 }
 NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-
-
-def schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
-    """The named schedule, proven valid and deadlock-free by `schedule_sim.check` before it is returned.
-
-    name: "gpipe", "1f1b", "interleaved" (alias "interleaved_1f1b"; needs virtual >= 2 and microbatches
-    a multiple of pp) or "zb-h1" (alias "zbh1"). Other sizes raise ValueError naming the rule.
-    """
-    canonical = _ALIASES.get(str(name).lower())
-    if canonical is None:
-        raise ValueError(f"unknown schedule: expected one of {', '.join(NAMES)}, got {name!r}")
-    if canonical == "interleaved":
-        out = interleaved_1f1b(pp, microbatches, virtual)
-    else:
-        _check_sizes(canonical, pp, microbatches, virtual)
-        out = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}[canonical](pp, microbatches)
-    from meshc.runtime.schedule_sim import check  # schedule_sim builds on this module
-
-    check(out)
-    return out

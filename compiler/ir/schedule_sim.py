@@ -1,5 +1,5 @@
 """Prove a pipeline schedule right before it runs, and time it: a pure-Python, event-driven simulator
-of the per-rank programs of `meshc.runtime.schedule`, with blocking receives and buffered sends.
+of the per-rank programs of `meshc.compiler.ir.schedule`, with blocking receives and buffered sends.
 
 `check(schedule)` proves, in this order, and raises `ScheduleError` naming the first offending op:
   placement    every op sits on the rank of its stage, and a message's peer is the other stage's rank;
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from math import gcd
 
-from meshc.runtime.schedule import Action, Op, P2P, Schedule, ScheduleError
+from .schedule import Action, Op, P2P, Schedule, ScheduleError
 
 DEFAULT_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 MAX_GRID_STEPS = 10_000

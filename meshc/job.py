@@ -17,15 +17,15 @@ from typing import Any, Callable, Iterator
 import torch
 
 from meshc.compiler import _torch_compat as compat
-from meshc.compiler.compile import compile_program, passes_for_rank
+from meshc.compiler.compile import CompiledRank, compile_program, compile_rank, passes_for_rank
 from meshc.compiler.explain import Report, explain
-from meshc.compiler.program import Program
+from meshc.compiler.ir.program import Program
 
-from . import failures
-from .param_store import ParamStore
-from .pipelined import Pipelined
-from .sharding import LocalShard, full_tensor, local_shard
-from .zero import ZeroContext, ZeroStats
+from meshc.runtime import failures
+from meshc.runtime.param_store import ParamStore
+from meshc.runtime.pipelined import Pipelined
+from meshc.runtime.sharding import LocalShard, full_tensor, local_shard
+from meshc.runtime.zero_context import ZeroContext, ZeroStats
 
 
 class Job:
@@ -36,22 +36,19 @@ class Job:
         self._traced: dict[Any, Program] = {}
         self._programs: dict[Any, Program] = {}
         self._optimizers: list[weakref.ref] = []
-        self._pipe: Pipelined | None = None
-        pipelined = mesh.size("pp") > 1 or plan.microbatches > 1
-        if pipelined:  # stages are traced on one micro-batch
-            example_args, example_kwargs = _one_microbatch((example_args, example_kwargs), plan.microbatches)
+        first, tensors = compile_rank(model, example_args, example_kwargs, mesh=mesh, plan=plan)
         key = _signature(example_args, example_kwargs)
-        traced, program, tensors = compile_program(model, example_args, example_kwargs, mesh=mesh, plan=plan)
-        self._traced[key], self._programs[key] = traced, program
-        if pipelined:
-            self._pipe = Pipelined(program, mesh, plan)
-        keep = self._pipe.params if self._pipe else None
+        self._traced[key], self._programs[key] = first.traced, first.program
+        self._layout = first.pipeline  # compile-time: stages, schedule, who holds what
+        self._pipe = Pipelined(first.pipeline, mesh) if first.pipeline is not None else None
+        program = first.program
+        keep = self._layout.params if self._layout else None
         self._store = ParamStore(program, tensors, mesh, keep=keep)
         self._params = self._store.masters
         self.zero_stats = ZeroStats()
         self._buffers: dict[str, torch.Tensor] = {}
         for fqn, spec in program.buffers.items():
-            if self._pipe is None or fqn in self._pipe.buffers:
+            if self._layout is None or fqn in self._layout.buffers:
                 self._buffers[fqn] = local_shard(tensors[fqn], spec, mesh).to(mesh.device)
         self._state_keys = _state_dict_keys(model, program)
         self._placements = {fqn: dict(spec.placements) for fqn, spec in program.params.items()}
@@ -161,7 +158,7 @@ class Job:
         """Scale every gradient so that their global norm (over all shards on all ranks) is at most
         `max_norm`, as torch.nn.utils.clip_grad_norm_ does for one process; returns the norm before."""
         self._store.reduce_pending()
-        total = self._store.grad_norm(norm_type, self._pipe.tied_copies() if self._pipe else frozenset())
+        total = self._store.grad_norm(norm_type, self._layout.tied_copies() if self._layout else frozenset())
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for p in self._params.values():
             if p.grad is not None:
@@ -173,12 +170,11 @@ class Job:
         call it on every rank. Under ZeRO-1 it reduces the pending gradients as the optimizer step would."""
         self._store.reduce_pending()
         grads = {f: p.grad for f, p in self._params.items() if p.grad is not None}
-        return self._whole(grads, [f for f in self.program.params if self.program.params[f].requires_grad])
+        return self.whole_tensors(grads, [f for f in self.program.params if self.program.params[f].requires_grad])
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer states this rank really holds (measured)."""
-        live = [opt for ref in self._optimizers if (opt := ref()) is not None]
-        return self._store.held_bytes(live)
+        return self._store.held_bytes(self.live_optimizers())
 
     def state_dict(self, sharded: bool = False) -> dict[str, Any]:
         """Full parameters and persistent buffers under the model's own keys (tied aliases included).
@@ -194,24 +190,24 @@ class Job:
             out.update({fqn: LocalShard(b, program.buffers[fqn].shape, dict(program.buffers[fqn].placements))
                         for fqn, b in self._buffers.items()})
             return out
-        full = self._whole(self._params, list(program.params))
-        full.update(self._whole(self._buffers, list(program.buffers)))
+        full = self.whole_tensors(self._params, list(program.params))
+        full.update(self.whole_tensors(self._buffers, list(program.buffers)))
         return {key: full[fqn] for key, fqn in self._state_keys.items()}
 
     def save(self, path, *, step: int = 0, extra: dict | None = None, optimizers=None) -> str:
         """Write parameters, optimizer states (of the job's live optimizers, or `optimizers`), RNG states and
         `step`/`extra` (JSON) to the folder `path`, each rank its own shards (a collective). See checkpoint.py."""
-        from .checkpoint import save  # torch.distributed.checkpoint takes ~1 s to import: only when used
+        from meshc.runtime.checkpoint import save  # torch.distributed.checkpoint takes ~1 s to import: only when used
 
         return save(self, path, step=step, extra=extra, optimizers=optimizers)
 
     def load(self, path, *, optimizers=None) -> tuple[int, dict]:
         """Read a checkpoint saved under any plan (a collective); returns (step, extra) as saved."""
-        from .checkpoint import load
+        from meshc.runtime.checkpoint import load
 
         return load(self, path, optimizers=optimizers)
 
-    def _whole(self, local: dict[str, torch.Tensor], fqns: list[str]) -> dict[str, torch.Tensor]:
+    def whole_tensors(self, local: dict[str, torch.Tensor], fqns: list[str]) -> dict[str, torch.Tensor]:
         """Whole tensors from this rank's shards (gathered over dp and tp); with pipeline stages, each is
         broadcast from the first pp rank that holds it, so that every rank returns all of them."""
         specs = {**self.program.params, **self.program.buffers}
@@ -219,7 +215,7 @@ class Job:
             return {f: full_tensor(local[f], specs[f], self.mesh) for f in fqns if f in local}
         out = {}
         for f in fqns:
-            owner = self._pipe.owner(f)
+            owner = self._layout.owner(f)
             whole = full_tensor(local[f], specs[f], self.mesh) if f in local else None
             if whole is None:
                 whole = torch.empty(specs[f].shape, dtype=specs[f].dtype, device=self.mesh.device)
@@ -230,14 +226,45 @@ class Job:
 
     # ------------------------------------------------------------------------------ inspection
     @property
+    def compiled(self) -> CompiledRank:
+        """What the compiler made for this rank (first compilation): traced and transformed programs and,
+        when the plan has them, the pipeline stages and schedule. What explain() and the cost model read."""
+        return CompiledRank(next(iter(self._traced.values())), self.program, self._layout)
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's buffers (its stages' only, under a pipeline), by canonical FQN."""
+        return iter(self._buffers.items())
+
+    def compute_copies(self) -> dict[str, torch.Tensor]:
+        """ZeRO-1/2's whole tp-local compute copies the graphs read, by FQN ({} under other plans)."""
+        return dict(self._store.compute)
+
+    def live_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers built by job.optimizer() that are still alive."""
+        return [opt for ref in self._optimizers if (opt := ref()) is not None]
+
+    @property
+    def state_dict_keys(self) -> dict[str, str]:
+        """model.state_dict() key -> canonical FQN of the tensor the job holds for it."""
+        return dict(self._state_keys)
+
+    def pp_owner(self, fqn: str) -> int:
+        """The pp rank that speaks for a parameter or buffer (0 without pipeline stages)."""
+        return self._layout.owner(fqn) if self._layout is not None else 0
+
+    def pipeline_timing(self) -> tuple[float, float] | None:
+        """(busy, elapsed) seconds of this rank in the last pipelined step (None without a pipeline)."""
+        return (self._pipe.last_busy, self._pipe.last_elapsed) if self._pipe is not None else None
+
+    @property
     def program(self) -> Program:
         """The transformed program of the first compilation (this rank)."""
         return next(iter(self._programs.values()))
 
     def explain(self) -> Report:
         """The plan, per-rank memory, every collective and why (of the program run last): print it."""
-        live = [opt for ref in self._optimizers if (opt := ref()) is not None]
-        return explain(getattr(self, "_last", self.program), live, self._pipe)
+        live = self.live_optimizers()
+        return explain(getattr(self, "_last", self.program), live, self._layout)
 
     def graph(self, rank: int | None = None, stage: int = 0) -> torch.fx.GraphModule:
         """The transformed GraphModule that `rank` (default: this one) runs for pipeline stage `stage`."""
@@ -292,18 +319,6 @@ def _share_rng_state(mesh) -> None:
         cuda = [torch.cuda.get_rng_state()]
         torch.distributed.broadcast_object_list(cuda, src=group[0], group=mesh.group("tp"))
         torch.cuda.set_rng_state(cuda[0])
-
-
-def _one_microbatch(tree: Any, m: int) -> Any:
-    """The example inputs cut to one micro-batch (their dim 0 divided by m)."""
-    def cut(t):
-        if not isinstance(t, torch.Tensor) or t.dim() == 0 or m == 1:
-            return t
-        if t.shape[0] % m:
-            raise ValueError(f"meshc.compile: example input of {t.shape[0]} rows is not divisible by "
-                             f"microbatches={m}; pass this rank's dp-local batch, a multiple of {m}")
-        return t[: t.shape[0] // m]
-    return compat.tree_map(cut, tree)
 
 
 def _grad_shape(store, spec, mesh) -> tuple:

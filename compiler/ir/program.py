@@ -5,7 +5,7 @@ A Program is an ATen-level fx.GraphModule in the *lifted* calling convention
     gm(*parameters, *buffers, *user_inputs) -> (*mutated_buffers, *user_outputs)
 
 plus a ParamSpec for every parameter and buffer (FQN, global shape, dtype, placement per mesh axis),
-the Mesh, the Plan and the rank it is compiled for. The graph holds no tensors: the runtime feeds each
+the MeshSpec, the Plan and the rank it is compiled for. The graph holds no tensors: the runtime feeds each
 rank's local shards in the order of `Program.params` then `Program.buffers`.
 
 Node metadata keys meshc writes (always namespaced):
@@ -28,8 +28,7 @@ import torch.fx as fx
 from .placement import FlatShard, Placement, Replicate, Shard
 
 if TYPE_CHECKING:
-    from meshc.runtime.mesh import Mesh
-
+    from .mesh_spec import MeshSpec
     from .plan import Plan
 
 
@@ -90,7 +89,7 @@ class Program:
     in_spec: Any  # pytree spec of (args, kwargs)
     out_spec: Any  # pytree spec of the user outputs
     mutated_buffers: list[str]  # FQNs of buffers written by forward: the first graph outputs
-    mesh: "Mesh"
+    mesh: "MeshSpec"  # topology only: no process group
     plan: "Plan"
     rank: int
     trace_mode: str = "strict"

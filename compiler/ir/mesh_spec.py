@@ -1,0 +1,124 @@
+"""MeshSpec: the topology of a device mesh, with no process group.
+
+Named axes pp × dp × tp over `world_size` ranks, tp innermost (consecutive ranks share a tp group, as
+Megatron-LM places tensor parallelism inside a node), then dp, then pp outermost. What the compiler needs
+of a mesh is here: axis sizes, each rank's coordinates, the ranks of every group and the name each group
+is registered under (what torch's functional collectives take). The runtime's Mesh (runtime/mesh.py)
+builds one from the process groups it creates, with their registered names; the planner and
+`meshc explain` build one from sizes alone, with readable labels ("dp:0,1") as names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+AXES = ("pp", "dp", "tp")  # outermost first
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """Axis sizes and group names of a mesh; `rank` arguments default to nothing: say whose coordinates."""
+
+    sizes: Mapping[str, int]
+    group_names: Mapping[tuple[str, tuple[int, ...]], str] = field(default_factory=dict, compare=False)
+    device_type: str = "cpu"
+    backend: str = "none"
+
+    def __post_init__(self) -> None:
+        unknown = set(self.sizes) - set(AXES)
+        if unknown:
+            raise ValueError(f"mesh: unknown axis {sorted(unknown)[0]!r}: expected axes among dp, tp, pp")
+        sizes = {axis: int(self.sizes.get(axis, 1)) for axis in AXES}
+        for axis, n in sizes.items():
+            if n < 1:
+                raise ValueError(f"mesh: expected {axis} to be a positive int, got {n}")
+        object.__setattr__(self, "sizes", sizes)
+
+    @property
+    def world_size(self) -> int:
+        out = 1
+        for n in self.sizes.values():
+            out *= n
+        return out
+
+    @property
+    def spec(self) -> "MeshSpec":
+        """Itself: compiler entry points accept a MeshSpec or a runtime Mesh and take `.spec` of either."""
+        return self
+
+    def size(self, axis: str) -> int:
+        _check_axis(axis)
+        return self.sizes[axis]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """`rank`'s index along every axis."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"mesh coords: expected a rank in [0, {self.world_size}), got {rank}")
+        out = {}
+        for axis in reversed(AXES):  # tp varies fastest
+            rank, out[axis] = divmod(rank, self.sizes[axis])
+        return {axis: out[axis] for axis in AXES}
+
+    def coord(self, axis: str, rank: int) -> int:
+        _check_axis(axis)
+        return self.coords(rank)[axis]
+
+    def rank_at(self, coords: Mapping[str, int]) -> int:
+        """The rank at the given index along every axis."""
+        rank = 0
+        for axis in AXES:
+            rank = rank * self.sizes[axis] + coords[axis]
+        return rank
+
+    def group_ranks(self, axis: str, rank: int) -> tuple[int, ...]:
+        """The ranks that share `rank`'s group along `axis`, in axis order."""
+        _check_axis(axis)
+        c = self.coords(rank)
+        return tuple(self.rank_at({**c, axis: i}) for i in range(self.sizes[axis]))
+
+    def all_groups(self, axis: str) -> list[tuple[int, ...]]:
+        """Every group along `axis` (each a tuple of ranks in axis order), in a fixed order."""
+        _check_axis(axis)
+        firsts = [r for r in range(self.world_size) if self.coords(r)[axis] == 0]
+        return [self.group_ranks(axis, r) for r in firsts]
+
+    def group_name(self, axis: str, rank: int) -> str:
+        """The name of `rank`'s group along `axis`: the registered one, else a label such as "tp:0,1"."""
+        members = self.group_ranks(axis, rank)
+        return self.group_names.get((axis, members)) or label(axis, members)
+
+    def describe(self) -> str:
+        axes = " × ".join(f"{a}={self.sizes[a]}" for a in ("dp", "tp", "pp"))
+        where = f", {self.backend} on {self.device_type}" if self.backend != "none" else ", no process group"
+        return f"{axes} ({self.world_size} ranks{where})"
+
+
+def label(axis: str, members: tuple[int, ...]) -> str:
+    """The readable name of a group that no process registered (a simulated compile's)."""
+    return f"{axis}:{','.join(map(str, members))}"
+
+
+def as_spec(mesh) -> MeshSpec:
+    """The MeshSpec of a MeshSpec or of a runtime Mesh (its `.spec`)."""
+    spec = getattr(mesh, "spec", None)
+    if not isinstance(spec, MeshSpec):
+        raise TypeError(f"mesh: expected a meshc Mesh or MeshSpec, got {type(mesh).__name__}")
+    return spec
+
+
+def parse_sizes(text: str) -> dict[str, int]:
+    """"dp=2,tp=2" -> {"dp": 2, "tp": 2}, with errors that say what was expected."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise ValueError(f"mesh: expected 'axis=size' pairs such as dp=2,tp=2, got {part!r}")
+        if name.strip() not in AXES:
+            raise ValueError(f"mesh: unknown axis {name.strip()!r}: expected axes among dp, tp, pp")
+        sizes[name.strip()] = int(value)
+    return sizes
+
+
+def _check_axis(axis: str) -> None:
+    if axis not in AXES:
+        raise ValueError(f"mesh axis: expected one of {', '.join(AXES)}, got {axis!r}")

@@ -1,0 +1,26 @@
+"""Schedules by name, each proven valid and deadlock-free by the simulator before it is returned.
+
+    schedule("1f1b", pp=2, microbatches=8) -> Schedule
+"""
+from __future__ import annotations
+
+from .schedule import NAMES, ALIASES, Schedule, check_sizes, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
+from .schedule_sim import check
+
+
+def schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """The named schedule, proven valid and deadlock-free by `schedule_sim.check` before it is returned.
+
+    name: "gpipe", "1f1b", "interleaved" (alias "interleaved_1f1b"; needs virtual >= 2 and microbatches
+    a multiple of pp) or "zb-h1" (alias "zbh1"). Other sizes raise ValueError naming the rule.
+    """
+    canonical = ALIASES.get(str(name).lower())
+    if canonical is None:
+        raise ValueError(f"unknown schedule: expected one of {', '.join(NAMES)}, got {name!r}")
+    if canonical == "interleaved":
+        out = interleaved_1f1b(pp, microbatches, virtual)
+    else:
+        check_sizes(canonical, pp, microbatches, virtual)
+        out = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}[canonical](pp, microbatches)
+    check(out)
+    return out

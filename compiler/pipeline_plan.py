@@ -1,0 +1,65 @@
+"""PipelinePlan: the compile-time facts of a pipelined program for one rank.
+
+A program is pipelined when the mesh has pp > 1 or the plan asks for micro-batches. It is traced on one
+micro-batch; compiler/stages.py cuts it into pp × virtual stage graphs, and the rank keeps the ones it runs
+(stage s on pp rank s % pp) with only those stages' parameters. The schedule (ir/schedule.py) is built and
+simulated here, with each stage's forward FLOPs as its cost, before anything runs. A parameter held by
+stages on several pp ranks (a tied embedding and LM head) is listed in `tied`: the runtime sums its
+gradient over those ranks after each step (runtime/pipelined.py runs the step).
+"""
+from __future__ import annotations
+
+from .ir.program import Program
+from .ir.named_schedule import schedule as make_schedule
+from .ir.schedule_sim import simulate
+from .stages import Stage, stage_graphs
+
+COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # relative cost of an action, times the stage's FLOPs
+
+
+class PipelinePlan:
+    """Stages, schedule and parameter ownership of `program`'s rank (its pp coordinate)."""
+
+    def __init__(self, program: Program, plan):
+        mesh = program.mesh
+        self.program, self.plan = program, plan
+        pp, v, m = mesh.size("pp"), plan.virtual, plan.microbatches
+        count = pp * v
+        stages = stage_graphs(program, count) if count > 1 else [whole_stage(program)]
+        self.pp = pp
+        self.all_stages = stages
+        self.coord = mesh.coord("pp", program.rank)
+        self.local = {s.index: s for s in stages if s.index % pp == self.coord}
+        self.schedule = make_schedule(plan.schedule, pp, m, v)
+        self.params = {f for s in self.local.values() for f in s.params}
+        self.buffers = {f for s in self.local.values() for f in s.buffers}
+        holders: dict[str, set[int]] = {}
+        for s in stages:
+            for f in s.params:
+                holders.setdefault(f, set()).add(s.index % pp)
+        self.holders = holders
+        self.tied = sorted(f for f, ranks in holders.items() if len(ranks) > 1)
+        self.simulated = simulate(self.schedule, cost=self._cost)
+
+    def owner(self, fqn: str) -> int:
+        """The first pp rank holding a parameter or buffer (buffers: the first stage using it)."""
+        if fqn in self.holders:
+            return min(self.holders[fqn])
+        users = [s.index % self.pp for s in self.all_stages if fqn in s.buffers]
+        return min(users) if users else 0
+
+    def tied_copies(self) -> set[str]:
+        """Tied parameters this rank holds but another (lower) pp rank counts."""
+        return {f for f in self.tied if self.owner(f) != self.coord and self.coord in self.holders[f]}
+
+    def _cost(self, action) -> float:
+        info = self.program.stage_info
+        flops = info[action.stage].flops if info else 1.0
+        return COST[action.kind] * max(flops, 1.0)
+
+
+def whole_stage(program: Program) -> Stage:
+    """One stage holding the whole program (micro-batches without pipeline parallelism)."""
+    inputs = program.placeholders("input")
+    return Stage(index=0, gm=program.gm, params=list(program.params), buffers=list(program.buffers),
+                 inputs=list(range(len(inputs))), last=True)

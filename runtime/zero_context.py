@@ -1,0 +1,138 @@
+"""ZeroContext: one step of a ZeRO program, and ZeroStats, what its gathers did.
+
+The ZeRO ops (runtime/ops/zero.py) find the context of the step being run through ops.zero.active_context():
+zero_gather registers each gathered bucket with it, so that autograd's saved-tensor hooks keep handles
+instead of gathered parameters (re-gathered in backward); zero_reduce finds the master shards through it.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from meshc.compiler import _torch_compat as compat
+
+from .ops.zero import BucketMeta, PendingGrads, activate, unpack_bucket, deactivate, zero_gather_start
+
+
+@dataclass
+class ZeroStats:
+    """What the gathers did in the last step: counts, and bytes of gathered parameters alive."""
+
+    gathers_forward: int = 0
+    gathers_backward: int = 0
+    live_bytes: int = 0
+    peak_bytes_backward: int = 0
+    live_after_forward: int = 0
+    kept_bytes: int = 0  # the bucket kept gathered from forward to backward (Plan.zero_keep_last)
+    bucket_bytes: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Saved:
+    bucket: int
+    index: int
+    size: tuple
+    stride: tuple
+    offset: int
+
+
+class ZeroContext:
+    """One step of a ZeRO program: keeps gathered parameters out of autograd's saved tensors (handles
+    instead, re-gathered in backward) and tells zero_reduce where the master shards are."""
+
+    def __init__(self, masters: dict[str, torch.Tensor], stats: ZeroStats, overlap: bool = True):
+        self.masters = masters
+        self.stats = stats
+        self.storages: dict[int, tuple[int, int]] = {}  # storage address -> (bucket, index)
+        self.buckets: dict[int, tuple[BucketMeta, tuple]] = {}
+        self.outstanding: dict[int, int] = {}  # bucket -> saved handles not yet unpacked
+        self.regathered: dict[int, list] = {}
+        self.prefetched: dict[int, tuple[torch.Tensor, int]] = {}  # bucket -> (un-waited gather, bytes)
+        self.pending = PendingGrads() if overlap else None  # None: gradients return through autograd
+        self._token = None
+        self._hooks = None
+
+    def __enter__(self):
+        self._token = activate(self)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        deactivate(self._token)
+        self.stats.live_after_forward = self.stats.live_bytes
+        return False
+
+    def register(self, meta: BucketMeta, shards: tuple, full: tuple, recompute: bool = True) -> None:
+        self.buckets[meta.bucket] = (meta, shards)
+        self.stats.gathers_forward += 1
+        self.stats.bucket_bytes[meta.bucket] = sum(t.numel() * t.element_size() for t in full)
+        if not recompute:
+            self.stats.kept_bytes += self.stats.bucket_bytes[meta.bucket]
+            return
+        for i, t in enumerate(full):
+            self._track(t, meta.bucket, i)
+
+    def _track(self, t: torch.Tensor, bucket: int, index: int) -> None:
+        key = t.untyped_storage().data_ptr()
+        self.storages[key] = (bucket, index)
+        nbytes = t.numel() * t.element_size()
+        self.stats.live_bytes += nbytes
+        weakref.finalize(t, self._freed, key, nbytes)
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.storages.pop(key, None)
+        self.stats.live_bytes -= nbytes
+
+    def _pack(self, t: torch.Tensor):
+        where = self.storages.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if where is None:
+            return t
+        bucket, index = where
+        self.outstanding[bucket] = self.outstanding.get(bucket, 0) + 1
+        return _Saved(bucket, index, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _Saved):
+            return saved
+        full = self.regathered.get(saved.bucket)
+        if full is None:
+            full = self._regather(saved.bucket)
+        self.outstanding[saved.bucket] -= 1
+        if self.outstanding[saved.bucket] <= 0:  # a retained graph may unpack again: it gathers again then
+            self.regathered.pop(saved.bucket, None)
+        self.stats.peak_bytes_backward = max(self.stats.peak_bytes_backward, self.stats.live_bytes)
+        return full[saved.index].as_strided(saved.size, saved.stride, saved.offset)
+
+    def _regather(self, bucket: int) -> list[torch.Tensor]:
+        meta, shards = self.buckets[bucket]
+        if bucket in self.prefetched:
+            raw, nbytes = self.prefetched.pop(bucket)
+            self.stats.live_bytes -= nbytes
+        else:
+            raw = self._start(bucket)
+        full = unpack_bucket(compat.wait(raw), meta)
+        for i, t in enumerate(full):
+            self._track(t, bucket, i)
+        self.regathered[bucket] = full
+        self.stats.gathers_backward += 1
+        self._prefetch_before(bucket)
+        return full
+
+    def _start(self, bucket: int) -> torch.Tensor:
+        meta, shards = self.buckets[bucket]
+        return zero_gather_start(*shards, group=meta.group, size=meta.n, dtype=meta.dtype, fused=meta.fused)
+
+    def _prefetch_before(self, bucket: int) -> None:
+        """Backward needs the buckets in reverse: issue the next one's gather now, to overlap this block."""
+        waiting = [b for b, count in self.outstanding.items()
+                   if count > 0 and b < bucket and b not in self.regathered and b not in self.prefetched]
+        if waiting:
+            b = max(waiting)
+            nbytes = self.stats.bucket_bytes[b]
+            self.prefetched[b] = (self._start(b), nbytes)
+            self.stats.live_bytes += nbytes
+            self.stats.peak_bytes_backward = max(self.stats.peak_bytes_backward, self.stats.live_bytes)

@@ -1,0 +1,137 @@
+"""The layers import one way (DESIGN.md §2): ir → kernels → ops → passes → compiler → runtime → meshc.
+
+Reads every module's imports from its source (AST: top-level and inside functions alike, lazily or not)
+and fails on an import of a higher layer, and on any cycle between modules. No exception list.
+"""
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"meshc": "meshc", "compiler": "meshc.compiler", "passes": "meshc.passes", "kernels": "meshc.kernels",
+           "runtime": "meshc.runtime"}  # as pyproject maps them
+# (layer, module-name prefixes), lowest first; the first matching prefix decides, most specific listed first
+LAYERS = [
+    ("ir", ("meshc.compiler.ir", "meshc.compiler._torch_compat")),
+    ("kernels", ("meshc.kernels",)),
+    ("ops", ("meshc.runtime.ops",)),
+    ("passes", ("meshc.passes",)),
+    ("compiler", ("meshc.compiler",)),
+    ("runtime", ("meshc.runtime",)),
+    ("meshc", ("meshc",)),
+]
+ORDER = {name: i for i, (name, _) in enumerate(LAYERS)}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for folder, package in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def layer_of(module: str) -> str:
+    for name, prefixes in LAYERS:
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return name
+    raise AssertionError(f"{module}: in no layer; add it to LAYERS")
+
+
+def _imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """meshc modules `module` imports, resolved to the most specific module that exists."""
+    is_package = path.name == "__init__.py"
+    package = module if is_package else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = [f"{target}.{a.name}" if f"{target}.{a.name}" in known else target for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                out.add(name)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    return {m: _imports(m, p, known) for m, p in known.items()}
+
+
+def test_every_module_has_a_layer():
+    for module in _modules():
+        layer_of(module)
+
+
+def test_imports_run_one_way():
+    bad = [f"{m} ({layer_of(m)}) imports {t} ({layer_of(t)})"
+           for m, targets in sorted(_graph().items()) for t in sorted(targets)
+           if ORDER[layer_of(t)] > ORDER[layer_of(m)]]
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    cycles, state = [], {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = "open"
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == "open":
+                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in state:
+                visit(t, stack)
+        stack.pop()
+        state[m] = "done"
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_checker_sees_a_violation(tmp_path, monkeypatch):
+    """The test above can fail: an import of the runtime from a pass is reported."""
+    fake = tmp_path / "passes"
+    fake.mkdir()
+    (fake / "bad.py").write_text("from meshc.runtime.mesh import Mesh\nfrom . import good\n")
+    (fake / "good.py").write_text("from .bad import x\n")
+    known = {**_modules(), "meshc.passes.bad": fake / "bad.py", "meshc.passes.good": fake / "good.py"}
+    assert _imports("meshc.passes.bad", fake / "bad.py", known) == {"meshc.runtime.mesh", "meshc.passes.good"}
+    assert ORDER[layer_of("meshc.runtime.mesh")] > ORDER[layer_of("meshc.passes.bad")]
+
+
+def test_private_torch_only_in_the_compat_shim():
+    """`torch._*` modules and private attributes of torch objects are reached through compiler/_torch_compat.py."""
+    bad = []
+    for module, path in _modules().items():
+        if module == "meshc.compiler._torch_compat":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            if any(n.startswith("torch.") and any(p.startswith("_") for p in n.split(".")[1:]) for n in names):
+                bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: imports {names[0]}")
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch" \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: torch.{node.attr}")
+    assert not bad, "private torch API outside the compat shim:\n" + "\n".join(bad)
