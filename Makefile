@@ -1,5 +1,5 @@
 # make demo: create .venv, install, train the demo GPT over 2 local processes.
-# make test: create .venv if needed, install, run the whole test suite.
+# make test: create .venv if needed, install, lint with ruff (pyproject's [tool.ruff]), run the whole test suite.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -23,6 +23,7 @@ demo: $(STAMP)
 	$(BIN)/meshc demo
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 clean:

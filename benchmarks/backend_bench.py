@@ -10,7 +10,6 @@ AdamW, gloo on loopback, one thread per rank.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -18,8 +17,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import launch, median_step, report, table  # noqa: E402
-from tp_bench import _data, _loss, _model  # noqa: E402
+from common import arg_parser, launch, lm_loss, median_step, report, run_worker, table  # noqa: E402
+from tp_bench import _data, _model  # noqa: E402
 
 
 def worker(config: dict) -> None:
@@ -42,7 +41,7 @@ def worker(config: dict) -> None:
         opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
 
         def step():
-            job.step(x, y, _loss)
+            job.step(x, y, lm_loss)
             opt.step()
             opt.zero_grad()
     else:
@@ -61,7 +60,7 @@ def worker(config: dict) -> None:
         compiled = torch.compile(model, backend=backend)
 
         def step():
-            _loss(compiled(x), y).backward()
+            lm_loss(compiled(x), y).backward()
             opt.step()
             opt.zero_grad()
     step()  # compiles (and, through the backend, shards the parameters)
@@ -73,16 +72,14 @@ def worker(config: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = arg_parser()
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--mesh", choices=["dp", "tp"], default="dp")
     p.add_argument("--zero", type=int, default=3, choices=[0, 3])
     p.add_argument("--only", default=None, help="run just this one (e.g. backend+inductor)")
-    p.add_argument("--worker", default=None)
     args = p.parse_args()
-    if args.worker:
-        worker(json.loads(args.worker))
+    if run_worker(args, worker):
         return
     impls = ["meshc.compile", "backend (eager regions)", "backend+inductor"]  # Inductor: zero=0 (see worker)
     if args.mesh == "dp" and args.zero == 3:

@@ -21,8 +21,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import launch, report, table  # noqa: E402
-from tp_bench import DIM, HEADS, LAYERS, SEQ, VOCAB, _data, _loss  # noqa: E402
+from common import launch, lm_loss, reference_transformer, report, table  # noqa: E402
+from tp_bench import DIM, HEADS, LAYERS, SEQ, VOCAB, _data  # noqa: E402
 
 ROWS = [  # (name, save mesh, save plan, load mesh, load plan)
     ("dp2xtp2 -> same", {"dp": 2, "tp": 2}, {}, {"dp": 2, "tp": 2}, {}),
@@ -34,12 +34,7 @@ ROWS = [  # (name, save mesh, save plan, load mesh, load plan)
 
 
 def _model(seed: int):
-    import torch
-    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
-
-    torch.manual_seed(seed)
-    return Transformer(ModelArgs(n_layers=LAYERS, vocab_size=VOCAB, max_seq_len=SEQ, dim=DIM, n_heads=HEADS,
-                                 dropout_p=0.0))
+    return reference_transformer(LAYERS, DIM, HEADS, VOCAB, SEQ, seed=seed)
 
 
 def _slowest(seconds: float) -> float:
@@ -66,7 +61,7 @@ def _meshc_worker(cfg: dict) -> dict:
                             plan=meshc.Plan(trace="non-strict", **cfg[f"{role}_plan"]))
         opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
         if role == "save":
-            job.step(mesh.shard_batch(x), mesh.shard_batch(y), _loss)
+            job.step(mesh.shard_batch(x), mesh.shard_batch(y), lm_loss)
             opt.step()
             t0 = time.perf_counter()
             job.save(folder, step=1)
@@ -102,7 +97,7 @@ def _fsdp_worker(cfg: dict) -> dict:
             fully_shard(layer)
         fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        _loss(model(xs), ys).backward()
+        lm_loss(model(xs), ys).backward()
         opt.step()  # states exist on both sides: DCP loads into existing tensors
         msd, osd = get_state_dict(model, opt)
         t0 = time.perf_counter()

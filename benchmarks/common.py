@@ -1,11 +1,21 @@
-"""Shared pieces of the benchmarks: launching workers under torchrun, timing steps, and writing results.
+"""Shared pieces of the benchmarks: launching workers under torchrun, timing steps, writing results, and the
+model, batch and loss several of them measure.
 
 A benchmark script runs in two roles. Launched plainly it is the driver: for each configuration it
 starts `torchrun --standalone --nproc-per-node N <script> --worker <config>` (gloo on loopback, one
-thread per rank) and collects the JSON that rank 0 writes. Under torchrun it is a worker.
+thread per rank) and collects the JSON that rank 0 writes. Under torchrun it is a worker:
+
+    p = arg_parser()                  # has --worker
+    ...
+    args = p.parse_args()
+    if run_worker(args, worker):      # under torchrun: worker(config) ran
+        return
+
+torch is imported inside the functions that need it, so a driver imports this file without torch.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -75,3 +85,45 @@ def wire_bytes(census: dict, sizes: dict[str, int]) -> float:
         factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": n - 1}.get(kind, 1)
         total += payload * factor
     return total
+
+
+def arg_parser(**kwargs: Any) -> argparse.ArgumentParser:
+    """An ArgumentParser with `--worker` (the config JSON `launch` passes to a worker)."""
+    p = argparse.ArgumentParser(**kwargs)
+    p.add_argument("--worker", default=None)
+    return p
+
+
+def run_worker(args: argparse.Namespace, worker: Callable[[dict], Any]) -> bool:
+    """In a worker (`--worker <config>`), run `worker(config)` and return True; in the driver return False."""
+    if not args.worker:
+        return False
+    worker(json.loads(args.worker))
+    return True
+
+
+def reference_transformer(layers: int, dim: int, heads: int, vocab: int, seq: int, *, tied: bool = True,
+                          seed: int = 0):
+    """torch's reference Transformer (torch.testing's ModelArgs), dropout off, weights from `seed`."""
+    import torch
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    torch.manual_seed(seed)
+    return Transformer(ModelArgs(n_layers=layers, vocab_size=vocab, max_seq_len=seq, dim=dim, n_heads=heads,
+                                 dropout_p=0.0, weight_tying=tied))
+
+
+def token_batch(batch: int, seq: int, vocab: int, seed: int = 1):
+    """(inputs, next-token targets), each (batch, seq), from one random token stream of `seed`."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def lm_loss(out, y):
+    """Mean next-token cross-entropy of logits (B, T, V) against targets (B, T)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))

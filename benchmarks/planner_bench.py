@@ -13,7 +13,6 @@ where the planner's choice lands among the measured.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics

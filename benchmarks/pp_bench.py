@@ -12,39 +12,24 @@ forward FLOPs (backward = 2 x forward), with no communication time.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import launch, median_step, report, table  # noqa: E402
+from common import (arg_parser, launch, lm_loss, median_step, reference_transformer, report, run_worker,  # noqa: E402
+                    table, token_batch)
 
 LAYERS, DIM, HEADS, VOCAB, SEQ, BATCH = 4, 256, 8, 1024, 128, 16
 
 
 def _model():
-    import torch
-    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
-
-    torch.manual_seed(0)
-    return Transformer(ModelArgs(n_layers=LAYERS, vocab_size=VOCAB, max_seq_len=SEQ, dim=DIM, n_heads=HEADS,
-                                 dropout_p=0.0, weight_tying=False))
+    return reference_transformer(LAYERS, DIM, HEADS, VOCAB, SEQ, tied=False)  # pipeline() cannot split a tied weight
 
 
 def _data():
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def _loss(out, y):
-    import torch.nn.functional as F
-
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return token_batch(BATCH, SEQ, VOCAB)
 
 
 def worker(config: dict) -> None:
@@ -64,7 +49,7 @@ def worker(config: dict) -> None:
         busy, elapsed = [], []
 
         def step():
-            job.step(x, y, _loss)
+            job.step(x, y, lm_loss)
             opt.step()
             opt.zero_grad()
             busy.append(job.pipeline_timing()[0])
@@ -84,7 +69,7 @@ def worker(config: dict) -> None:
     pipe = pipeline(model, mb_args=(x.chunk(m)[0],), split_spec=spec)
     stage = pipe.build_stage(mesh.coord("pp"), torch.device("cpu"), group=mesh.group("pp"))
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[config["schedule"]]
-    schedule = cls(stage, m, loss_fn=_loss)
+    schedule = cls(stage, m, loss_fn=lm_loss)
     opt = torch.optim.AdamW(stage.submod.parameters(), lr=1e-3)
     first, last = mesh.coord("pp") == 0, mesh.coord("pp") == pp - 1
 
@@ -101,14 +86,12 @@ def worker(config: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = arg_parser()
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--worker", default=None)
     args = p.parse_args()
-    if args.worker:
-        worker(json.loads(args.worker))
+    if run_worker(args, worker):
         return
     script = os.path.abspath(__file__)
     rows = []

@@ -12,14 +12,12 @@ selective recompute 34sbh/t, full recompute 2sbh; fp32 here doubles them.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import launch, report, table  # noqa: E402
+from common import arg_parser, launch, report, run_worker, table  # noqa: E402
 
 DIM, HEADS, VOCAB, SEQ, BATCH = 256, 8, 1024, 128, 4
 
@@ -72,12 +70,10 @@ def worker(config: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = arg_parser()
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--worker", default=None)
     args = p.parse_args()
-    if args.worker:
-        worker(json.loads(args.worker))
+    if run_worker(args, worker):
         return
     t, s, b, h, a = args.tp, SEQ, BATCH, DIM, HEADS
     formula = {"none": s * b * h * (34 / t + 5 * a * s / (h * t)), "selective": 34 * s * b * h / t, "full": 2 * s * b * h}

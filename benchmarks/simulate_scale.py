@@ -23,8 +23,6 @@ MESHES = {8: (1, 8, 1), 64: (8, 8, 1), 512: (16, 8, 4), 1024: (32, 8, 4), 4096: 
 
 
 def worker(config: dict) -> None:
-    import time
-
     import meshc
     from meshc.explain_cli import simulate
 

@@ -10,39 +10,25 @@ compared with 8·b·s·h·(t−1)/t elements per layer per micro-batch (Megatron
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import launch, median_step, report, table, wire_bytes  # noqa: E402
+from common import (arg_parser, launch, lm_loss, median_step, reference_transformer, report, run_worker,  # noqa: E402
+                    table, token_batch, wire_bytes)
 
 LAYERS, DIM, HEADS, VOCAB, SEQ, BATCH = 4, 256, 8, 1024, 128, 8
 
 
 def _model():
-    import torch
-    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
-
-    torch.manual_seed(0)
-    return Transformer(ModelArgs(n_layers=LAYERS, vocab_size=VOCAB, max_seq_len=SEQ, dim=DIM, n_heads=HEADS,
-                                 dropout_p=0.0))
+    """The model of this benchmark (and of zero_bench, backend_bench, checkpoint_bench): tied head."""
+    return reference_transformer(LAYERS, DIM, HEADS, VOCAB, SEQ)
 
 
 def _data():
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def _loss(out, y):
-    import torch.nn.functional as F
-
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return token_batch(BATCH, SEQ, VOCAB)
 
 
 def worker(config: dict) -> None:
@@ -60,10 +46,10 @@ def worker(config: dict) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
         def step():
-            _loss(model(x), y).backward()
+            lm_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-        report({"impl": impl, "step_s": median_step(step, steps=config["steps"]), "loss": _loss(model(x), y).item()})
+        report({"impl": impl, "step_s": median_step(step, steps=config["steps"]), "loss": lm_loss(model(x), y).item()})
         return
     mesh = meshc.mesh(tp=config["tp"], timeout_s=300)
     if impl == "meshc":
@@ -71,7 +57,7 @@ def worker(config: dict) -> None:
         opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
 
         def step():
-            job.step(x, y, _loss)
+            job.step(x, y, lm_loss)
             opt.step()
             opt.zero_grad()
     else:  # torch's own tensor parallelism on the same groups
@@ -81,7 +67,7 @@ def worker(config: dict) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
         def step():
-            _loss(model(x), y).backward()
+            lm_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
     seconds = median_step(step, steps=config["steps"], barrier=dist.barrier)
@@ -94,13 +80,11 @@ def worker(config: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = arg_parser()
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--worker", default=None)
     args = p.parse_args()
-    if args.worker:
-        worker(json.loads(args.worker))
+    if run_worker(args, worker):
         return
     script = os.path.abspath(__file__)
     t = args.tp

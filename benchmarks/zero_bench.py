@@ -10,7 +10,6 @@ for the measured step. All converted to ring wire bytes per rank.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -18,8 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import launch, median_step, report, table, wire_bytes  # noqa: E402
-from tp_bench import _data, _loss, _model  # noqa: E402
+from common import arg_parser, launch, lm_loss, median_step, report, run_worker, table, wire_bytes  # noqa: E402
+from tp_bench import _data, _model  # noqa: E402
 
 
 class _CountC10d:
@@ -90,12 +89,12 @@ def _torch_peer(impl: str, mesh, x, y):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step():
-        _loss(model(x), y).backward()
+        lm_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
 
     def state():
-        _loss(model(x), y).backward()  # measured with gradients held, as after backward
+        lm_loss(model(x), y).backward()  # measured with gradients held, as after backward
         local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
         grads = [getattr(p.grad, "_local_tensor", p.grad) for p in model.parameters() if p.grad is not None]
         states = [getattr(v, "_local_tensor", v) for s in opt.state.values() for v in s.values()
@@ -122,12 +121,12 @@ def worker(config: dict) -> None:
         opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
 
         def step():
-            job.step(x, y, _loss)
+            job.step(x, y, lm_loss)
             opt.step()
             opt.zero_grad()
 
         def state():
-            job.step(x, y, _loss)  # measured with gradients held, as after backward
+            job.step(x, y, lm_loss)  # measured with gradients held, as after backward
             held = sum(job.held_bytes().values())
             opt.zero_grad()
             return held
@@ -148,13 +147,11 @@ def worker(config: dict) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = arg_parser()
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--worker", default=None)
     args = p.parse_args()
-    if args.worker:
-        worker(json.loads(args.worker))
+    if run_worker(args, worker):
         return
     script = os.path.abspath(__file__)
     configs = [("DDP", {"impl": "ddp"}), ("FSDP2", {"impl": "fsdp2"})] + [

@@ -125,3 +125,50 @@ def inductor_compile(gm, example_inputs):
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs)
+
+
+# ------------------------------------------------------------------ op overloads and nn.Module internals
+def op_name(func) -> str:
+    """An OpOverload's bare name ("all_reduce" for _c10d_functional.all_reduce.default): its `_opname`.
+    Public alternative: `func.overloadpacket.__name__`, or `func.name()` ("ns::name.overload") parsed."""
+    return func._opname
+
+
+def op_is_mutable(func) -> bool:
+    """Does the OpOverload's schema say it writes one of its inputs? `func._schema.is_mutable`: torch has no
+    public accessor of an op's FunctionSchema (a trailing "_" in `func.name()` covers only in-place ops)."""
+    return func._schema.is_mutable
+
+
+def own_parameters(module: torch.nn.Module) -> dict:
+    """name -> Parameter (or None) registered on `module` itself: `module._parameters`. Public alternative:
+    `module.named_parameters(recurse=False, remove_duplicate=False)`, which skips None entries and goes
+    through a method a subclass may override; meshc reads every live module's own dict in one pass."""
+    return module._parameters
+
+
+def own_buffers(module: torch.nn.Module) -> dict:
+    """name -> buffer (or None) registered on `module` itself: `module._buffers`. Public alternative:
+    `module.named_buffers(recurse=False, remove_duplicate=False)` (same caveats as own_parameters)."""
+    return module._buffers
+
+
+def child_modules(module: torch.nn.Module) -> list:
+    """The direct submodules of `module` (None entries dropped), from `module._modules`. Public alternative:
+    `module.children()`, which also drops a child registered twice and may be overridden by a subclass."""
+    return [child for child in module._modules.values() if child is not None]
+
+
+def replace_parameter(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """Put `value` in the slot of `module`'s parameter `name`: `module._parameters[name] = value`. Public
+    alternative: `setattr(module, name, value)` or `register_parameter`, which accept only an nn.Parameter;
+    meshc puts a tensor subclass wrapping the Parameter (a ShardedParam) there, which only the dict takes."""
+    module._parameters[name] = value
+
+
+def storage_key(t: torch.Tensor):
+    """A hashable identity of `t`'s storage, shared by its views, distinct between live storages (also empty
+    ones, which all have data_ptr 0): torch.multiprocessing's StorageWeakRef, which holds no reference."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())

@@ -10,8 +10,10 @@ from typing import Any
 
 import torch
 
+from . import check_trace
 from ._torch_compat import tree_map
 from .driver import run_passes
+from .ir.errors import MeshcValueError
 from .ir.program import Program
 from .pipeline_plan import PipelinePlan
 from .trace import trace
@@ -33,9 +35,11 @@ def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, 
     """(traced program, transformed program, full tensors by FQN) for `rank` (default: a runtime Mesh's own).
 
     `fixed` gives placements decided by an earlier program of the same job, so that every program of a
-    job shards each parameter the same way.
+    job shards each parameter the same way. Plan.check_trace compares the trace with the eager model first.
     """
     traced, tensors = trace(model, args, kwargs, mesh=mesh, plan=plan, rank=rank, prefix=prefix)
+    if check_trace.wanted(plan, tensors):
+        traced.notes.append(check_trace.check_trace(model, traced, tensors, args, kwargs))
     if fixed is not None:
         traced = traced.replace(fixed_placements=fixed)
     return traced, run_passes(traced), tensors
@@ -64,7 +68,7 @@ def one_microbatch(tree: Any, m: int) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or m == 1:
             return t
         if t.shape[0] % m:
-            raise ValueError(f"meshc.compile: example input of {t.shape[0]} rows is not divisible by "
-                             f"microbatches={m}; pass this rank's dp-local batch, a multiple of {m}")
+            raise MeshcValueError(f"meshc.compile: example input of {t.shape[0]} rows is not divisible by "
+                                  f"microbatches={m}; pass this rank's dp-local batch, a multiple of {m}")
         return t[: t.shape[0] // m]
     return tree_map(cut, tree)

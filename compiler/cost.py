@@ -55,6 +55,7 @@ import sympy
 from sympy import Max, Min
 
 from .hardware import Hardware
+from .ir.errors import MeshcValueError
 
 OPS_PER_LAYER = 30  # compute ops per transformer block in a traced graph (views excluded): τ's multiplier
 
@@ -95,16 +96,16 @@ class ModelShape:
         for name in ("layers", "hidden", "heads", "vocab", "seq", "experts", "top_k"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelShape.{name}: expected a positive int, got {value!r}")
+                raise MeshcValueError(f"ModelShape.{name}: expected a positive int, got {value!r}")
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
         if self.ffn is None:
             object.__setattr__(self, "ffn", 4 * self.hidden)
         if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise ValueError(f"ModelShape: expected hidden divisible by heads and heads by kv_heads, got hidden="
-                             f"{self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}")
+            raise MeshcValueError(f"ModelShape: expected hidden divisible by heads and heads by kv_heads, got hidden="
+                                  f"{self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}")
         if self.norm not in ("layer", "rms"):
-            raise ValueError(f"ModelShape.norm: expected 'layer' or 'rms', got {self.norm!r}")
+            raise MeshcValueError(f"ModelShape.norm: expected 'layer' or 'rms', got {self.norm!r}")
 
     def values(self) -> dict:
         """Numbers for the model's symbols."""
@@ -151,7 +152,7 @@ class Precision:
     def __post_init__(self) -> None:
         for name in ("param", "grad", "optimizer", "activation"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"Precision.{name}: expected bytes > 0, got {getattr(self, name)!r}")
+                raise MeshcValueError(f"Precision.{name}: expected bytes > 0, got {getattr(self, name)!r}")
 
 
 FP32 = Precision()  # meshc without param_dtype: fp32 parameters are their own masters
@@ -177,9 +178,9 @@ class Estimate:
 
     def __post_init__(self) -> None:
         if self.source not in ("formula", "compiled"):
-            raise ValueError(f"Estimate.source: expected 'formula' or 'compiled', got {self.source!r}")
+            raise MeshcValueError(f"Estimate.source: expected 'formula' or 'compiled', got {self.source!r}")
         if any(value < -1e-9 for value in list(self.memory.values()) + list(self.time.values())):
-            raise ValueError(f"Estimate: expected non-negative parts, got memory {self.memory}, time {self.time}")
+            raise MeshcValueError(f"Estimate: expected non-negative parts, got memory {self.memory}, time {self.time}")
 
     @property
     def total_memory(self) -> float:
@@ -389,7 +390,7 @@ def formula_estimate(shape: ModelShape, sizes: dict[str, int], plan, batch: int,
     n, tp, pp = (int(sizes.get(x, 1)) for x in ("dp", "tp", "pp"))
     mb = plan.microbatches
     if batch % (n * mb):
-        raise ValueError(f"cost: expected the global batch divisible by dp × microbatches = {n * mb}, got {batch}")
+        raise MeshcValueError(f"cost: expected the global batch divisible by dp × microbatches = {n * mb}, got {batch}")
     prec = precision or precision_of(plan)
     i_f, i_l, bub = schedule_terms(plan.schedule, pp, mb, plan.virtual)
     ind = plan_indicators(plan)

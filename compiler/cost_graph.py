@@ -24,27 +24,18 @@ from torch.utils.flop_counter import flop_registry
 
 from .cost import Estimate
 from .hardware import Hardware
+from .ir.fx_ops import VIEW_NAMES, is_view, op_short_name
 from .ir.placement import FlatShard
 
 aten = torch.ops.aten
-VIEWS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
-         "squeeze", "split", "split_with_sizes", "chunk", "alias", "detach", "_assert_tensor_metadata", "unbind",
-         "as_strided", "view_as", "expand_as", "flatten", "unflatten", "movedim", "narrow", "lift_fresh_copy"}
-SAVES_NOTHING = VIEWS | {"add", "sub", "neg", "cat", "stack", "clone", "contiguous", "sum", "mean", "zeros_like",
-                         "ones_like", "full", "arange", "empty", "new_ones", "new_zeros", "zeros", "ones", "copy_",
-                         "to", "_to_copy", "type_as", "wait_tensor", "all_reduce", "all_gather_into_tensor",
-                         "reduce_scatter_tensor", "embedding", "cumsum", "topk", "sort", "histc", "argsort",
-                         "floor_divide", "eq", "ne", "lt", "le", "gt", "ge", "where", "masked_fill", "diff", "sin",
-                         "cos", "index_put_", "index_put"}
+SAVES_NOTHING = VIEW_NAMES | {"add", "sub", "neg", "cat", "stack", "clone", "contiguous", "sum", "mean", "zeros_like",
+                              "ones_like", "full", "arange", "empty", "new_ones", "new_zeros", "zeros", "ones", "copy_",
+                              "to", "_to_copy", "type_as", "wait_tensor", "all_reduce", "all_gather_into_tensor",
+                              "reduce_scatter_tensor", "embedding", "cumsum", "topk", "sort", "histc", "argsort",
+                              "floor_divide", "eq", "ne", "lt", "le", "gt", "ge", "where", "masked_fill", "diff", "sin",
+                              "cos", "index_put_", "index_put"}
 SAVES_OUTPUT = {"softmax", "_softmax", "log_softmax", "_log_softmax", "tanh", "sigmoid", "exp", "rsqrt", "relu"}
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul"}
-
-
-def _name(target) -> str:
-    packet = getattr(target, "overloadpacket", None)
-    if packet is not None:
-        return packet.__name__
-    return getattr(target, "__name__", str(target))
 
 
 def _vals(node: fx.Node) -> list[torch.Tensor]:
@@ -69,7 +60,7 @@ def node_flops(node: fx.Node) -> float:
     """
     if node.op != "call_function":
         return 0.0
-    target, name = node.target, _name(node.target)
+    target, name = node.target, op_short_name(node.target)
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), _arg_val)
     try:
         if name == "linear":
@@ -98,7 +89,7 @@ def _is_compute(node: fx.Node) -> bool:
         return False
     if node.op != "call_function" or node.target is operator.getitem:
         return False
-    return _name(node.target) not in VIEWS and "meshc.comm" not in node.meta and "wait_tensor" != _name(node.target)
+    return not is_view(node.target) and "meshc.comm" not in node.meta and "wait_tensor" != op_short_name(node.target)
 
 
 @dataclass
@@ -155,7 +146,7 @@ def _through_views(node: fx.Node) -> list[fx.Node]:
         n = stack.pop()
         out.append(n)
         stack += [u for u in n.users if u.op == "call_function" and (u.target is operator.getitem or
-                                                                       _name(u.target) in VIEWS)]
+                                                                       is_view(u.target))]
     return out
 
 
@@ -165,7 +156,7 @@ def _saves(user: fx.Node, value: fx.Node, grads: set[fx.Node]) -> bool:
         return True
     if user.op != "call_function" or user.target is operator.getitem:
         return False
-    name = _name(user.target)
+    name = op_short_name(user.target)
     if name in SAVES_NOTHING or name in SAVES_OUTPUT:
         return False
     tensors = [x for x in user.args if isinstance(x, fx.Node)]
@@ -214,9 +205,9 @@ def _flow(graph: fx.Graph) -> tuple[set[fx.Node], set[fx.Node]]:
 def _base(node: fx.Node) -> fx.Node:
     """The node whose storage a view (or a getitem of a split) shares."""
     while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and (
-            _name(node.target) in VIEWS or node.target is operator.getitem):
+            is_view(node.target) or node.target is operator.getitem):
         parent = node.args[0]
-        if node.target is operator.getitem and _name(getattr(parent, "target", None)) not in VIEWS:
+        if node.target is operator.getitem and not is_view(getattr(parent, "target", None)):
             break
         node = parent
     return node
@@ -226,7 +217,7 @@ def _saved_by(node: fx.Node, acts: set[fx.Node], grads: set[fx.Node]) -> list[fx
     """The activation storages `node` keeps for its backward (autograd's saved tensors, by op)."""
     if node.op != "call_function" or node not in grads or "meshc.comm" in node.meta:
         return []
-    name = _name(node.target)
+    name = op_short_name(node.target)
     if name in SAVES_NOTHING or node.target is operator.getitem:
         return []
     if name in SAVES_OUTPUT:
@@ -257,7 +248,7 @@ def _remat_block(gm: fx.GraphModule, node: fx.Node, acts: set[fx.Node], cost: Gr
         _add_node(inner, cost)
         records = inner.meta.get("meshc.comm", ())
         tp_comm = any(r.axis != "dp" for r in records)
-        kept = policy == "selective" and (_name(inner.target) in MATMULS or tp_comm)
+        kept = policy == "selective" and (op_short_name(inner.target) in MATMULS or tp_comm)
         if kept:
             saved[inner] = _nbytes(inner)
         elif _is_compute(inner):
@@ -339,7 +330,7 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
     costing the send of its boundary activations), plus data-parallel collectives not hidden behind
     compute, the optimizer step's collectives and the update itself.
     """
-    sizes, plan = program.mesh.sizes, program.plan
+    sizes = program.mesh.sizes
     stages, schedule = _stages(program, pipeline)
     m = schedule.microbatches if schedule is not None else 1
     pp = sizes.get("pp", 1)
@@ -373,8 +364,7 @@ def _stages(program, pipeline):
     """(index, graph, parameter FQNs, boundary bytes sent) per stage, and the schedule (None: no pipeline)."""
     if pipeline is None:
         return [(0, program.gm, list(program.params), 0)], None
-    out = [(s.index, s.gm, list(s.params), sum(math.prod(b.shape) * b.dtype.itemsize for b in s.send))
-           for s in pipeline.all_stages]
+    out = [(s.index, s.gm, list(s.params), s.sent_bytes) for s in pipeline.all_stages]
     return out, pipeline.schedule
 
 
@@ -471,9 +461,7 @@ def comm_bytes(program, pipeline=None) -> dict[tuple[str, str], float]:
         if pipeline is not None:
             for s in pipeline.local.values():
                 if s.gm is gm:
-                    sent = sum(math.prod(b.shape) * b.dtype.itemsize for b in s.send)
-                    grads = sum(math.prod(b.shape) * b.dtype.itemsize for b in s.recv if b.grad)
-                    out[("send", "pp")] = out.get(("send", "pp"), 0.0) + (sent + grads) * m
+                    out[("send", "pp")] = out.get(("send", "pp"), 0.0) + (s.sent_bytes + s.grad_bytes) * m
     for record in list(program.step_comms) + _extra_records(program, pipeline):
         add(record)
     return out

@@ -15,13 +15,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .ir.errors import MeshcValueError
+from .ir.fx_ops import op_label
 from .ir.program import Program
 
 log = logging.getLogger("meshc.driver")
 
 PassFn = Callable[[Program], Program]
 
-# Every pass meshc knows, in the order they run (DESIGN.md §3). A pass that is not built yet is absent.
+# Every pass meshc knows, in the order build_passes runs them: shapes, plan, tensor_parallel, pipeline_split,
+# zero, grad_sync, fuse_comm, remat. DESIGN.md §3 also places experts (ep) and context (cp) between plan and
+# tensor_parallel; neither is built, so neither is here.
 PASS_NAMES = ("shapes", "plan", "tensor_parallel", "pipeline_split", "zero", "grad_sync", "fuse_comm", "remat")
 
 
@@ -55,7 +59,8 @@ def build_passes(program: Program) -> list[tuple[str, PassFn]]:
     plan = program.plan
     unknown = [n for n in plan.disable if n not in PASS_NAMES]
     if unknown:
-        raise ValueError(f"Plan.disable: unknown pass {unknown[0]!r}: expected names among {', '.join(PASS_NAMES)}")
+        raise MeshcValueError(f"Plan.disable: unknown pass {unknown[0]!r}: expected names among "
+                              f"{', '.join(PASS_NAMES)}")
     wanted = [("shapes", shapes_pass), ("plan", plan_pass), ("tensor_parallel", tensor_parallel_pass),
               ("pipeline_split", pipeline_split_pass), ("zero", zero_pass), ("grad_sync", grad_sync_pass),
               ("fuse_comm", fuse_comm_pass), ("remat", remat_pass)]
@@ -99,13 +104,8 @@ def _census(program: Program) -> Counter:
     """Nodes by kind: the call target's name for calls, the opcode otherwise."""
     out: Counter = Counter()
     for n in program.gm.graph.nodes:
-        out[_target_name(n.target) if n.op == "call_function" else n.op] += 1
+        out[op_label(n.target) if n.op == "call_function" else n.op] += 1
     return out
-
-
-def _target_name(target) -> str:
-    name = getattr(target, "__name__", None) or str(target)
-    return str(target) if hasattr(target, "_schema") else name
 
 
 def _dump(folder: str, filename: str, text: str) -> None:

@@ -7,7 +7,6 @@ mesh axis, bytes, count, and why it exists), and every parameter's placement.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -73,8 +72,8 @@ class Report:
             lines += ["", "fusion:"] + [f"  {line}" for line in self.fusion]
         lines += ["", f"parameters ({len(self.params)}):",
                   f"  {'fqn':<44}{'global shape':<18}{'local shape':<18}placement"]
-        for fqn, g, l, p in self.params:
-            lines.append(f"  {fqn:<44}{str(tuple(g)):<18}{str(tuple(l)):<18}{p}")
+        for fqn, g, local, p in self.params:
+            lines.append(f"  {fqn:<44}{str(tuple(g)):<18}{str(tuple(local)):<18}{p}")
         if self.warnings:
             lines += ["", "warnings:"] + [f"  {w}" for w in self.warnings]
         return "\n".join(lines)
@@ -119,8 +118,7 @@ def _stage_records(program: Program, pipeline) -> list:
             for r in node.meta.get("meshc.comm", ()):
                 out.append((node, dataclasses.replace(r, count=r.count * m)))
     for stage in pipeline.local.values():
-        sent = sum(math.prod(b.shape) * b.dtype.itemsize for b in stage.send)
-        grads = sum(math.prod(b.shape) * b.dtype.itemsize for b in stage.recv if b.grad)
+        sent, grads = stage.sent_bytes, stage.grad_bytes
         if sent:
             out.append((None, CommRecord("send", "pp", sent, "forward", f"stage {stage.index}'s activations to "
                                          f"stage {stage.index + 1}, per micro-batch", count=m)))

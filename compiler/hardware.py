@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import sympy
 
+from .ir.errors import MeshcTypeError, MeshcValueError
+
 GiB = 2**30
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "broadcast")
 
@@ -74,12 +76,14 @@ class Link:
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0 or not self.latency >= 0:
-            raise ValueError(f"Link: expected bandwidth > 0 and latency >= 0, got {self.bandwidth!r}, {self.latency!r}")
+            raise MeshcValueError(f"Link: expected bandwidth > 0 and latency >= 0, got {self.bandwidth!r}, "
+                                  f"{self.latency!r}")
         kinds = self.kinds.items() if isinstance(self.kinds, dict) else [(x[0], tuple(x[1:])) for x in self.kinds]
         object.__setattr__(self, "kinds", tuple(sorted((kind, float(bw), float(lat)) for kind, (bw, lat) in kinds)))
         for kind, bw, lat in self.kinds:
             if not bw > 0 or not lat >= 0:
-                raise ValueError(f"Link.kinds[{kind!r}]: expected bandwidth > 0 and latency >= 0, got {bw!r}, {lat!r}")
+                raise MeshcValueError(f"Link.kinds[{kind!r}]: expected bandwidth > 0 and latency >= 0, got {bw!r}, "
+                                      f"{lat!r}")
 
     def alpha_beta(self, kind: str) -> tuple[float, float]:
         """(latency, bandwidth) for one collective kind."""
@@ -118,14 +122,14 @@ class Hardware:
     def __post_init__(self) -> None:
         for name in ("flops", "mem_bandwidth", "memory", "compute_scale"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"Hardware.{name}: expected a positive number, got {getattr(self, name)!r}")
+                raise MeshcValueError(f"Hardware.{name}: expected a positive number, got {getattr(self, name)!r}")
         for name in ("op_overhead", "adam_rate", "step_overhead", "action_overhead"):
             if not getattr(self, name) >= 0:
-                raise ValueError(f"Hardware.{name}: expected a number >= 0, got {getattr(self, name)!r}")
+                raise MeshcValueError(f"Hardware.{name}: expected a number >= 0, got {getattr(self, name)!r}")
         if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
-            raise ValueError(f"Hardware.ranks_per_node: expected a positive int, got {self.ranks_per_node!r}")
+            raise MeshcValueError(f"Hardware.ranks_per_node: expected a positive int, got {self.ranks_per_node!r}")
         if not 0.0 <= self.overlap <= 1.0:
-            raise ValueError(f"Hardware.overlap: expected a fraction in [0, 1], got {self.overlap!r}")
+            raise MeshcValueError(f"Hardware.overlap: expected a fraction in [0, 1], got {self.overlap!r}")
 
     def adam_time(self, elements) -> float:
         """Seconds of one AdamW update of `elements` parameters."""
@@ -154,7 +158,8 @@ class Hardware:
         known = {f.name for f in dataclasses.fields(Hardware)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"hardware profile: unknown field {unknown[0]!r}: expected fields among {', '.join(sorted(known))}")
+            raise MeshcValueError(f"hardware profile: unknown field {unknown[0]!r}: expected fields among "
+                                  f"{', '.join(sorted(known))}")
         return Hardware(**data)
 
     def save(self, path: str) -> None:
@@ -205,7 +210,7 @@ def load(spec: "str | Hardware") -> Hardware:
     if isinstance(spec, Hardware):
         return spec
     if not isinstance(spec, str):
-        raise TypeError(f"hardware: expected a profile name or a JSON path, got {type(spec).__name__}")
+        raise MeshcTypeError(f"hardware: expected a profile name or a JSON path, got {type(spec).__name__}")
     key = spec.lower()
     if key in PROFILES:
         return PROFILES[key]
@@ -214,13 +219,14 @@ def load(spec: "str | Hardware") -> Hardware:
         return load_file(path) if os.path.exists(path) else PROFILES["cpu-default"]
     if spec.endswith(".json"):
         return load_file(spec)
-    raise ValueError(f"hardware: unknown profile {spec!r}: expected one of {', '.join(PROFILES)}, 'cpu', "
-                     "or a .json file written by `meshc calibrate`")
+    raise MeshcValueError(f"hardware: unknown profile {spec!r}: expected one of {', '.join(PROFILES)}, 'cpu', "
+                          "or a .json file written by `meshc calibrate`")
 
 
 def load_file(path: str) -> Hardware:
     if not os.path.exists(path):
-        raise ValueError(f"hardware: expected a profile file at {path}, got none; run `meshc calibrate --out {path}`")
+        raise MeshcValueError(f"hardware: expected a profile file at {path}, got none; run `meshc calibrate --out "
+                              f"{path}`")
     with open(path) as f:
         return Hardware.from_dict(json.load(f))
 
@@ -247,7 +253,7 @@ def fit_alpha_beta(samples: list[tuple[float, float, float]]) -> tuple[float, fl
     b2 = sum(w * t for _, w, t in samples)
     det = a11 * a22 - a12 * a12
     if det <= 0:
-        raise ValueError(f"calibrate: expected samples at several sizes, got {len(samples)}")
+        raise MeshcValueError(f"calibrate: expected samples at several sizes, got {len(samples)}")
     alpha = (b1 * a22 - b2 * a12) / det
     inv_beta = (a11 * b2 - a12 * b1) / det
     if alpha < 0:  # noise at small sizes: no latency, bandwidth by least squares through the origin

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 from .cost import Estimate, ModelShape, formula_estimate
 from .hardware import Hardware
+from .ir.errors import MeshcValueError
 from .ir.plan import Plan
 from .show import human_bytes
 
@@ -87,7 +88,8 @@ class Search:
         if self.param_dtype is not None and 0 in self.zero:
             object.__setattr__(self, "zero", tuple(z for z in self.zero if z))  # mixed precision needs ZeRO
         if not self.zero or not self.remat or not self.schedules:
-            raise ValueError("Search: expected at least one ZeRO stage, remat policy and schedule, got an empty choice")
+            raise MeshcValueError("Search: expected at least one ZeRO stage, remat policy and schedule, got an empty "
+                                  "choice")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,8 +107,9 @@ class PlanResult:
         if not self.ranked:
             need = f"; the smallest needs {human_bytes(self.smallest_rejected.estimate.total_memory)} " \
                    f"({self.smallest_rejected.candidate.describe()})" if self.smallest_rejected else ""
-            raise ValueError(f"planner: expected a plan that fits in {human_bytes(self.memory)} per rank, got none of "
-                             f"{self.rejected}{need}; use more ranks, a smaller batch, or allow remat/ZeRO-3")
+            raise MeshcValueError(f"planner: expected a plan that fits in {human_bytes(self.memory)} per rank, got "
+                                  f"none of {self.rejected}{need}; use more ranks, a smaller batch, or allow "
+                                  "remat/ZeRO-3")
         return self.ranked[0]
 
     def table(self, top: int = 10) -> str:

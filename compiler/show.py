@@ -11,6 +11,7 @@ from typing import Any, TextIO
 import torch
 import torch.fx as fx
 
+from .ir.fx_ops import op_name
 from .ir.placement import format_placements
 
 
@@ -78,10 +79,7 @@ def _node_text(node: fx.Node) -> str:
 
 
 def _target(node: fx.Node) -> str:
-    t = node.target
-    if hasattr(t, "_schema"):  # an ATen/custom op overload: "aten::add.Tensor" -> "aten.add.Tensor"
-        return t.name().replace("::", ".")
-    return getattr(t, "__name__", str(t))
+    return op_name(node.target).replace("::", ".")  # "aten::add.Tensor" -> "aten.add.Tensor"
 
 
 def _arg(a: Any) -> str:

@@ -12,13 +12,15 @@ between the ranks that hold it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from .ir.errors import MeshcInternalError
-from .ir.program import Program
+from .ir.errors import MeshcInternalError, MeshcValueError
+from .ir.fx_ops import op_name
+from .ir.program import VALUE_META, Program
 
 MARKER = "pippy::_pipe_split"
 
@@ -32,6 +34,10 @@ class Boundary:
     dtype: torch.dtype
     grad: bool
 
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
 
 @dataclass
 class Stage:
@@ -44,13 +50,23 @@ class Stage:
     send: list[Boundary] = field(default_factory=list)
     last: bool = False
 
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes of the activations this stage sends forward, per micro-batch."""
+        return sum(b.nbytes for b in self.send)
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the input gradients this stage sends back, per micro-batch (received values with a gradient)."""
+        return sum(b.nbytes for b in self.recv if b.grad)
+
 
 def stage_graphs(program: Program, count: int) -> list[Stage]:
     graph = program.gm.graph
     stage_of = {n: n.meta["meshc.stage"] for n in graph.nodes if "meshc.stage" in n.meta}
     if program.mutated_buffers:
-        raise ValueError(f"pipeline: expected a model that does not update buffers in forward, got updates to "
-                         f"{program.mutated_buffers[:3]}; pipeline stages cannot share them")
+        raise MeshcValueError(f"pipeline: expected a model that does not update buffers in forward, got updates to "
+                              f"{program.mutated_buffers[:3]}; pipeline stages cannot share them")
     for n in graph.nodes:
         if n.op in ("call_function", "call_module") and n not in stage_of and any(a in stage_of for a in n.all_input_nodes):
             raise MeshcInternalError(f"stages: activation without a stage: {n.format_node()}")
@@ -82,11 +98,11 @@ def _build(program, k, count, stage_of, crossing, inputs, order) -> Stage:
         env[n].meta.update(n.meta)
     for i, n in enumerate(recv):
         env[n] = new.placeholder(f"recv_{i}_{n.name}")
-        env[n].meta.update({key: v for key, v in n.meta.items() if key in ("val", "meshc.shape", "meshc.placement")})
+        env[n].meta.update({key: v for key, v in n.meta.items() if key in VALUE_META})
     for n in graph.nodes:
         if n.op not in ("call_function", "call_module") or n in env or not (n in needed or stage_of.get(n) == k):
             continue
-        if hasattr(n.target, "name") and n.target.name() == MARKER:
+        if op_name(n.target) == MARKER:
             continue
         env[n] = new.node_copy(n, lambda a: env[a])
     if k == count - 1:
@@ -121,6 +137,6 @@ def _closure(own: list[fx.Node], stage_of: dict) -> set[fx.Node]:
 def _boundary(node: fx.Node) -> Boundary:
     val = node.meta["val"]
     if not isinstance(val, torch.Tensor):
-        raise ValueError(f"pipeline: expected tensors to cross between stages, got {type(val).__name__} from "
-                         f"{node.format_node()}; move the cut (Plan.split_points)")
+        raise MeshcValueError(f"pipeline: expected tensors to cross between stages, got {type(val).__name__} from "
+                              f"{node.format_node()}; move the cut (Plan.split_points)")
     return Boundary(node.name, tuple(val.shape), val.dtype, val.is_floating_point())

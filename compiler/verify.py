@@ -5,7 +5,7 @@
    one to one (every spec has exactly one placeholder with its FQN).
 3. Every ParamSpec has a placement for every mesh axis, and each Shard dim divides evenly.
 4. Every node meshc inserted (a meshc.* call, or a node with "meshc.comm") says why ("meshc.why").
-5. Node metadata meshc writes uses only its known keys.
+5. Node metadata meshc writes uses only its known keys (ir/program.py's META_KEYS).
 6. The value meta of each param placeholder, where present, has the local shape its placements imply on
    the axes the graph has been made local for (Program.local_axes); every value with a tp placement has
    the local shape of its global "meshc.shape".
@@ -14,10 +14,7 @@ from __future__ import annotations
 
 from .ir.errors import MeshcInternalError
 from .ir.placement import Shard
-from .ir.program import Program
-
-KNOWN_META = {"meshc.role", "meshc.fqn", "meshc.placement", "meshc.why", "meshc.comm", "meshc.bucket",
-              "meshc.shape", "meshc.stage"}
+from .ir.program import META_KEYS, Program
 
 
 def verify(program: Program, after_pass: str | None = None) -> None:
@@ -43,7 +40,7 @@ def _problems(program: Program):
         else:
             seen_call = True
         for key in node.meta:
-            if key.startswith("meshc.") and key not in KNOWN_META:
+            if key.startswith("meshc.") and key not in META_KEYS:
                 yield f"unknown meta key {key!r} on {node.format_node()}"
         inserted = node.op == "call_function" and getattr(node.target, "__module__", "").startswith("meshc.")
         if (inserted or "meshc.comm" in node.meta) and not node.meta.get("meshc.why"):

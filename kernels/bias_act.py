@@ -36,6 +36,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from meshc.compiler.ir.errors import MeshcValueError
+from meshc.kernels._lazy import lazy_triton
+
 __all__ = ["bias_gelu", "bias_swiglu", "bias_swiglu_packed", "triton_bias_gelu", "triton_bias_gelu_backward",
            "triton_bias_swiglu", "triton_bias_swiglu_backward"]
 
@@ -43,7 +46,7 @@ APPROXIMATIONS = ("none", "tanh")
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-triton = tl = None  # imported by _triton() on first use
+triton = tl = None  # bound by _triton() on first use (kernels/_lazy.py)
 
 
 def bias_gelu(x: Tensor, bias: Optional[Tensor] = None, approximate: str = "none") -> Tensor:
@@ -66,21 +69,21 @@ def bias_swiglu_packed(y: Tensor, bias: Optional[Tensor] = None) -> Tensor:
 
 def _check_bias(name: str, x: Tensor, bias: Optional[Tensor]) -> None:
     if x.dim() < 1:
-        raise ValueError(f"{name}: expected a tensor of shape (..., F), got a 0-dim tensor")
+        raise MeshcValueError(f"{name}: expected a tensor of shape (..., F), got a 0-dim tensor")
     if bias is not None and tuple(bias.shape) != (x.shape[-1],):
-        raise ValueError(f"{name} bias: expected shape ({x.shape[-1]},), got {tuple(bias.shape)}")
+        raise MeshcValueError(f"{name} bias: expected shape ({x.shape[-1]},), got {tuple(bias.shape)}")
 
 
 def _check_gelu(x, bias, approximate):
     _check_bias("bias_gelu", x, bias)
     if approximate not in APPROXIMATIONS:
-        raise ValueError(f"bias_gelu approximate: expected one of {APPROXIMATIONS}, got {approximate!r}")
+        raise MeshcValueError(f"bias_gelu approximate: expected one of {APPROXIMATIONS}, got {approximate!r}")
 
 
 def _check_swiglu(gate, up, gate_bias, up_bias):
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"bias_swiglu up: expected {tuple(gate.shape)} {gate.dtype} like gate, "
-                         f"got {tuple(up.shape)} {up.dtype}")
+        raise MeshcValueError(f"bias_swiglu up: expected {tuple(gate.shape)} {gate.dtype} like gate, "
+                              f"got {tuple(up.shape)} {up.dtype}")
     _check_bias("bias_swiglu gate", gate, gate_bias)
     _check_bias("bias_swiglu up", up, up_bias)
 
@@ -318,19 +321,8 @@ def _swiglu_kernel(A, V, BA, BV, G, Y, DV, PART, M, F, sa, sv, sg, sy, sdv, ROWS
         tl.store(PART + tl.program_id(0) * 2 * F + F + cols, acc_v, mask=cm)
 
 
-_TRITON_FNS = ("_tanh", "_gelu_and_grad", "_tile", "_gelu_kernel", "_swiglu_kernel")
-
-
-@functools.cache
-def _triton():
-    """Import triton and jit this file's kernels, once, on first use: TRITON_INTERPRET is read then."""
-    global triton, tl
-    import triton
-    import triton.language as tl
-
-    for name in _TRITON_FNS:
-        globals()[name] = triton.jit(globals()[name])
-    return triton
+# _triton() imports triton and jits these kernels on first use (kernels/_lazy.py)
+_triton = lazy_triton(globals(), ("_tanh", "_gelu_and_grad", "_tile", "_gelu_kernel", "_swiglu_kernel"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,12 +40,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from meshc.compiler.ir.errors import MeshcValueError
+from meshc.kernels._lazy import lazy_triton
+
 __all__ = ["bias_dropout_add_norm", "new_rng", "philox_uniform4", "triton_forward", "triton_backward"]
 
 NORMS = ("layernorm", "rmsnorm")
 MAX_TRITON_HIDDEN = 32768  # one row lives in registers
 _M32 = 0xFFFFFFFF
-triton = tl = None  # imported by _triton() on first use
+triton = tl = None  # bound by _triton() on first use (kernels/_lazy.py)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -69,21 +72,21 @@ def bias_dropout_add_norm(x: Tensor, bias: Optional[Tensor], residual: Tensor, w
 def _check(x, bias, residual, weight, norm_bias, rng, p, norm):
     hidden = x.shape[-1]
     if x.dim() < 1 or residual.shape != x.shape:
-        raise ValueError(f"bias_dropout_add_norm residual: expected shape {tuple(x.shape)}, "
-                         f"got {tuple(residual.shape)}")
+        raise MeshcValueError(f"bias_dropout_add_norm residual: expected shape {tuple(x.shape)}, "
+                              f"got {tuple(residual.shape)}")
     for name, t in (("bias", bias), ("weight", weight), ("norm_bias", norm_bias)):
         if t is not None and tuple(t.shape) != (hidden,):
-            raise ValueError(f"bias_dropout_add_norm {name}: expected shape ({hidden},), got {tuple(t.shape)}")
+            raise MeshcValueError(f"bias_dropout_add_norm {name}: expected shape ({hidden},), got {tuple(t.shape)}")
     if norm not in NORMS:
-        raise ValueError(f"bias_dropout_add_norm norm: expected one of {NORMS}, got {norm!r}")
+        raise MeshcValueError(f"bias_dropout_add_norm norm: expected one of {NORMS}, got {norm!r}")
     if norm == "rmsnorm" and norm_bias is not None:
-        raise ValueError("bias_dropout_add_norm norm_bias: expected None for rmsnorm, got a tensor")
+        raise MeshcValueError("bias_dropout_add_norm norm_bias: expected None for rmsnorm, got a tensor")
     if not 0.0 <= p < 1.0:
-        raise ValueError(f"bias_dropout_add_norm p: expected 0 <= p < 1, got {p}")
+        raise MeshcValueError(f"bias_dropout_add_norm p: expected 0 <= p < 1, got {p}")
     if p > 0 and (rng is None or rng.dtype != torch.int64 or tuple(rng.shape) != (2,)):
         got = None if rng is None else f"{rng.dtype} {tuple(rng.shape)}"
-        raise ValueError(f"bias_dropout_add_norm rng: expected an int64 tensor [seed, offset] when p > 0 "
-                         f"(see new_rng), got {got}")
+        raise MeshcValueError(f"bias_dropout_add_norm rng: expected an int64 tensor [seed, offset] when p > 0 "
+                              f"(see new_rng), got {got}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -315,19 +318,8 @@ def _bwd_kernel(DY, DS_IN, S, W, RNG, DRES, DX, PART, N, H, stride_dy, stride_ds
     tl.store(PART + pid * 3 * H + 2 * H + cols, acc_b, mask=m)
 
 
-_TRITON_FNS = ("_keep", "_row_stats", "_fwd_kernel", "_bwd_kernel")
-
-
-@functools.cache
-def _triton():
-    """Import triton and jit this file's kernels, once, on first use: TRITON_INTERPRET is read then."""
-    global triton, tl
-    import triton
-    import triton.language as tl
-
-    for name in _TRITON_FNS:
-        globals()[name] = triton.jit(globals()[name])
-    return triton
+# _triton() imports triton and jits these kernels on first use (kernels/_lazy.py)
+_triton = lazy_triton(globals(), ("_keep", "_row_stats", "_fwd_kernel", "_bwd_kernel"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,8 +330,8 @@ def _launch_shape(hidden: int, backward: bool = False) -> tuple[int, int]:
     4 to 16 warps; backward, which holds three fp32 accumulators besides the row, is best with 8 warps
     at H = 4096 and 8192 (4 spill at 8192, 16 leave fewer rows in flight)."""
     if hidden > MAX_TRITON_HIDDEN:
-        raise ValueError(f"bias_dropout_add_norm hidden size: expected <= {MAX_TRITON_HIDDEN} on the Triton "
-                         f"path, got {hidden}")
+        raise MeshcValueError(f"bias_dropout_add_norm hidden size: expected <= {MAX_TRITON_HIDDEN} on the Triton "
+                              f"path, got {hidden}")
     block = max(4, _triton().next_power_of_2(hidden))  # _keep takes 4 columns per Philox counter
     if backward:
         return block, min(max(block // 512, 1), 8)

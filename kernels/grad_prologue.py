@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from meshc.compiler.ir.errors import MeshcValueError
 from meshc.kernels.zero_copy import triton_to_flat
 
 __all__ = ["grad_prologue", "padded_numel", "triton_grad_prologue"]
@@ -38,7 +39,7 @@ def grad_prologue(grads: Sequence[Tensor], dtype: torch.dtype, scale: float = 1.
 def padded_numel(grads: Sequence[Tensor], world_size: int) -> int:
     """Total elements of `grads` rounded up to a multiple of world_size."""
     if world_size < 1:
-        raise ValueError(f"grad_prologue world_size: expected >= 1, got {world_size}")
+        raise MeshcValueError(f"grad_prologue world_size: expected >= 1, got {world_size}")
     total = sum(g.numel() for g in grads)
     return -(-total // world_size) * world_size
 

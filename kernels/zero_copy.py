@@ -43,9 +43,12 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from meshc.compiler.ir.errors import MeshcValueError
+from meshc.kernels._lazy import lazy_triton
+
 __all__ = ["pack_cast", "unpack", "triton_to_flat", "triton_from_flat"]
 
-triton = tl = None  # imported by _triton() on first use
+triton = tl = None  # bound by _triton() on first use (kernels/_lazy.py)
 
 
 def pack_cast(tensors: Sequence[Tensor], dtype: torch.dtype, *, world_size: int = 1,
@@ -75,22 +78,23 @@ def _numel(shape: Sequence[int]) -> int:
 def _shard_numels(numels: list[int], world_size: int, shard_numels: Optional[Sequence[int]]) -> list[int]:
     """n_t per tensor: given, or ceil(m_t / W); checked to cover each tensor."""
     if world_size < 1:
-        raise ValueError(f"zero_copy world_size: expected >= 1, got {world_size}")
+        raise MeshcValueError(f"zero_copy world_size: expected >= 1, got {world_size}")
     if shard_numels is None:
         return [-(-m // world_size) for m in numels]
     shard_numels = [int(n) for n in shard_numels]
     if len(shard_numels) != len(numels):
-        raise ValueError(f"zero_copy shard_numels: expected one per tensor ({len(numels)}), got {len(shard_numels)}")
+        raise MeshcValueError(f"zero_copy shard_numels: expected one per tensor ({len(numels)}), got "
+                              f"{len(shard_numels)}")
     for t, (m, n) in enumerate(zip(numels, shard_numels)):
         if n * world_size < m:
-            raise ValueError(f"zero_copy shard_numels[{t}]: expected n * world_size >= {m} elements, "
-                             f"got {n} * {world_size}")
+            raise MeshcValueError(f"zero_copy shard_numels[{t}]: expected n * world_size >= {m} elements, "
+                                  f"got {n} * {world_size}")
     return shard_numels
 
 
 def _split_shapes(shapes: list[int], ndims: list[int]) -> list[list[int]]:
     if sum(ndims) != len(shapes) or min(ndims, default=0) < 0:
-        raise ValueError(f"unpack shapes: expected {sum(ndims)} sizes for ndims {ndims}, got {len(shapes)}")
+        raise MeshcValueError(f"unpack shapes: expected {sum(ndims)} sizes for ndims {ndims}, got {len(shapes)}")
     out, i = [], 0
     for nd in ndims:
         out.append(list(shapes[i:i + nd]))
@@ -162,11 +166,12 @@ def _check_unpack(gathered: Tensor, shapes, ndims, shard_numels) -> tuple[list[l
     """The per-tensor shapes and the world size W = gathered.numel() / S."""
     per_tensor = _split_shapes(shapes, ndims)
     if len(shard_numels) != len(per_tensor):
-        raise ValueError(f"unpack shard_numels: expected one per shape ({len(per_tensor)}), got {len(shard_numels)}")
+        raise MeshcValueError(f"unpack shard_numels: expected one per shape ({len(per_tensor)}), got "
+                              f"{len(shard_numels)}")
     total = sum(shard_numels)
     if gathered.dim() != 1 or total == 0 or gathered.numel() % total:
-        raise ValueError(f"unpack gathered: expected a 1-D tensor of world_size * {total} elements, "
-                         f"got shape {tuple(gathered.shape)}")
+        raise MeshcValueError(f"unpack gathered: expected a 1-D tensor of world_size * {total} elements, "
+                              f"got shape {tuple(gathered.shape)}")
     world_size = gathered.numel() // total
     _shard_numels([_numel(s) for s in per_tensor], world_size, shard_numels)
     return per_tensor, world_size
@@ -248,20 +253,9 @@ def _copy_kernel(TABLE, FLAT, S, W, scale, TO_FLAT: tl.constexpr, LIST_DTYPE: tl
             tl.store(lst + li, v.to(LIST_DTYPE), mask=valid)
 
 
-_TRITON_FNS = ("_copy_kernel",)
+# _triton() imports triton and jits these kernels on first use (kernels/_lazy.py)
+_triton = lazy_triton(globals(), ("_copy_kernel",))
 _BLOCK, _WARPS = 2048, 4  # elements per block, warps per program (measured best on an H200)
-
-
-@functools.cache
-def _triton():
-    """Import triton and jit this file's kernels, once, on first use: TRITON_INTERPRET is read then."""
-    global triton, tl
-    import triton
-    import triton.language as tl
-
-    for name in _TRITON_FNS:
-        globals()[name] = triton.jit(globals()[name])
-    return triton
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -269,7 +263,7 @@ def _tl_dtype(dtype: torch.dtype):
     table = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
              torch.float64: tl.float64}
     if dtype not in table:
-        raise ValueError(f"zero_copy Triton dtype: expected one of {list(table)}, got {dtype}")
+        raise MeshcValueError(f"zero_copy Triton dtype: expected one of {list(table)}, got {dtype}")
     return table[dtype]
 
 

@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from meshc.compiler.ir.errors import MeshcTypeError
 from meshc.job import Job
 from meshc.runtime.mesh import Mesh
 
@@ -21,9 +22,9 @@ def compile(model: torch.nn.Module, mesh: Mesh, *, example_inputs: Any, example_
     (compiler/planner.auto_plan, on the hardware profile of this device or the calibrated CPU).
     """
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"meshc.compile: expected an nn.Module, got {type(model).__name__}")
+        raise MeshcTypeError(f"meshc.compile: expected an nn.Module, got {type(model).__name__}")
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"meshc.compile: expected a meshc Mesh (from meshc.mesh(...)), got {type(mesh).__name__}")
+        raise MeshcTypeError(f"meshc.compile: expected a meshc Mesh (from meshc.mesh(...)), got {type(mesh).__name__}")
     plan = Plan() if plan is None else plan
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     if isinstance(plan, str) and plan == "auto":  # the planner chooses, for this model on this mesh
@@ -31,5 +32,5 @@ def compile(model: torch.nn.Module, mesh: Mesh, *, example_inputs: Any, example_
 
         plan, _ = auto_plan(model, mesh, args, dict(example_kwargs or {}))
     if not isinstance(plan, Plan):
-        raise TypeError(f"meshc.compile: expected plan to be a meshc.Plan or \"auto\", got {type(plan).__name__}")
+        raise MeshcTypeError(f"meshc.compile: expected plan to be a meshc.Plan or \"auto\", got {type(plan).__name__}")
     return Job(model, mesh, plan, args, dict(example_kwargs or {}))

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from meshc.compiler.ir.errors import MeshcValueError
 from meshc.runtime.global_param import ShardedParam, local
 from meshc.runtime.mesh import Mesh, last_mesh
 from meshc.runtime.sharding import full_tensor, local_shard
@@ -71,14 +72,16 @@ class MeshcBackend:
     def __init__(self, mesh: Mesh | None = None, plan: Plan | None = None):
         self._mesh, self.plan = mesh, plan or Plan()
         if self.plan.zero in (1, 2) or self.plan.microbatches > 1:
-            raise ValueError(f"meshc.backend: expected zero 0 or 3 and one micro-batch, got zero={self.plan.zero}, "
-                             f"microbatches={self.plan.microbatches}; ZeRO-1/2 and micro-batches need the whole "
-                             "training step: use meshc.compile(model, mesh, ...) instead")
+            raise MeshcValueError("meshc.backend: expected zero 0 or 3 and one micro-batch, got "
+                                  f"zero={self.plan.zero}, microbatches={self.plan.microbatches}; ZeRO-1/2 and "
+                                  "micro-batches need the whole training step: use meshc.compile(model, mesh, ...) "
+                                  "instead")
         if self.plan.inductor and self.plan.zero == 3:
-            raise ValueError("meshc.backend: expected inductor=False with zero=3, got both; Inductor traces into ZeRO-3's "
-                             "per-bucket gathers and saved-tensor hooks and recompiles them per bucket (measured: "
-                             "TorchDynamo's recompile limit hit, those parts falling back to eager); use zero=3 with "
-                             "eager regions, inductor=True with zero=0, or meshc.compile(model, mesh, ...)")
+            raise MeshcValueError("meshc.backend: expected inductor=False with zero=3, got both; Inductor traces into "
+                                  "ZeRO-3's per-bucket gathers and saved-tensor hooks and recompiles them per bucket "
+                                  "(measured: TorchDynamo's recompile limit hit, those parts falling back to eager); "
+                                  "use zero=3 with eager regions, inductor=True with zero=0, or "
+                                  "meshc.compile(model, mesh, ...)")
         self.placements: dict[str, dict] = {}  # FQN -> placements, decided by the first graph using it
         self.block_graphs: dict[str, set[frozenset]] = {}
         self.swaps: dict[str, list] = {}  # FQN -> [spec, Parameter, shard leaf]: swapped after the first backward
@@ -94,8 +97,8 @@ class MeshcBackend:
 
             self._mesh = last_mesh() or make_mesh()
         if self._mesh.size("pp") > 1:
-            raise ValueError("meshc.backend: pipeline stages need the whole model in one graph, and torch.compile "
-                             "hands over regions of it; use meshc.compile(model, mesh, ...) instead")
+            raise MeshcValueError("meshc.backend: pipeline stages need the whole model in one graph, and torch.compile "
+                                  "hands over regions of it; use meshc.compile(model, mesh, ...) instead")
         return self._mesh
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
@@ -118,8 +121,8 @@ class MeshcBackend:
                 self._fqn_of.update(module_tree.model_fqns(value))
                 known = self._fqn_of.get(id(value))
             if known is None or known[0] is not value:
-                raise ValueError(f"meshc.backend: graph input {name!r} is a {kind} that no live module holds; "
-                                 "compile the model itself (torch.compile(model, ...))")
+                raise MeshcValueError(f"meshc.backend: graph input {name!r} is a {kind} that no live module holds; "
+                                      "compile the model itself (torch.compile(model, ...))")
             roles[i] = (kind, known[1])
         self._check_blocks(roles)
         return roles
@@ -182,7 +185,7 @@ class MeshcBackend:
             sharded = ShardedParam(value, spec)  # what the model's code (and Dynamo) sees from now on
             self._fqn_of[id(sharded)] = (sharded, fqn)
             for module, name in owners[id(value)]:
-                module._parameters[name] = sharded
+                compat.replace_parameter(module, name, sharded)
             del self.swaps[fqn]
 
     def local(self, value: torch.Tensor, fqn: str) -> torch.Tensor:
@@ -264,9 +267,9 @@ class MeshcBackend:
             seen = self.block_graphs.setdefault(block, set())
             seen.add(frozenset(ids))
             if len(seen) > 1:
-                raise ValueError(f"meshc.backend: the sharded block {block!r} is split over two graphs by a graph "
-                                 "break inside it (a print, .item(), a Python branch on a tensor); remove the break "
-                                 "or use meshc.compile(model, mesh, ...), which traces the whole model")
+                raise MeshcValueError(f"meshc.backend: the sharded block {block!r} is split over two graphs by a graph "
+                                      "break inside it (a print, .item(), a Python branch on a tensor); remove the "
+                                      "break or use meshc.compile(model, mesh, ...), which traces the whole model")
 
 
 def backend(mesh: Mesh | None = None, plan: Plan | None = None) -> MeshcBackend:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from meshc.compiler import _torch_compat as compat
-from meshc.compiler.hardware import GiB, Hardware, Link, fit_alpha_beta, latency_steps, wire_bytes
+from meshc.compiler.hardware import Hardware, Link, fit_alpha_beta, latency_steps, wire_bytes
 
 SIZES = {True: (2**12, 2**16, 2**19, 2**21), False: (2**12, 2**16, 2**19, 2**21, 2**23)}  # payload bytes
 

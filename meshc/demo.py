@@ -15,6 +15,7 @@ checkpoint to resume from, or one saved with another model, batch, sequence leng
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ import torch
 
 import meshc
 from meshc import models
+from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.show import format_graph
 from meshc.compiler.ir.mesh_spec import parse_sizes
 
@@ -123,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"nothing to train: the checkpoint is at step {start}, --steps is {args.steps}", flush=True)
         print(f"losses in {os.path.abspath(os.path.join(args.out, 'losses.txt'))}; "
               + (f"last checkpoint {saved} (resume with --resume)" if saved else "no checkpoint saved"), flush=True)
+    del job, opt  # nothing that holds tensors or hooks of the step outlives the groups it used
+    gc.collect()
+    mesh.close()  # every rank: heartbeat stopped, process groups destroyed, before the interpreter exits
     return 0
 
 
@@ -134,13 +139,14 @@ def _resume_point(args: argparse.Namespace) -> tuple[str, int]:
 
     folder = latest(args.ckpt_dir)
     if folder is None:
-        raise ValueError(f"--resume: expected a complete checkpoint in {os.path.abspath(args.ckpt_dir)}, got none; "
-                         "run without --resume to start fresh (or pass the --ckpt-dir/--out of the earlier run)")
+        raise MeshcValueError(f"--resume: expected a complete checkpoint in {os.path.abspath(args.ckpt_dir)}, got "
+                              "none; run without --resume to start fresh (or pass the --ckpt-dir/--out of the earlier "
+                              "run)")
     manifest = read_json(os.path.join(folder, MANIFEST))
     saved = manifest.get("extra", {}).get("config", {})
     diff = [f"--{k} {saved.get(k)} (now {getattr(args, k)})" for k in _SAME if saved.get(k) != getattr(args, k)]
     if diff:
-        raise ValueError(f"--resume: {folder} was saved with {', '.join(diff)}; resume with the same options")
+        raise MeshcValueError(f"--resume: {folder} was saved with {', '.join(diff)}; resume with the same options")
     return folder, int(manifest["step"])
 
 

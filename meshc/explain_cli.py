@@ -26,6 +26,7 @@ from meshc.compiler.compile import CompiledRank, compile_rank
 from meshc.compiler.cost_graph import estimate_compiled
 from meshc.compiler.explain import explain
 from meshc.compiler.hardware import load as load_hardware
+from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.show import format_graph
 from meshc.compiler.ir.mesh_spec import MeshSpec, parse_sizes
 
@@ -57,11 +58,11 @@ def simulate(model: str, mesh: dict[str, int], *, rank: int = 0, plan: meshc.Pla
     sizes = {axis: int(mesh.get(axis, 1)) for axis in ("dp", "tp", "pp")}
     world = sizes["dp"] * sizes["tp"] * sizes["pp"]
     if not 0 <= rank < world:
-        raise ValueError(f"explain: expected a rank in [0, {world}), got {rank}")
+        raise MeshcValueError(f"explain: expected a rank in [0, {world}), got {rank}")
     dp, mb = sizes["dp"], plan.microbatches
     batch = batch or (8 if 8 % (dp * mb) == 0 else dp * mb)
     if batch % (dp * mb):
-        raise ValueError(f"explain: expected the batch divisible by dp × microbatches = {dp * mb}, got {batch}")
+        raise MeshcValueError(f"explain: expected the batch divisible by dp × microbatches = {dp * mb}, got {batch}")
     seq = seq or models.seq_len(model)
     hw = load_hardware(hardware)
     t0 = time.perf_counter()

@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from meshc.compiler.ir.errors import MeshcValueError
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
@@ -25,7 +27,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.dim % self.heads:
-            raise ValueError(f"GPTConfig: expected dim divisible by heads, got dim={self.dim}, heads={self.heads}")
+            raise MeshcValueError(f"GPTConfig: expected dim divisible by heads, got dim={self.dim}, heads={self.heads}")
 
 
 CONFIGS = {
@@ -145,7 +147,7 @@ def hf_config(name: str, **overrides):
     fields.update(use_cache=False)
     model_type = fields.pop("model_type", None)
     if model_type is None:
-        raise ValueError(f"model: expected a 'model_type' field in the config of {name!r}, got none")
+        raise MeshcValueError(f"model: expected a 'model_type' field in the config of {name!r}, got none")
     return AutoConfig.for_model(model_type, **fields)
 
 
@@ -158,13 +160,13 @@ def _config_fields(name: str) -> dict:
         import os
 
         if not os.path.exists(name):
-            raise ValueError(f"model: expected a transformers config file at {name}, got no such file")
+            raise MeshcValueError(f"model: expected a transformers config file at {name}, got no such file")
         with open(name) as f:
             fields = json.load(f)
         return {k: v for k, v in fields.items() if k not in ("architectures", "transformers_version", "torch_dtype",
                                                               "dtype", "auto_map", "_name_or_path")}
-    raise ValueError(f"model: unknown built-in model {name!r}: expected one of {', '.join(NAMES)}, or a "
-                     "transformers config file (path ending in .json)")
+    raise MeshcValueError(f"model: unknown built-in model {name!r}: expected one of {', '.join(NAMES)}, or a "
+                          "transformers config file (path ending in .json)")
 
 
 def _hf_model(config) -> nn.Module:

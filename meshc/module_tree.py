@@ -11,6 +11,8 @@ import gc
 
 import torch
 
+from meshc.compiler import _torch_compat as compat
+
 
 def owners(params: list[torch.Tensor]) -> dict[int, list[tuple[torch.nn.Module, str]]]:
     """id(param) -> the modules (and attribute names) that hold it (several for tied weights), for each of
@@ -18,7 +20,7 @@ def owners(params: list[torch.Tensor]) -> dict[int, list[tuple[torch.nn.Module, 
     wanted = {id(p) for p in params}
     out: dict[int, list] = {i: [] for i in wanted}
     for module in _modules():
-        for name, p in module._parameters.items():
+        for name, p in compat.own_parameters(module).items():
             if id(p) in wanted:
                 out[id(p)].append((module, name))
     return out
@@ -29,8 +31,9 @@ def model_fqns(tensor: torch.Tensor) -> dict[int, tuple[torch.Tensor, str]]:
     first name, as torch.export and state_dict give); {} when no module holds it. A torch.compile wrapper's
     `_orig_mod.` is not part of a name."""
     modules = _modules()
-    parent = {id(child): module for module in modules for child in module._modules.values() if child is not None}
-    holders = [m for m in modules if any(t is tensor for t in (*m._parameters.values(), *m._buffers.values()))]
+    parent = {id(child): module for module in modules for child in compat.child_modules(module)}
+    holders = [m for m in modules
+               if any(t is tensor for t in (*compat.own_parameters(m).values(), *compat.own_buffers(m).values()))]
     if not holders:
         return {}
     root = holders[0]

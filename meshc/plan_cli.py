@@ -18,6 +18,7 @@ import torch
 
 from meshc import models
 from meshc.compiler.hardware import default_cpu_path, load
+from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.planner import Search, plan_compiled, plan_model
 
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -28,7 +29,7 @@ def parse_bytes(text: str) -> float:
     """"80GB" -> 80e9, "80GiB" -> 80 * 2**30, "512MB" -> 512e6."""
     match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in UNITS:
-        raise ValueError(f"--memory: expected a size such as 80GB or 80GiB, got {text!r}")
+        raise MeshcValueError(f"--memory: expected a size such as 80GB or 80GiB, got {text!r}")
     return float(match.group(1)) * UNITS[match.group(2).lower()]
 
 

@@ -31,8 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch.fx as fx
-
+from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.program import Program
 
 from . import fuse_patterns as fp
@@ -41,8 +40,8 @@ from . import fuse_patterns as fp
 @dataclass(frozen=True)
 class Pattern:
     kernel: str
-    anchors: Callable[[Program], list[fx.Node]]  # the eligible chains, one node each
-    match: Callable[[Program, fx.Node], Any]  # a match to rewrite, or a str saying why not
+    anchors: Callable[[Program], list[fp.Anchor]]  # the eligible chains, each with the structure found
+    match: Callable[[Program, Any], Any]  # (program, anchor) -> a typed match to rewrite, or a str saying why not
     rewrite: Callable[[Program, Any], None]
 
 
@@ -76,15 +75,15 @@ def fuse_comm_pass(program: Program) -> Program:
             result.eligible += 1
             found = pattern.match(program, anchor)
             if isinstance(found, str):
-                result.left.append(f"%{anchor.name}: {found}")
+                result.left.append(f"%{anchor.node.name}: {found}")
                 continue
             pattern.rewrite(program, found)
             result.fused += 1
     program.fusion = {k: v for k, v in results.items() if v.eligible}
     left = [f"{k}: {reason}" for k, v in program.fusion.items() for reason in v.left]
     if left and program.plan.require_fusion:
-        raise ValueError("Plan.require_fusion: expected every eligible chain fused, got "
-                         f"{len(left)} left:\n  " + "\n  ".join(left))
+        raise MeshcValueError("Plan.require_fusion: expected every eligible chain fused, got "
+                              f"{len(left)} left:\n  " + "\n  ".join(left))
     program.gm.graph.lint()
     program.gm.recompile()
     if program.fusion:

@@ -29,7 +29,7 @@ import operator
 
 import torch.fx as fx
 
-from meshc.compiler.ir.program import CommRecord, Program
+from meshc.compiler.ir.program import VALUE_META, CommRecord, Program
 from meshc.runtime.ops.collectives import grad_sync
 
 from .blocks import stages_using
@@ -89,7 +89,7 @@ def _insert_bucket(program: Program, index: int, bucket: list[tuple[str, fx.Node
         sync.meta["meshc.bucket"] = [fqn for fqn, _ in bucket]
         for i, node in enumerate(nodes):
             item = graph.call_function(operator.getitem, (sync, i))
-            item.meta.update({k: v for k, v in node.meta.items() if k in ("val", "meshc.shape", "meshc.placement")})
+            item.meta.update({k: v for k, v in node.meta.items() if k in VALUE_META})
             item.meta["meshc.why"] = f"bucket {index} output for {bucket[i][0]}"
             node.replace_all_uses_with(item, delete_user_cb=lambda user: user is not sync)
 

@@ -25,6 +25,8 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from meshc.compiler.ir.errors import MeshcValueError
+from meshc.compiler.ir.fx_ops import op_name
 from meshc.compiler.ir.program import Program
 
 from .blocks import block_of
@@ -145,19 +147,20 @@ def _chosen_cuts(program: Program, order, cost, crossing, stages: int) -> list[i
     forced = _forced_cuts(program, order) or _marker_cuts(program, markers)
     if forced:
         if len(forced) != stages - 1:
-            raise ValueError(f"pipeline split: expected {stages - 1} cut(s) for pp×virtual = {stages} stages, got "
-                             f"{len(forced)} from {'Plan.split_points' if program.plan.split_points else 'pipe_split()'}")
+            raise MeshcValueError(f"pipeline split: expected {stages - 1} cut(s) for pp×virtual = {stages} stages, got "
+                                  f"{len(forced)} from "
+                                  f"{'Plan.split_points' if program.plan.split_points else 'pipe_split()'}")
         return forced
     candidates = _candidates(order, cost, crossing)
     if len(candidates) < stages - 1:
-        raise ValueError(f"pipeline split: expected at least {stages - 1} places to cut for pp×virtual = {stages} "
-                         f"stages, got {len(candidates)} (boundaries between blocks); use fewer stages "
-                         f"(pp or virtual), or a model with more layers")
+        raise MeshcValueError(f"pipeline split: expected at least {stages - 1} places to cut for pp×virtual = {stages} "
+                              f"stages, got {len(candidates)} (boundaries between blocks); use fewer stages "
+                              f"(pp or virtual), or a model with more layers")
     return _balance(cost, candidates, stages)
 
 
 def _is_marker(node: fx.Node) -> bool:
-    return hasattr(node.target, "name") and node.target.name() == MARKER
+    return op_name(node.target) == MARKER
 
 
 def _marker_cuts(program: Program, markers: list[int]) -> list[int]:
@@ -172,11 +175,12 @@ def _forced_cuts(program: Program, order: list[fx.Node]) -> list[int]:
     for name in points:
         hits = [i for i, n in enumerate(order) if _in_module(n, name)]
         if not hits:
-            raise ValueError(f"Plan.split_points: expected {name!r} to name a module the forward runs, got no "
-                             f"node in it; blocks look like {sorted({block_of(n) for n in order})[:6]}")
+            raise MeshcValueError(f"Plan.split_points: expected {name!r} to name a module the forward runs, got no "
+                                  f"node in it; blocks look like {sorted({block_of(n) for n in order})[:6]}")
         cuts.append(hits[0])
     if cuts != sorted(cuts) or len(set(cuts)) != len(cuts) or cuts[0] == 0:
-        raise ValueError(f"Plan.split_points: expected modules in forward order, each after the first, got {points}")
+        raise MeshcValueError("Plan.split_points: expected modules in forward order, each after the first, got "
+                              f"{points}")
     return cuts
 
 

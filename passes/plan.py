@@ -26,16 +26,17 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from meshc.compiler.ir.placement import Partial, Replicate, Shard
+from meshc.compiler.ir.errors import MeshcValueError
+from meshc.compiler.ir.fx_ops import get_arg, is_reshape
+from meshc.compiler.ir.placement import Replicate, Shard, in_parts
 from meshc.compiler.ir.program import Program
 
-from . import tp_views  # noqa: F401  (registers the view rules)
 from .shapes import divides
-from .tp_rules import RuleCtx, infer, tensor_args
+from .tp_rules import RuleCtx
+from .tp_table import infer
 
 AXIS = "tp"
 aten = torch.ops.aten
-VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 @dataclass
@@ -74,8 +75,8 @@ def plan_pass(program: Program) -> Program:
         matched = [w for w in weights.values() if fnmatch.fnmatchcase(w.module, glob) or fnmatch.fnmatchcase(w.fqn, glob)]
         if not matched:
             sample = ", ".join(sorted({w.module for w in weights.values()})[:6])
-            raise ValueError(f"Plan.tp[{glob!r}]: expected the glob to match a module with a weight, got no match; "
-                             f"modules look like: {sample}")
+            raise MeshcValueError(f"Plan.tp[{glob!r}]: expected the glob to match a module with a weight, got no "
+                                  f"match; modules look like: {sample}")
         for w in matched:
             styles[w.fqn] = style
     for fqn, style in styles.items():
@@ -144,7 +145,7 @@ def _chunks(node: fx.Node) -> int:
     while frontier:
         cur = frontier.pop()
         for u in cur.users:
-            if u.target in VIEWS and int(u.meta["meshc.shape"][-1]) == width:
+            if is_reshape(u) and int(u.meta["meshc.shape"][-1]) == width:
                 frontier.append(u)
             elif u.target in (aten.split.Tensor, aten.split_with_sizes.default):
                 dim = u.args[2] if len(u.args) > 2 else 0
@@ -156,7 +157,7 @@ def _chunks(node: fx.Node) -> int:
 
 def _from_input(node: fx.Node | None) -> bool:
     """Is `node` a model input, maybe reshaped?"""
-    while isinstance(node, fx.Node) and node.target in VIEWS:
+    while is_reshape(node):
         node = node.args[0]
     return isinstance(node, fx.Node) and node.op == "placeholder" and node.meta.get("meshc.role") == "input"
 
@@ -165,7 +166,7 @@ def _vocab_styles(program: Program, weights: dict[str, Weight]) -> dict[str, str
     """The token embedding (indexed by a model input) and every matmul weight with that many output rows."""
     tokens = [w for w in weights.values() if w.kind == "embedding" and _from_input(w.act)]
     if not tokens:
-        raise ValueError("Plan.vocab_parallel: expected a token embedding indexed by a model input, got none")
+        raise MeshcValueError("Plan.vocab_parallel: expected a token embedding indexed by a model input, got none")
     vocab = program.params[tokens[0].fqn].shape[0]
     out = {w.fqn: "vocab" for w in tokens}
     for w in weights.values():
@@ -226,7 +227,7 @@ def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str],
         if not pending:
             break
         pending.discard(node)
-        inputs = [a for a in node.all_input_nodes if _sharded(placements.get(a))]
+        inputs = [a for a in node.all_input_nodes if in_parts(placements.get(a))]
         if not inputs or node in placements:
             continue
         origin = set().union(*(blame[a] for a in inputs))
@@ -242,8 +243,8 @@ def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str],
         if dec.out is None:  # no tensor output (an assertion): nothing to follow
             continue
         for path, req in dec.inputs.items():
-            src = _arg(node, path)
-            if _sharded(placements.get(src)) and placements[src] != req:
+            src = get_arg(node, path)
+            if in_parts(placements.get(src)) and placements[src] != req:
                 return _Trial([], blame[src], dec.note or f"{node.format_node()} needs it {req}")
         if not _all_shard(dec.out):
             return _Trial([], origin, f"{node.format_node()} would hold a partial sum")
@@ -268,9 +269,9 @@ def _explain_failure(program: Program, result: _Trial, members: list[Weight], n:
         if n % size == 0:  # fewer heads than ranks (MQA/GQA): replicate them, as Megatron does for kv
             program.warnings.append(f"tp: {_names(blamed)} replicated: {what} < tp={n}")
             return
-        raise ValueError(f"tp sharding: {_names(blamed)} cannot be split over tp={n}: {what}={n}. "
-                         f"Choose tp dividing {size}, or keep those modules replicated "
-                         f"(Plan(tp={{'{blamed[0].module}': 'replicate'}})).")
+        raise MeshcValueError(f"tp sharding: {_names(blamed)} cannot be split over tp={n}: {what}={n}. "
+                              f"Choose tp dividing {size}, or keep those modules replicated "
+                              f"(Plan(tp={{'{blamed[0].module}': 'replicate'}})).")
     if blamed and len(blamed) < len(members):
         program.notes.append(f"auto: {_names(blamed)} left replicated: {result.reason}")
     elif members:
@@ -286,17 +287,9 @@ def _indivisible(node: fx.Node, out, n: int) -> int | None:
     return None
 
 
-def _sharded(p) -> bool:
-    return any(isinstance(x, (Shard, Partial)) for x in (p if isinstance(p, tuple) else (p,)))
-
-
 def _all_shard(p) -> bool:
     xs = p if isinstance(p, tuple) else (p,)
     return all(isinstance(x, Shard) for x in xs) if xs else False
-
-
-def _arg(node: fx.Node, path: tuple):
-    return dict(tensor_args(node))[path]
 
 
 def _order(program: Program) -> dict[fx.Node, int]:

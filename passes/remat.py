@@ -4,7 +4,9 @@ Purpose: trade compute for activation memory, as Megatron-LM's full and selectiv
 transformer block's activations (per pipeline stage) become one checkpointed sub-graph: backward
 recomputes what was not kept (runtime/ops/remat.py says what each policy keeps). Values that only that block
 uses and that depend only on parameters (its ZeRO-3 gather, its parameter slices) move inside it, so
-that its gathered parameters are recomputed with it rather than kept: remat composes with ZeRO-3.
+that its gathered parameters are recomputed with it rather than kept: remat composes with ZeRO-3. ZeRO-2's
+gradient reduction (zero_reduce) stays outside: it is an identity in forward whose backward reduce-scatters
+into the master shards, so recomputing it in backward would only run it again outside the step.
 
 Requires: activations carry "meshc.stage" when pipelined; blocks are visible in nn_module_stack.
 Ensures: each block whose outputs are only used after it becomes `call_module remat_<i>` (Remat) plus
@@ -24,6 +26,7 @@ import torch.fx as fx
 
 from meshc.compiler.ir.program import Program
 from meshc.runtime.ops.remat import Remat
+from meshc.runtime.ops.zero import zero_reduce
 
 from .blocks import block_of
 from .pipeline_split import activations
@@ -101,10 +104,17 @@ def _private_inputs(nodes: list[fx.Node]) -> set[fx.Node]:
             for a in n.all_input_nodes:
                 if a in inside or a.op != "call_function" or "meshc.stage" in a.meta:
                     continue
-                if all(u in inside for u in a.users) and not _is_activation_like(a):
+                if all(u in inside for u in a.users) and not _is_activation_like(a) and not _reduces(a):
                     inside.add(a)
                     changed = True
     return inside - set(nodes)
+
+
+def _reduces(node: fx.Node) -> bool:
+    """ZeRO-2's gradient reduction, or an item of its result: kept outside every checkpointed block."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node.target is zero_reduce
 
 
 def _is_activation_like(node: fx.Node) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import sympy
 import torch
 
+from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.placement import Shard
 from meshc.compiler.ir.program import Program
 
@@ -78,7 +79,7 @@ def check_divisible(shape: tuple, placement, n: int, axis: str, what: str, why: 
     size = shape[placement.dim]
     if not divides(size, n * placement.chunks):
         per = f" ({placement.chunks} blocks of {size / placement.chunks})" if placement.chunks > 1 else ""
-        raise ValueError(
+        raise MeshcValueError(
             f"{axis} sharding: {what}: dim {placement.dim} of size {size}{per} is not divisible by "
             f"{axis}={n}{why}. Choose {axis} dividing {size / placement.chunks}, or keep the parameter "
             f"replicated on {axis} (Plan(tp={{'<module glob>': 'replicate'}}))."

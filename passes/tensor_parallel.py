@@ -1,9 +1,10 @@
 """tensor_parallel: propagate placements on the tp axis op by op and insert the collectives they need.
 
 Purpose: Megatron-style tensor parallelism on any traceable model. Parameters arrive with tp placements
-(from the plan pass); activations get theirs from the op rules (tp_rules, tp_views); where a value's
-placement differs from what its consumer needs, a redistribution node is inserted (all-reduce,
-all-gather, local slice, reduce-scatter); size arguments of views are rewritten to local sizes; graph
+(from the plan pass); activations get theirs from the op rules (the table in tp_table, of the rules in
+tp_rules and tp_views); where a value's placement differs from what its consumer needs, a redistribution
+node is inserted (all-reduce, all-gather, local slice, reduce-scatter); each rule's rewrite then runs
+(size arguments of views made local; the vocab-parallel embedding and loss-parallel cross-entropy); graph
 outputs are made whole. Backward needs no pass: every inserted node is an autograd function whose
 backward is the conjugate collective, and a replicated value feeding sharded compute is routed through
 Megatron's f (identity forward, all-reduce of its partial gradient backward).
@@ -23,21 +24,20 @@ After:
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import torch.fx as fx
 
 from meshc.compiler import _torch_compat as compat
-from meshc.compiler.ir.errors import MeshcInternalError, MeshcWarning
-from meshc.compiler.ir.placement import Partial, Replicate, Shard
+from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError, MeshcWarning, warn
+from meshc.compiler.ir.fx_ops import get_arg, op_name, set_arg
+from meshc.compiler.ir.placement import Partial, R, Replicate, Shard, in_parts
 from meshc.compiler.ir.program import CommRecord, Program
 from meshc.runtime.ops import collectives as C
-from meshc.runtime.ops.tp_ops import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
-from . import tp_views  # noqa: F401  (registers the view rules)
 from .shapes import check_divisible
-from .tp_rules import R, RuleCtx, infer
+from .tp_rules import RuleCtx
+from .tp_table import infer
 
 AXIS = "tp"
 aten = torch.ops.aten
@@ -53,7 +53,8 @@ def tensor_parallel_pass(program: Program) -> Program:
     graph = program.gm.graph
     _split_rowwise_biases(program)
     placements: dict[fx.Node, object] = {}
-    ctx = RuleCtx(n, placements, sp_dim=_sp_target(program))
+    ctx = RuleCtx(n, placements, sp_dim=_sp_target(program), axis=AXIS, index=program.mesh.coord(AXIS, program.rank),
+                  group=program.mesh.group_name(AXIS, program.rank))
     red = _Redistributor(program, ctx)
     origin: dict[fx.Node, str] = {}
     for node in list(graph.nodes):
@@ -90,19 +91,20 @@ def _place(program, node, ctx, red, origin) -> None:
     if dec.indivisible:
         srcs = [origin[a] for a in node.all_input_nodes if a in origin]
         because = f"; it is sharded because {srcs[0]} is" if srcs else ""
-        raise ValueError(f"tp sharding: {node.format_node()} ({_where(node)}): {dec.indivisible[0]}={ctx.n}{because}. "
-                         f"Choose tp dividing that size, or keep the parameter replicated on tp "
-                         f"(Plan(tp={{'<module glob>': 'replicate'}})).")
+        raise MeshcValueError(f"tp sharding: {node.format_node()} ({_where(node)}): "
+                              f"{dec.indivisible[0]}={ctx.n}{because}. "
+                              f"Choose tp dividing that size, or keep the parameter replicated on tp "
+                              f"(Plan(tp={{'<module glob>': 'replicate'}})).")
     for path, req in dec.inputs.items():
-        src = _get_arg(node, path)
+        src = get_arg(node, path)
         cur = ctx.pl(src)
         if cur != req:
-            why = dec.note or f"{_op(node)} needs {req} of %{src.name} ({cur})"
-            _set_arg(node, path, red.convert(src, cur, req, node, why))
+            why = dec.note or f"{op_name(node.target)} needs {req} of %{src.name} ({cur})"
+            set_arg(node, path, red.convert(src, cur, req, node, why))
     if dec.note:
         text = f"tp: {dec.note} at {_where(node)}: replicated there (correct, costs communication)"
         program.warnings.append(text)
-        warnings.warn(text, MeshcWarning, stacklevel=2)
+        warn(text, MeshcWarning)
     ctx.placements[node] = dec.out
     srcs = [origin[a] for a in node.all_input_nodes if a in origin]
     if srcs:
@@ -110,48 +112,14 @@ def _place(program, node, ctx, red, origin) -> None:
     for placement, shape in _flat(dec.out, node.meta.get("meshc.shape")):
         why = f"; it is sharded because {origin[node]} is" if node in origin else ""
         check_divisible(shape, placement, ctx.n, AXIS, f"{node.format_node()} ({_where(node)})", why)
-    if dec.rewrite:
+    if dec.rewrite:  # local size arguments; the vocab-parallel embedding and loss
         dec.rewrite(node)
-    if node.target == aten.embedding.default and isinstance(dec.out, Partial):
-        _vocab_parallel_lookup(program, node, ctx)
-    if node.target == aten.cross_entropy_loss.default and isinstance(ctx.pl(node.args[0]), Shard):
-        _vocab_parallel_loss(program, node, ctx)
 
 
 def _flat(out, shape):
     if isinstance(out, tuple):
         return [(o, s) for o, s in zip(out, shape or ()) if s is not None]
     return [(out, shape)] if shape is not None and out is not None else []
-
-
-def _vocab_parallel_lookup(program, node, ctx) -> None:
-    weight = node.args[0]
-    spec = program.params[weight.meta["meshc.fqn"]]
-    rows = spec.shape[0] // ctx.n
-    index = program.mesh.coord(AXIS, program.rank)
-    padding = node.args[2] if len(node.args) > 2 else -1
-    node.target = vocab_parallel_embedding
-    node.args = (weight, node.args[1])
-    node.kwargs = {"start": index * rows, "end": (index + 1) * rows, "padding_idx": padding}
-    node.meta["meshc.why"] = f"vocab-parallel embedding: this rank holds rows [{index * rows}, {(index + 1) * rows}) of {spec.fqn}"
-
-
-def _vocab_parallel_loss(program, node, ctx) -> None:
-    logits, target = node.args[0], node.args[1]
-    vocab = int(logits.meta["meshc.shape"][-1])
-    rows = vocab // ctx.n
-    index = program.mesh.coord(AXIS, program.rank)
-    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
-    ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
-    node.target = vocab_parallel_cross_entropy
-    node.args = (logits, target)
-    node.kwargs = {"start": index * rows, "end": (index + 1) * rows, "ignore_index": ignore,
-                   "reduction": reduction, "group": program.mesh.group_name(AXIS, program.rank)}
-    why = f"loss-parallel cross-entropy: this rank holds vocabulary [{index * rows}, {(index + 1) * rows})"
-    node.meta["meshc.why"] = why
-    tokens = math.prod(int(s) for s in logits.meta["meshc.shape"][:-1])
-    itemsize = 4  # the three reductions run in fp32
-    node.meta["meshc.comm"] = [CommRecord("all_reduce", AXIS, tokens * itemsize, "forward", why, count=3)]
 
 
 # ---------------------------------------------------------------------------------------- redistribution
@@ -228,7 +196,7 @@ def _insert_f(program: Program, ctx: RuleCtx, red: _Redistributor) -> None:
         if not isinstance(ctx.placements.get(node), Replicate) or not grad.get(node):
             continue
         users = [u for u in node.users if u.op == "call_function" and u.target not in COMM_FNS
-                 and _sharded(ctx.placements.get(u))]
+                 and in_parts(ctx.placements.get(u))]
         if not users:
             continue
         spec = program.params.get(node.meta.get("meshc.fqn")) if node.op == "placeholder" else None
@@ -236,7 +204,7 @@ def _insert_f(program: Program, ctx: RuleCtx, red: _Redistributor) -> None:
             spec.grad_partial = spec.grad_partial + (AXIS,)
             continue
         first = min(users, key=list(graph.nodes).index)
-        why = (f"tensor parallel (f): %{node.name} is replicated and feeds sharded {_op(users[0])}; "
+        why = (f"tensor parallel (f): %{node.name} is replicated and feeds sharded {op_name(users[0].target)}; "
                "its gradient is a partial sum there")
         with graph.inserting_before(first):
             f = graph.call_function(C.grad_all_reduce, (node,), {"group": red.group})
@@ -272,12 +240,6 @@ def _same_module(inserted: fx.Node, src: fx.Node, consumer: fx.Node) -> None:
     stack = first.meta.get("nn_module_stack") or second.meta.get("nn_module_stack")
     if stack:
         inserted.meta["nn_module_stack"] = stack
-
-
-def _sharded(p) -> bool:
-    if isinstance(p, tuple):
-        return any(_sharded(x) for x in p)
-    return isinstance(p, (Shard, Partial))
 
 
 def _needs_grad(program: Program) -> dict[fx.Node, bool]:
@@ -362,28 +324,6 @@ def refresh_vals(program: Program) -> None:
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def _get_arg(node: fx.Node, path: tuple):
-    if isinstance(path[0], str):
-        return node.kwargs[path[0]]
-    value = node.args[path[0]]
-    return value[path[1]] if len(path) > 1 else value
-
-
-def _set_arg(node: fx.Node, path: tuple, new) -> None:
-    if isinstance(path[0], str):
-        node.update_kwarg(path[0], new)
-    elif len(path) == 1:
-        node.update_arg(path[0], new)
-    else:
-        seq = list(node.args[path[0]])
-        seq[path[1]] = new
-        node.update_arg(path[0], type(node.args[path[0]])(seq))
-
-
-def _op(node: fx.Node) -> str:
-    return node.target.name() if hasattr(node.target, "name") else getattr(node.target, "__name__", str(node.target))
-
-
 def _where(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
     module = list(stack.values())[-1][0] if stack else ""

@@ -6,30 +6,35 @@ one mesh axis, which placement each input must have and which placement the outp
 An input whose placement differs from the requirement is redistributed by the tensor_parallel pass
 (gather, slice, reduce or reduce-scatter). Rules prefer keeping shards: a replicated operand next to a
 sharded one is sliced locally (free), a partial sum is reduced only where an op is not linear in it.
-An op without a rule gets all inputs replicated and a note: correct, but it costs communication, and
-explain() lists it. View-like ops are in tp_views.
+A rule whose op must run differently on shards says so in its rewrite, applied after redistribution:
+the vocab-parallel embedding (a masked lookup of this rank's rows) and the loss-parallel cross-entropy.
+
+Rules are data: `@handles(ops...)` only marks a rule with the ops it decides; COMPUTE_RULES lists this
+file's rules, tp_views' VIEW_RULES the view-like ops', and tp_table builds the one op -> rule table
+(with the pointwise and no-rule fallbacks) that the plan and tensor_parallel passes read.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
-from meshc.compiler.ir.placement import Partial, Placement, Replicate, Shard
+from meshc.compiler.ir.fx_ops import op_name, tensor_args
+from meshc.compiler.ir.placement import P, Partial, Placement, R, Replicate, Shard
+from meshc.compiler.ir.program import CommRecord
+from meshc.runtime.ops.tp_ops import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 aten = torch.ops.aten
-R, P = Replicate(), Partial()
-
-_RULES: dict[Any, Callable] = {}
 
 
 @dataclass
 class Decision:
     inputs: dict[tuple, Placement]  # arg path -> the placement that input must have
     out: Any  # a Placement, a tuple of them, or None for ops without a tensor output
-    rewrite: Callable[[fx.Node], None] | None = None  # local size arguments, applied after redistribution
+    rewrite: Callable[[fx.Node], None] | None = None  # the node made local, applied after redistribution
     note: str | None = None  # why a shard was given up (explain shows it)
     indivisible: tuple[str, int] | None = None  # (what, size) when a shard could follow only on a smaller axis
 
@@ -40,47 +45,29 @@ class RuleCtx:
     placements: dict[fx.Node, Any]
     sp_dim: Callable[[fx.Node], Shard | None] = lambda node: None  # sequence-parallel target, if on
     fallbacks: list[str] = field(default_factory=list)
+    axis: str = "tp"  # the mesh axis, for the CommRecords a rewrite adds
+    index: int = 0  # this rank's coordinate on the axis (the rows or vocabulary a rewrite keeps)
+    group: str | None = None  # the axis' process group name, for collectives a rewrite calls
 
     def pl(self, x: Any) -> Any:
         return self.placements.get(x, R) if isinstance(x, fx.Node) else R
 
 
-def register(*targets):
+def handles(*targets):
+    """Mark a rule with the ops it decides (tp_table reads them; nothing is registered)."""
     def wrap(fn):
-        for t in targets:
-            _RULES[t] = fn
+        fn.targets = targets
         return fn
     return wrap
 
 
-def infer(node: fx.Node, ctx: RuleCtx) -> Decision:
-    """The rule for `node` (fallback: replicate every tensor input)."""
-    rule = _RULES.get(node.target)
-    if rule is None and hasattr(node.target, "tags") and torch.Tag.pointwise in node.target.tags:
-        rule = pointwise_rule
-    if rule is None:
-        tensors = tensor_args(node)
-        if all(isinstance(ctx.pl(t), Replicate) for _, t in tensors):
-            return Decision({}, _like(node, R))
-        return Decision({path: R for path, _ in tensors}, _like(node, R),
-                        note=f"no tensor-parallel rule for {_name(node)}: inputs replicated")
-    return rule(node, ctx)
-
-
-def tensor_args(node: fx.Node) -> list[tuple[tuple, fx.Node]]:
-    """(path, node) of every tensor-valued input: (i,) for args[i], (i, j) inside a list, (name,) for kwargs."""
-    out = []
-    for i, a in enumerate(node.args):
-        if isinstance(a, fx.Node) and _is_tensor(a):
-            out.append(((i,), a))
-        elif isinstance(a, (list, tuple)):
-            out += [((i, j), b) for j, b in enumerate(a) if isinstance(b, fx.Node) and _is_tensor(b)]
-    out += [((k,), v) for k, v in node.kwargs.items() if isinstance(v, fx.Node) and _is_tensor(v)]
-    return out
-
-
-def _is_tensor(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)
+def no_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """An op without a rule: every tensor input replicated (a note says so where one was not)."""
+    tensors = tensor_args(node)
+    if all(isinstance(ctx.pl(t), Replicate) for _, t in tensors):
+        return Decision({}, _like(node, R))
+    return Decision({path: R for path, _ in tensors}, _like(node, R),
+                    note=f"no tensor-parallel rule for {op_name(node.target)}: inputs replicated")
 
 
 def _like(node: fx.Node, p: Placement):
@@ -88,10 +75,6 @@ def _like(node: fx.Node, p: Placement):
     if shape is not None and shape and (isinstance(shape[0], tuple) or shape[0] is None):
         return tuple(p for _ in shape)
     return p if shape is not None else None
-
-
-def _name(node: fx.Node) -> str:
-    return node.target.name() if hasattr(node.target, "name") else str(node.target)
 
 
 def _ndim(node: fx.Node) -> int:
@@ -172,10 +155,10 @@ def _reduced(node: fx.Node, ctx: RuleCtx) -> Placement:
     return ctx.sp_dim(node) or R
 
 
-@register(aten.dropout.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
-          aten.type_as.default, aten.alias.default, aten.contiguous.default, aten.detach.default,
-          aten.__and__.Tensor, aten.__or__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
-          aten.bitwise_not.default, aten.logical_not.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+@handles(aten.dropout.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
+         aten.type_as.default, aten.alias.default, aten.contiguous.default, aten.detach.default,
+         aten.__and__.Tensor, aten.__or__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
+         aten.bitwise_not.default, aten.logical_not.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor)
 def same_as_input_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     if node.target == aten.dropout.default:
         p, seq = ctx.pl(node.args[0]), ctx.sp_dim(node)
@@ -184,18 +167,18 @@ def same_as_input_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return pointwise_rule(node, ctx)
 
 
-@register(aten._assert_tensor_metadata.default)
+@handles(aten._assert_tensor_metadata.default)
 def assert_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, None)
 
 
-@register(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
-          aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default)
+@handles(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
+         aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default)
 def factory_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, R)
 
 
-@register(aten.new_ones.default, aten.new_zeros.default, aten.new_empty.default, aten.new_full.default)
+@handles(aten.new_ones.default, aten.new_zeros.default, aten.new_empty.default, aten.new_full.default)
 def new_factory_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, R)  # sizes come from the arguments (global), not from the (maybe sharded) input
 
@@ -211,8 +194,8 @@ def _mm_operands(node: fx.Node):
     return node.args[0], (0,), node.args[1], (1,), False, None
 
 
-@register(aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
-          aten.baddbmm.default)
+@handles(aten.linear.default, aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default,
+         aten.baddbmm.default)
 def matmul_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     """a (..., m, k) @ b (..., k, n) (b given as (n, k) for linear). Shards follow the contraction:
     k sharded on both -> partial sum; m (a's rows) or n (b's columns) sharded on one -> output sharded;
@@ -282,7 +265,7 @@ def _with_bias(node, ctx, req, out: Shard, biasp) -> Decision:
 
 
 def _gather_all(node: fx.Node, ctx: RuleCtx, why: str) -> Decision:
-    return Decision({path: R for path, _ in tensor_args(node)}, _like(node, R), note=f"{_name(node)}: {why}")
+    return Decision({path: R for path, _ in tensor_args(node)}, _like(node, R), note=f"{op_name(node.target)}: {why}")
 
 
 # ---------------------------------------------------------------------------------------- reductions
@@ -298,9 +281,9 @@ def _keepdim(node: fx.Node) -> bool:
     return bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
 
 
-@register(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
-          aten.amin.default, aten.var.correction, aten.std.correction, aten.argmax.default, aten.any.dim,
-          aten.all.dim, aten.max.dim, aten.min.dim)
+@handles(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
+         aten.amin.default, aten.var.correction, aten.std.correction, aten.argmax.default, aten.any.dim,
+         aten.all.dim, aten.max.dim, aten.min.dim)
 def reduction_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     x = node.args[0]
     p = ctx.pl(x)
@@ -316,24 +299,25 @@ def reduction_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     if p.dim in dims:
         if node.target in (aten.sum.dim_IntList, aten.sum.default) and p.chunks == 1:
             return Decision({}, P)
-        return Decision({(0,): R}, out, note=f"{_name(node)} over the sharded dim {p.dim}")
+        return Decision({(0,): R}, out, note=f"{op_name(node.target)} over the sharded dim {p.dim}")
     shifted = p.dim if _keepdim(node) else p.dim - sum(1 for d in dims if d < p.dim)
     s = Shard(shifted, p.chunks)
     return Decision({}, tuple(s for _ in out) if isinstance(out, tuple) else s)
 
 
-@register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
-          aten.cumsum.default)
+@handles(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
+         aten.cumsum.default)
 def softmax_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     x = node.args[0]
     p = ctx.pl(x)
     dim = node.args[1] % _ndim(x)
     if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim == dim):
-        return Decision({(0,): R}, R, note=f"{_name(node)} along the sharded dim" if isinstance(p, Shard) else None)
+        note = f"{op_name(node.target)} along the sharded dim" if isinstance(p, Shard) else None
+        return Decision({(0,): R}, R, note=note)
     return Decision({}, p)
 
 
-@register(aten.layer_norm.default, aten.rms_norm.default)
+@handles(aten.layer_norm.default, aten.rms_norm.default)
 def norm_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     x = node.args[0]
     p = ctx.pl(x)
@@ -347,12 +331,12 @@ def norm_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
         return Decision(req, target)
     if isinstance(p, Shard) and p.dim >= ndim - normalized:
         req[(0,)] = R
-        return Decision(req, R, note=f"{_name(node)} over the sharded dim {p.dim}")
+        return Decision(req, R, note=f"{op_name(node.target)} over the sharded dim {p.dim}")
     return Decision(req, p)
 
 
 # ---------------------------------------------------------------------------------------- attention
-@register(aten.scaled_dot_product_attention.default)
+@handles(aten.scaled_dot_product_attention.default)
 def sdpa_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     """q, k, v (B, H, T, D) sharded by heads (or batch) together; a mask broadcasting there stays whole."""
     qkv = [((i,), node.args[i]) for i in range(3)]
@@ -379,7 +363,7 @@ def sdpa_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
 
 
 # ---------------------------------------------------------------------------------------- embedding
-@register(aten.embedding.default)
+@handles(aten.embedding.default)
 def embedding_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     """weight R: follows the indices; S(1): hidden-sharded output; S(0): vocab-parallel (partial sum)."""
     w, idx = node.args[0], node.args[1]
@@ -388,7 +372,7 @@ def embedding_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     if isinstance(pw, Shard) and pw.dim == 0:
         if not isinstance(pi, Replicate):
             req[(1,)] = R
-        return Decision(req, P)  # the tensor_parallel pass rewrites the lookup (masked, local rows)
+        return Decision(req, P, rewrite=lambda nd: _vocab_parallel_lookup(nd, ctx))
     if isinstance(pw, Shard) and pw.dim == 1:
         if not isinstance(pi, Replicate):
             req[(1,)] = R
@@ -398,10 +382,24 @@ def embedding_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision(req, R)
 
 
+def _vocab_parallel_lookup(node: fx.Node, ctx: RuleCtx) -> None:
+    """embedding(W, idx) with W's rows split: a masked lookup of this rank's rows (zeros elsewhere)."""
+    weight = node.args[0]
+    rows = int(weight.meta["meshc.shape"][0]) // ctx.n  # (V/tp, D) held here
+    start, end = ctx.index * rows, (ctx.index + 1) * rows
+    padding = node.args[2] if len(node.args) > 2 else -1
+    node.target = vocab_parallel_embedding
+    node.args = (weight, node.args[1])
+    node.kwargs = {"start": start, "end": end, "padding_idx": padding}
+    fqn = weight.meta.get("meshc.fqn", weight.name)
+    node.meta["meshc.why"] = f"vocab-parallel embedding: this rank holds rows [{start}, {end}) of {fqn}"
+
+
 # ---------------------------------------------------------------------------------------- losses
-@register(aten.cross_entropy_loss.default)
+@handles(aten.cross_entropy_loss.default)
 def cross_entropy_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
-    """Logits sharded on the vocabulary (last dim, one block): loss-parallel, rewritten by the pass."""
+    """Logits sharded on the vocabulary (last dim, one block): loss-parallel, the loss rewritten to reduce
+    its max, sum of exponentials and target logit over the axis."""
     logits, target = node.args[0], node.args[1]
     p = ctx.pl(logits)
     weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
@@ -409,8 +407,29 @@ def cross_entropy_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     plain = weight is None and not smoothing and _ndim(logits) == 2
     req = {} if isinstance(ctx.pl(target), Replicate) else {(1,): R}
     if isinstance(p, Shard) and p.dim == 1 and p.chunks == 1 and plain:
-        return Decision(req, R)
+        return Decision(req, R, rewrite=lambda nd: _loss_parallel(nd, ctx))
     if isinstance(p, Replicate):
         return Decision(req, R)
     req[(0,)] = R
     return Decision(req, R, note="cross-entropy on logits not split on the vocabulary alone")
+
+
+def _loss_parallel(node: fx.Node, ctx: RuleCtx) -> None:
+    """cross_entropy(logits (N, V/tp), target) -> vocab_parallel_cross_entropy over this rank's vocabulary."""
+    logits, target = node.args[0], node.args[1]
+    rows = int(logits.meta["meshc.shape"][-1]) // ctx.n
+    start, end = ctx.index * rows, (ctx.index + 1) * rows
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    ignore = node.args[4] if len(node.args) > 4 else node.kwargs.get("ignore_index", -100)
+    node.target = vocab_parallel_cross_entropy
+    node.args = (logits, target)
+    node.kwargs = {"start": start, "end": end, "ignore_index": ignore, "reduction": reduction, "group": ctx.group}
+    why = f"loss-parallel cross-entropy: this rank holds vocabulary [{start}, {end})"
+    node.meta["meshc.why"] = why
+    tokens = math.prod(int(s) for s in logits.meta["meshc.shape"][:-1])
+    itemsize = 4  # the three reductions run in fp32
+    node.meta["meshc.comm"] = [CommRecord("all_reduce", ctx.axis, tokens * itemsize, "forward", why, count=3)]
+
+
+COMPUTE_RULES = (same_as_input_rule, assert_rule, factory_rule, new_factory_rule, matmul_rule, reduction_rule,
+                 softmax_rule, norm_rule, sdpa_rule, embedding_rule, cross_entropy_rule)

@@ -4,19 +4,21 @@ moved, sliced or concatenated, and the local size arguments each rewritten op ne
 A rule returns a Decision (see tp_rules): the placement each tensor input must have, the output
 placement, and a rewrite of the node's size arguments for local shapes. When a shard cannot follow a
 view (it would straddle dims), the input is replicated first: always correct, never silently wrong.
+VIEW_RULES lists this file's rules for tp_table.
 """
 from __future__ import annotations
 
 import math
 import operator
 
+import torch
 import torch.fx as fx
 
-from meshc.compiler.ir.placement import Partial, Replicate, Shard
+from meshc.compiler.ir.placement import Partial, R, Replicate, Shard
 
-from .tp_rules import R, Decision, RuleCtx, register
+from .tp_rules import Decision, RuleCtx, handles
 
-aten = __import__("torch").ops.aten
+aten = torch.ops.aten
 
 
 def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
@@ -84,7 +86,7 @@ def _ints(node: fx.Node) -> tuple[int, ...]:
     return tuple(int(s) for s in node.meta["meshc.shape"])
 
 
-@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+@handles(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 def view_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     x = node.args[0]
     p = ctx.pl(x)
@@ -104,7 +106,7 @@ def view_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, out, rewrite=lambda nd, o=out: nd.update_arg(1, _local(dst, o, ctx.n)))
 
 
-@register(aten.expand.default)
+@handles(aten.expand.default)
 def expand_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     x = node.args[0]
     p = ctx.pl(x)
@@ -115,7 +117,7 @@ def expand_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, out, rewrite=lambda nd: nd.update_arg(1, _local(dst, out, ctx.n)))
 
 
-@register(aten.transpose.int)
+@handles(aten.transpose.int)
 def transpose_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     p = ctx.pl(node.args[0])
     if not isinstance(p, Shard):
@@ -126,7 +128,7 @@ def transpose_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, Shard(dim, p.chunks))
 
 
-@register(aten.t.default)
+@handles(aten.t.default)
 def t_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     p = ctx.pl(node.args[0])
     if isinstance(p, Shard) and len(_ints(node)) == 2:
@@ -134,7 +136,7 @@ def t_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, p)
 
 
-@register(aten.permute.default)
+@handles(aten.permute.default)
 def permute_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     p = ctx.pl(node.args[0])
     if not isinstance(p, Shard):
@@ -143,7 +145,7 @@ def permute_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, Shard(dims.index(p.dim), p.chunks))
 
 
-@register(aten.unsqueeze.default)
+@handles(aten.unsqueeze.default)
 def unsqueeze_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     p = ctx.pl(node.args[0])
     if not isinstance(p, Shard):
@@ -152,7 +154,7 @@ def unsqueeze_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, Shard(p.dim + (1 if d <= p.dim else 0), p.chunks))
 
 
-@register(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+@handles(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
 def squeeze_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     x = node.args[0]
     p = ctx.pl(x)
@@ -165,7 +167,7 @@ def squeeze_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, Shard(p.dim - sum(1 for d in removed if d < p.dim), p.chunks))
 
 
-@register(aten.slice.Tensor)
+@handles(aten.slice.Tensor)
 def slice_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     x = node.args[0]
     p = ctx.pl(x)
@@ -181,7 +183,7 @@ def slice_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({(0,): R}, R, note=f"slice of the sharded dim {dim}")
 
 
-@register(aten.select.int)
+@handles(aten.select.int)
 def select_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     p = ctx.pl(node.args[0])
     dim = node.args[1] % len(_ints(node.args[0]))
@@ -192,7 +194,7 @@ def select_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, Shard(p.dim - (1 if dim < p.dim else 0), p.chunks))
 
 
-@register(aten.split.Tensor, aten.split_with_sizes.default)
+@handles(aten.split.Tensor, aten.split_with_sizes.default)
 def split_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     x = node.args[0]
     p = ctx.pl(x)
@@ -214,7 +216,7 @@ def split_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, outs, rewrite=rewrite)
 
 
-@register(aten.unbind.int)
+@handles(aten.unbind.int)
 def unbind_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     x = node.args[0]
     p = ctx.pl(x)
@@ -228,7 +230,7 @@ def unbind_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, tuple(out for _ in range(parts)))
 
 
-@register(aten.cat.default)
+@handles(aten.cat.default)
 def cat_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     tensors = node.args[0]
     dim = (node.args[1] if len(node.args) > 1 else 0) % len(_ints(node))
@@ -249,7 +251,11 @@ def cat_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({(0, i): R for i in range(len(tensors))}, R, note="cat of differently placed tensors")
 
 
-@register(operator.getitem)
+@handles(operator.getitem)
 def getitem_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     p = ctx.pl(node.args[0])
     return Decision({}, p[node.args[1]] if isinstance(p, tuple) else p)
+
+
+VIEW_RULES = (view_rule, expand_rule, transpose_rule, t_rule, permute_rule, unsqueeze_rule, squeeze_rule, slice_rule,
+              select_rule, split_rule, unbind_rule, cat_rule, getitem_rule)

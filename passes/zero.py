@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from meshc.compiler import _torch_compat as compat
 from meshc.compiler.ir.placement import FlatShard
-from meshc.compiler.ir.program import CommRecord, Program
+from meshc.compiler.ir.program import VALUE_META, CommRecord, Program
 from meshc.runtime.ops.zero import shard_size, zero_gather, zero_gather_start, zero_reduce
 
 from .blocks import block_of, stages_using
@@ -149,7 +149,7 @@ def _route(graph: fx.Graph, bucket_node: fx.Node, bucket, mesh) -> None:
     for i, (fqn, node) in enumerate(bucket):
         with graph.inserting_after(bucket_node):
             item = graph.call_function(operator.getitem, (bucket_node, i))
-        item.meta.update({k: v for k, v in node.meta.items() if k in ("val", "meshc.shape", "meshc.placement")})
+        item.meta.update({k: v for k, v in node.meta.items() if k in VALUE_META})
         item.meta["meshc.why"] = f"bucket output for {fqn}"
         node.replace_all_uses_with(item, delete_user_cb=lambda u: u.op != "call_function" or
                                    u.target not in (zero_gather, zero_gather_start, zero_reduce))

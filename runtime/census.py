@@ -32,10 +32,10 @@ class CommCensus(compat.dispatch_mode_base()):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "_c10d_functional" and func._opname in _KINDS:
+        if func.namespace == "_c10d_functional" and compat.op_name(func) in _KINDS:
             tensor = args[0]
             group = args[-1] if isinstance(args[-1], str) else kwargs.get("group_name")
-            self.calls.append((_KINDS[func._opname], self.axis_of.get(group, str(group)),
+            self.calls.append((_KINDS[compat.op_name(func)], self.axis_of.get(group, str(group)),
                                tensor.numel() * tensor.element_size()))
         return func(*args, **kwargs)
 

@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.placement import FlatShard, Replicate
 
 from . import failures
@@ -66,6 +67,7 @@ def save(job, path: str | os.PathLike, *, step: int = 0, extra: dict | None = No
     mesh = job.mesh
     tmp = path + ".partial"
     with failures.watching(mesh, "job.save"):
+        _agreed(mesh, lambda: _check_target(path))
         _on_rank0(lambda: _fresh_folder(tmp))
         items, described = _save_items(job, opts)
         write_json(os.path.join(tmp, f"rank_{mesh.rank:05d}.json"), _rank_record(mesh))
@@ -124,9 +126,9 @@ def _describe_state(i: int, fqn: str, p: torch.Tensor, state: dict, job, add: Ca
             out[name] = {"kind": "value", "value": value}
         else:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"job.save: optimizer state {name!r} of {fqn}: expected a tensor shaped like the "
-                             f"parameter's local shard {tuple(p.shape)}, a 0-d tensor or a plain value, got {shape}; "
-                             "meshc reshards element-wise optimizer states only (Adam, AdamW, SGD, ...)")
+            raise MeshcValueError(f"job.save: optimizer state {name!r} of {fqn}: expected a tensor shaped like the "
+                                  f"parameter's local shard {tuple(p.shape)}, a 0-d tensor or a plain value, got "
+                                  f"{shape}; meshc reshards element-wise optimizer states only (Adam, AdamW, SGD, ...)")
     return out
 
 
@@ -142,20 +144,21 @@ def _publish(job, tmp: str, path: str, step: int, extra: dict, gathered: list) -
             for merged, group in zip(optims[i]["groups"], doc["groups"]):
                 merged["params"] += [f for f in group["params"] if f not in merged["params"]]
             optims[i]["state"].update(doc["state"])
-    files = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+    files = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp)) if name != PARTIAL_MARK}
     manifest = {"format": FORMAT, "version": VERSION, "step": int(step), "extra": extra,
                 "world_size": job.mesh.world_size, "mesh": dict(job.mesh.sizes), "plan": job.plan.describe(),
                 "tensors": tensors, "state_dict_keys": job.state_dict_keys, "optimizers": optims, "files": files}
     write_json(os.path.join(tmp, MANIFEST), manifest)
+    os.remove(os.path.join(tmp, PARTIAL_MARK))  # the manifest now says whose folder this is
     old = path + ".old"
     if os.path.isdir(old):
-        shutil.rmtree(old)
+        _remove_own(old, "checkpoint")
     if os.path.exists(path):
         os.rename(path, old)
     os.rename(tmp, path)
     _fsync_dir(os.path.dirname(path))
     if os.path.isdir(old):
-        shutil.rmtree(old)
+        _remove_own(old, "checkpoint")
 
 
 # ---------------------------------------------------------------------------------------- load
@@ -188,8 +191,8 @@ def _read(path: str, manifest: dict, items: dict, no_dist: bool) -> None:
         rank, error = next(iter(e.failures.items()))
         error = error[0] if isinstance(error, tuple) else error  # DCP keeps (exception, stack)
         first = str(error).strip().splitlines()[0][:400] if str(error).strip() else type(error).__name__
-        raise ValueError(f"checkpoint {path}: expected readable tensors, got an error on rank {rank}: {first}; "
-                         "the checkpoint is corrupt or was edited") from None
+        raise MeshcValueError(f"checkpoint {path}: expected readable tensors, got an error on rank {rank}: {first}; "
+                              "the checkpoint is corrupt or was edited") from None
 
 
 def _load_items(job, opts: list, manifest: dict) -> dict[str, tuple]:
@@ -228,8 +231,8 @@ def _load_items(job, opts: list, manifest: dict) -> dict[str, tuple]:
                         dest(_optim_key(i, fqn, name), state[name], (), {})
     missing = sorted(k for k in items if k not in manifest["tensors"])
     if missing:
-        raise ValueError(f"job.load: expected the checkpoint to hold {missing[0]}, got no such tensor "
-                         f"({len(missing)} missing); load a checkpoint of the same model (and optimizer)")
+        raise MeshcValueError(f"job.load: expected the checkpoint to hold {missing[0]}, got no such tensor "
+                              f"({len(missing)} missing); load a checkpoint of the same model (and optimizer)")
     return items
 
 
@@ -248,15 +251,15 @@ def _fresh_state(p: torch.Tensor, saved: dict) -> dict:
 def _check_optimizers(path: str, manifest: dict, opts: list) -> None:
     saved = manifest["optimizers"]
     if opts and len(opts) != len(saved):
-        raise ValueError(f"job.load: {path} holds {len(saved)} optimizer(s), expected one per live optimizer of "
-                         f"the job, got {len(opts)}; pass optimizers=[...] in the order they were saved")
+        raise MeshcValueError(f"job.load: {path} holds {len(saved)} optimizer(s), expected one per live optimizer of "
+                              f"the job, got {len(opts)}; pass optimizers=[...] in the order they were saved")
     for opt, doc in zip(opts, saved):
         if type(opt).__name__ != doc["class"]:
-            raise ValueError(f"job.load: {path} holds {doc['class']} states, expected {type(opt).__name__}; "
-                             f"create the job's optimizer with {doc['class']}")
+            raise MeshcValueError(f"job.load: {path} holds {doc['class']} states, expected {type(opt).__name__}; "
+                                  f"create the job's optimizer with {doc['class']}")
         if len(opt.param_groups) != len(doc["groups"]):
-            raise ValueError(f"job.load: {path} holds {len(doc['groups'])} parameter groups, expected "
-                             f"{len(opt.param_groups)}; build the optimizer with the same groups")
+            raise MeshcValueError(f"job.load: {path} holds {len(doc['groups'])} parameter groups, expected "
+                                  f"{len(opt.param_groups)}; build the optimizer with the same groups")
 
 
 def _restore_hyper(opt: torch.optim.Optimizer, doc: dict) -> None:
@@ -321,7 +324,7 @@ def export(path: str | os.PathLike, to: str = "hf", out: str | os.PathLike | Non
     safetensors for `to="hf"`, torch.save for `to="torch"`; the original model loads it with
     load_state_dict. One process, no torch.distributed; returns the file written."""
     if to not in ("hf", "torch"):
-        raise ValueError(f"checkpoint export: expected --to hf or torch, got {to!r}")
+        raise MeshcValueError(f"checkpoint export: expected --to hf or torch, got {to!r}")
     path = os.path.abspath(os.fspath(path))
     manifest = check_folder(path)
     model = {k: v for k, v in manifest["tensors"].items() if v["kind"] in ("param", "buffer")}
@@ -337,8 +340,8 @@ def export(path: str | os.PathLike, to: str = "hf", out: str | os.PathLike | Non
         try:
             from safetensors.torch import save_file
         except ImportError:
-            raise ValueError("checkpoint export --to hf: expected the safetensors package, got none installed; "
-                             "pip install safetensors, or export with --to torch") from None
+            raise MeshcValueError("checkpoint export --to hf: expected the safetensors package, got none installed; "
+                                  "pip install safetensors, or export with --to torch") from None
         save_file({k: v.clone().contiguous() for k, v in state.items()}, out, metadata={"format": "pt"})
     else:
         torch.save(state, out)
@@ -401,10 +404,10 @@ def _json_extra(extra: dict | None) -> dict:
     try:
         json.dumps(extra)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"job.save: expected `extra` to be JSON (numbers, strings, lists, dicts), got {e}; convert "
-                         "tensors with .tolist() or keep them in the model") from None
+        raise MeshcValueError(f"job.save: expected `extra` to be JSON (numbers, strings, lists, dicts), got {e}; "
+                              "convert tensors with .tolist() or keep them in the model") from None
     if not isinstance(extra, dict):
-        raise ValueError(f"job.save: expected `extra` to be a dict, got {type(extra).__name__}")
+        raise MeshcValueError(f"job.save: expected `extra` to be a dict, got {type(extra).__name__}")
     return extra
 
 
@@ -417,16 +420,52 @@ def _json_hyper(group: dict, cls: str) -> dict:
         try:
             json.dumps(v)
         except (TypeError, ValueError):
-            raise ValueError(f"job.save: {cls} hyperparameter {k!r}: expected a JSON value, got "
-                             f"{type(v).__name__}; meshc stores hyperparameters as JSON") from None
+            raise MeshcValueError(f"job.save: {cls} hyperparameter {k!r}: expected a JSON value, got "
+                                  f"{type(v).__name__}; meshc stores hyperparameters as JSON") from None
         out[k] = v
     return out
 
 
+PARTIAL_MARK = "meshc-partial"  # the first file of a save in progress: what makes a PATH.partial meshc's own
+
+
 def _fresh_folder(folder: str) -> None:
     if os.path.isdir(folder):
-        shutil.rmtree(folder)  # a save that did not finish
+        _remove_own(folder, "partial")  # a save that did not finish
     os.makedirs(folder)
+    with open(os.path.join(folder, PARTIAL_MARK), "w") as f:
+        f.write("a meshc checkpoint being written; removed or renamed when the save completes\n")
+
+
+def _is_own(folder: str, kind: str) -> bool:
+    """Did meshc write `folder`: a complete checkpoint (its manifest says so) or a save in progress (its mark)?"""
+    if kind == "partial" and os.path.isfile(os.path.join(folder, PARTIAL_MARK)):
+        return True
+    try:
+        return read_json(os.path.join(folder, MANIFEST)).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _remove_own(folder: str, kind: str) -> None:
+    """Delete a folder meshc wrote (`kind` "checkpoint" or "partial"); anything else is refused, untouched."""
+    if not _is_own(folder, kind):
+        raise MeshcValueError(f"job.save: expected {folder} to be a meshc {kind} folder to replace, got a folder "
+                              f"without meshc's {MANIFEST if kind == 'checkpoint' else PARTIAL_MARK}; meshc deletes "
+                              "only what it wrote: move it away or save elsewhere")
+    shutil.rmtree(folder)
+
+
+def _check_target(path: str) -> None:
+    """Refuse, before anything is written, a save that would replace or delete what meshc did not write."""
+    if os.path.exists(path) and not (os.path.isdir(path) and _is_own(path, "checkpoint")):
+        what = "a folder" if os.path.isdir(path) else "a file"
+        raise MeshcValueError(f"job.save: expected {path} to be absent or a meshc checkpoint, got {what} that is not "
+                              f"one (no {MANIFEST} of format {FORMAT}); save into a new path, or move it away")
+    for suffix, kind in ((".partial", "partial"), (".old", "checkpoint")):
+        if os.path.exists(path + suffix) and not (os.path.isdir(path + suffix) and _is_own(path + suffix, kind)):
+            raise MeshcValueError(f"job.save: expected {path + suffix} to be absent or meshc's own {kind} folder, got "
+                                  f"something else; meshc would replace it: move it away or save elsewhere")
 
 
 def _fsync_dir(folder: str) -> None:
@@ -466,5 +505,5 @@ def _agreed(mesh, fn: Callable[[], Any]) -> Any:
         raise error
     for rank, e in enumerate(errors):
         if e is not None:
-            raise ValueError(f"{e} (seen by rank {rank})")
+            raise MeshcValueError(f"{e} (seen by rank {rank})")
     return value

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.planner import (LoadPlan, LoadPlanner, ReadIte
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from meshc.compiler import _torch_compat as compat
-from meshc.compiler.ir.errors import MeshcInternalError
+from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError
 from meshc.compiler.ir.placement import FlatShard, Shard
 
 FORMAT = "meshc-checkpoint"
@@ -206,11 +206,11 @@ class PieceLoadPlanner(LoadPlanner):
                 continue
             md = self.metadata.state_dict_metadata.get(key)
             if md is None:
-                raise ValueError(f"checkpoint: expected a tensor {key!r} in the checkpoint, got none; it was saved "
-                                 "from another model or without this optimizer")
+                raise MeshcValueError(f"checkpoint: expected a tensor {key!r} in the checkpoint, got none; it was "
+                                      "saved from another model or without this optimizer")
             if tuple(md.size) != tuple(shape):
-                raise ValueError(f"checkpoint: {key}: expected global shape {tuple(shape)}, got {tuple(md.size)} in "
-                                 "the checkpoint; load it into the model it was saved from")
+                raise MeshcValueError(f"checkpoint: {key}: expected global shape {tuple(shape)}, got {tuple(md.size)} "
+                                      "in the checkpoint; load it into the model it was saved from")
             chunks = [ChunkStorageMetadata(torch.Size(p.offsets), torch.Size(p.sizes)) for p in parts]
             reads += create_read_items_for_chunk_list(key, md, chunks)
         return LoadPlan(reads)
@@ -222,8 +222,8 @@ class PieceLoadPlanner(LoadPlanner):
         return central_plan
 
     def load_bytes(self, read_item: ReadItem, value) -> None:
-        raise ValueError(f"checkpoint: {read_item.dest_index.fqn}: expected a tensor, got a pickled object; meshc "
-                         "checkpoints hold tensors only")
+        raise MeshcValueError(f"checkpoint: {read_item.dest_index.fqn}: expected a tensor, got a pickled object; meshc "
+                              "checkpoints hold tensors only")
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         view = self.items[read_item.dest_index.fqn][1][read_item.dest_index.index].view
@@ -265,8 +265,8 @@ class JsonReader(FileSystemReader):
             tensors[key] = TensorStorageMetadata(props, torch.Size(md["size"]), chunks)
         for key, offset, path, start, length in doc["storage"]:
             if path not in self.files:
-                raise ValueError(f"checkpoint {self.path}: expected data files listed in {MANIFEST}, got a reference "
-                                 f"to {path!r}; the checkpoint is corrupt or was edited")
+                raise MeshcValueError(f"checkpoint {self.path}: expected data files listed in {MANIFEST}, got a "
+                                      f"reference to {path!r}; the checkpoint is corrupt or was edited")
             storage[MetadataIndex(key, torch.Size(offset))] = compat.dcp_storage_info(path, int(start), int(length))
         meta = StorageMeta(load_id=self.load_id)
         return Metadata(state_dict_metadata=tensors, storage_data=storage, storage_meta=meta)
@@ -275,7 +275,7 @@ class JsonReader(FileSystemReader):
 def parse_dtype(name: str) -> torch.dtype:
     value = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
     if not isinstance(value, torch.dtype):
-        raise ValueError(f"checkpoint: expected a torch dtype name such as 'float32', got {name!r}")
+        raise MeshcValueError(f"checkpoint: expected a torch dtype name such as 'float32', got {name!r}")
     return value
 
 
@@ -302,27 +302,28 @@ def check_folder(path: str) -> dict:
                     "earlier checkpoint")
         elif os.path.isdir(path + ".old"):
             hint = f"; {path}.old is the previous checkpoint, left by a save interrupted while renaming: rename it back"
-        raise ValueError(f"checkpoint: expected a checkpoint folder at {path}, got nothing there{hint}")
+        raise MeshcValueError(f"checkpoint: expected a checkpoint folder at {path}, got nothing there{hint}")
     manifest_path = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest_path):
-        raise ValueError(f"checkpoint {path}: expected a complete checkpoint with {MANIFEST}, got a folder without "
-                         "it (a partial save, or not a meshc checkpoint); load an earlier checkpoint")
+        raise MeshcValueError(f"checkpoint {path}: expected a complete checkpoint with {MANIFEST}, got a folder "
+                              "without it (a partial save, or not a meshc checkpoint); load an earlier checkpoint")
     manifest = read_json(manifest_path)
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise ValueError(f"checkpoint {path}: expected format {FORMAT} version {VERSION}, got "
-                         f"{manifest.get('format')!r} version {manifest.get('version')!r}")
+        raise MeshcValueError(f"checkpoint {path}: expected format {FORMAT} version {VERSION}, got "
+                              f"{manifest.get('format')!r} version {manifest.get('version')!r}")
     files = manifest["files"]
     for name in files:
         if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
-            raise ValueError(f"checkpoint {path}: expected {MANIFEST} to list plain file names inside the folder, "
-                             f"got {name!r}; the checkpoint is corrupt or was edited")
+            raise MeshcValueError(f"checkpoint {path}: expected {MANIFEST} to list plain file names inside the folder, "
+                                  f"got {name!r}; the checkpoint is corrupt or was edited")
     for name in sorted(set(os.listdir(path)) - set(files) - {MANIFEST}):
-        raise ValueError(f"checkpoint {path}: expected only the files its {MANIFEST} lists, got an unexpected "
-                         f"{name!r}; meshc never writes pickles and refuses to read a folder that holds one "
-                         "(remove the file if you trust it)")
+        raise MeshcValueError(f"checkpoint {path}: expected only the files its {MANIFEST} lists, got an unexpected "
+                              f"{name!r}; meshc never writes pickles and refuses to read a folder that holds one "
+                              "(remove the file if you trust it)")
     for name, size in files.items():
         got = os.path.getsize(os.path.join(path, name)) if os.path.isfile(os.path.join(path, name)) else None
         if got != size:
-            raise ValueError(f"checkpoint {path}: expected {name} of {size} bytes, got "
-                             f"{'no file' if got is None else f'{got} bytes'}; the checkpoint is incomplete or corrupt")
+            raise MeshcValueError(f"checkpoint {path}: expected {name} of {size} bytes, got "
+                                  f"{'no file' if got is None else f'{got} bytes'}; the checkpoint is incomplete or "
+                                  "corrupt")
     return manifest

@@ -36,6 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshc.compiler.ir.errors import MeshcError, MeshcValueError
 from meshc.compiler.ir.placement import format_placements
 
 INTERVAL = 0.25  # seconds between heartbeats
@@ -44,7 +45,7 @@ COMM_WORDS = ("gloo", "Connection", "connection", "Timed out", "timed out", "NCC
               "reset by peer", "closed by peer")
 
 
-class RankFailure(RuntimeError):
+class RankFailure(MeshcError, RuntimeError):
     """A peer died or stalled while this rank waited for it. `dead` and `stalled` are world ranks."""
 
     def __init__(self, message: str, dead: list[int], stalled: list[int], op: str):
@@ -63,7 +64,14 @@ class _Monitor:
         self._stop, self._lock = threading.Event(), threading.Lock()
         store.set(f"pid/{rank}", f"{socket.gethostname()}|{os.getpid()}")
         self._beat_once()
-        threading.Thread(target=self._run, name="meshc-heartbeat", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="meshc-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop beating and wait for the thread: nothing of it is left running when the process group goes."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5 * INTERVAL)
 
     def enter(self, what: str) -> str:
         """Publish the phase this rank enters now (a peer that dies in it is reported there)."""
@@ -100,7 +108,7 @@ def _monitor() -> _Monitor | None:
     key = id(world)
     if key not in _MONITORS:
         for _, old in _MONITORS.values():  # an earlier world of this process: its heartbeat has nobody to tell
-            old._stop.set()
+            old.stop()
         try:
             client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                    timeout=timedelta(seconds=10), wait_for_workers=False)
@@ -111,6 +119,13 @@ def _monitor() -> _Monitor | None:
         store = dist.PrefixStore(f"meshc/{run}/{attempt}/{len(_MONITORS)}/", client)
         _MONITORS[key] = (world, _Monitor(store, dist.get_rank(), dist.get_world_size()))
     return _MONITORS[key][1]
+
+
+def stop_monitors() -> None:
+    """Stop every heartbeat of this process (before its process groups are destroyed)."""
+    while _MONITORS:
+        _, (_, monitor) = _MONITORS.popitem()
+        monitor.stop()
 
 
 # ---------------------------------------------------------------------------------------- watching
@@ -216,7 +231,7 @@ def _waiting_in(error: BaseException, mesh) -> tuple[str, list[int], str]:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
     op, members, where = "an unknown collective", list(range(dist.get_world_size())), ""
-    names = {name: (axis, list(ranks)) for (axis, ranks), name in mesh._group_names.items()}
+    names = {name: (axis, list(ranks)) for (axis, ranks), name in mesh.spec.group_names.items()}
     previous_c10d = False
     for f in frames:
         file, fn, local = f.f_code.co_filename, f.f_code.co_name, f.f_locals
@@ -239,7 +254,7 @@ def _waiting_in(error: BaseException, mesh) -> tuple[str, list[int], str]:
             members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
             op = f"torch.distributed.{fn} (ranks {','.join(map(str, members))})"
         previous_c10d = c10d
-    if not where and any(f.f_code.co_filename.endswith(os.path.join("runtime", "job.py")) for f in frames):
+    if not where and any(f.f_globals.get("__name__") == "meshc.job" for f in frames):  # the Job's forward
         where = "forward"
     return op, list(members), where
 
@@ -276,7 +291,7 @@ def preflight(job) -> None:
         dist.all_gather_object(everyone, fingerprint(job))
     problem = first_mismatch(everyone, mesh)
     if problem:
-        raise ValueError(problem)
+        raise MeshcValueError(problem)
     _CHECKED.add(job)
 
 

@@ -67,7 +67,7 @@ class ShardedParam(torch.Tensor):
         spec = params[0]._spec
         unwrapped = compat.tree_map(lambda a: a._local if isinstance(a, ShardedParam) else a, (args, kwargs))
         out = func(*unwrapped[0], **unwrapped[1])
-        if func._schema.is_mutable or func.name().endswith("_"):  # in place: the (wrapped) inputs changed
+        if compat.op_is_mutable(func) or func.name().endswith("_"):  # in place: the (wrapped) inputs changed
             return args[0]
         return compat.tree_map(lambda t: ShardedParam(t, spec) if isinstance(t, torch.Tensor)
                                and t.shape == spec_local(params[0]) else t, out)

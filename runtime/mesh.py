@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.mesh_spec import AXES, MeshSpec, label
 
 from .failures import elastic_store
@@ -31,13 +32,13 @@ class Mesh:
 
     def __init__(self, sizes: dict[str, int], *, device: torch.device, timeout: timedelta):
         if not dist.is_initialized():
-            raise ValueError("Mesh: expected an initialized torch.distributed world; use meshc.mesh(...)")
+            raise MeshcValueError("Mesh: expected an initialized torch.distributed world; use meshc.mesh(...)")
         shape = MeshSpec(sizes)
         self.sizes = dict(shape.sizes)
         self.world_size = dist.get_world_size()
         if shape.world_size != self.world_size:
-            raise ValueError(f"Mesh: expected sizes whose product is the world size {self.world_size}, "
-                             f"got {shape.describe()}")
+            raise MeshcValueError(f"Mesh: expected sizes whose product is the world size {self.world_size}, "
+                                  f"got {shape.describe()}")
         self.rank = dist.get_rank()
         self.device = device
         self.backend = dist.get_backend()
@@ -84,6 +85,20 @@ class Mesh:
         self.spec.size(axis)  # checks the axis
         return self._groups[axis]
 
+    def close(self) -> None:
+        """End this process's part of the mesh cleanly, on every rank at the end of training: wait for the
+        others, stop the heartbeat thread, destroy the process groups (no communication thread outlives the
+        interpreter: at exit, C++ threads still running abort the process)."""
+        from .failures import stop_monitors
+
+        if dist.is_initialized() and self.world_size > 1 and self.backend != "fake":
+            dist.barrier()
+        stop_monitors()
+        self._groups.clear()
+        self._device_mesh = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
     @property
     def device_mesh(self):
         """The equivalent torch DeviceMesh (built on first use, from the groups above)."""
@@ -108,7 +123,7 @@ class Mesh:
             if not isinstance(t, torch.Tensor):
                 return t
             if t.shape[dim] % n:
-                raise ValueError(
+                raise MeshcValueError(
                     f"shard_batch: expected dim {dim} divisible by dp={n}, got a tensor of shape "
                     f"{tuple(t.shape)}; make the global batch a multiple of {n}"
                 )
@@ -157,22 +172,22 @@ def mesh(*, dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float = 
     """
     if unknown_axes:
         name = next(iter(unknown_axes))
-        raise ValueError(f"mesh: unknown axis {name!r}: expected axes among dp, tp, pp")
+        raise MeshcValueError(f"mesh: unknown axis {name!r}: expected axes among dp, tp, pp")
     for name, value in (("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"mesh: expected {name} to be a positive int, got {value!r}")
+            raise MeshcValueError(f"mesh: expected {name} to be a positive int, got {value!r}")
     timeout = timedelta(seconds=timeout_s)
     device = _init_world(timeout)
     world = dist.get_world_size()
     if dp is None:
         if world % (tp * pp):
-            raise ValueError(
+            raise MeshcValueError(
                 f"mesh: tp×pp = {tp}×{pp} = {tp * pp} does not divide the world of {world} ranks; "
                 f"choose tp and pp whose product divides {world}"
             )
         dp = world // (tp * pp)
     if dp * tp * pp != world:
-        raise ValueError(
+        raise MeshcValueError(
             f"mesh: expected dp×tp×pp to equal the world size {world}, got {dp}×{tp}×{pp} = "
             f"{math.prod((dp, tp, pp))}; choose sizes whose product is {world}, or leave dp unset"
         )
@@ -215,7 +230,7 @@ def simulated_mesh(*, dp: int = 1, tp: int = 1, pp: int = 1, rank: int = 0) -> M
     """
     world = dp * tp * pp
     if dist.is_initialized():
-        raise ValueError("simulated_mesh: expected no initialized torch.distributed world in this process, "
-                         "got one; destroy it first (torch.distributed.destroy_process_group())")
+        raise MeshcValueError("simulated_mesh: expected no initialized torch.distributed world in this process, "
+                              "got one; destroy it first (torch.distributed.destroy_process_group())")
     dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=world)
     return Mesh({"dp": dp, "tp": tp, "pp": pp}, device=torch.device("cpu"), timeout=timedelta(minutes=5))

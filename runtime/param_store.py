@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.placement import FlatShard, Replicate, Shard
 from meshc.compiler.ir.program import Program
 
@@ -116,7 +117,7 @@ class ParamStore:
         counted once. With pipeline stages, every pp rank adds its own parameters (`skip`: the copies of
         tied ones that another rank counts)."""
         if norm_type != 2.0:
-            raise ValueError(f"clip_grad_norm_: expected norm_type 2.0, got {norm_type}")
+            raise MeshcValueError(f"clip_grad_norm_: expected norm_type 2.0, got {norm_type}")
         sums = {}
         for fqn, p in self.masters.items():
             if p.grad is None or fqn in skip:

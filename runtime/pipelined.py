@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.pipeline_plan import PipelinePlan
 from meshc.compiler.stages import Stage
 
@@ -35,8 +36,8 @@ class Pipelined:
         def loss_of(outs: tuple, mb: int) -> torch.Tensor:
             loss = loss_fn(compat.tree_unflatten(list(outs), spec), micro_targets[mb])
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise ValueError("job.step: expected loss_fn to return a scalar tensor; reduce the loss to its "
-                                 "mean over the batch")
+                raise MeshcValueError("job.step: expected loss_fn to return a scalar tensor; reduce the loss to its "
+                                      "mean over the batch")
             return loss
         run = PipelineRun(self.layout.local, self.layout.schedule, self.mesh, values, loss_of, zero_context)
         loss = run.run(micro)
@@ -68,8 +69,8 @@ def _chunks(t: Any, m: int, what: str) -> list:
     if not isinstance(t, torch.Tensor) or t.dim() == 0:
         return [t] * m
     if t.shape[0] % m:
-        raise ValueError(f"job.step: {what} has {t.shape[0]} rows, not divisible by microbatches={m}; make the "
-                         f"dp-local batch a multiple of {m} or change Plan.microbatches")
+        raise MeshcValueError(f"job.step: {what} has {t.shape[0]} rows, not divisible by microbatches={m}; make the "
+                              f"dp-local batch a multiple of {m} or change Plan.microbatches")
     return list(t.chunk(m))
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.placement import FlatShard, Partial, Shard
 from meshc.compiler.ir.program import ParamSpec
 
@@ -29,7 +30,7 @@ def local_shard(full: torch.Tensor, spec: ParamSpec, mesh, rank: int | None = No
     out = full.detach()
     for axis, p in spec.placements.items():
         if isinstance(p, Partial):
-            raise ValueError(f"{spec.fqn}: a stored tensor cannot be Partial on {axis}")
+            raise MeshcValueError(f"{spec.fqn}: a stored tensor cannot be Partial on {axis}")
         if isinstance(p, Shard) and mesh.sizes[axis] > 1:
             out = slice_shard(out, p.dim, p.chunks, mesh.sizes[axis], coords[axis])
     for axis, p in spec.placements.items():  # a flat shard applies to what the dim shards leave

@@ -45,7 +45,8 @@ class ZeroContext:
     def __init__(self, masters: dict[str, torch.Tensor], stats: ZeroStats, overlap: bool = True):
         self.masters = masters
         self.stats = stats
-        self.storages: dict[int, tuple[int, int]] = {}  # storage address -> (bucket, index)
+        # storage (weak, by identity: distinct even for empty storages) -> (bucket, index, token of the entry)
+        self.storages: dict = {}
         self.buckets: dict[int, tuple[BucketMeta, tuple]] = {}
         self.outstanding: dict[int, int] = {}  # bucket -> saved handles not yet unpacked
         self.regathered: dict[int, list] = {}
@@ -62,6 +63,8 @@ class ZeroContext:
 
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
+        self._hooks = None  # it holds our bound methods: kept, it would make a reference cycle of every step's
+        # context, freed by the cyclic collector at an arbitrary moment on whatever thread runs it
         deactivate(self._token)
         self.stats.live_after_forward = self.stats.live_bytes
         return False
@@ -77,21 +80,19 @@ class ZeroContext:
             self._track(t, meta.bucket, i)
 
     def _track(self, t: torch.Tensor, bucket: int, index: int) -> None:
-        key = t.untyped_storage().data_ptr()
-        self.storages[key] = (bucket, index)
+        key, token = compat.storage_key(t), object()
+        self.storages[key] = (bucket, index, token)
         nbytes = t.numel() * t.element_size()
         self.stats.live_bytes += nbytes
-        weakref.finalize(t, self._freed, key, nbytes)
-
-    def _freed(self, key: int, nbytes: int) -> None:
-        self.storages.pop(key, None)
-        self.stats.live_bytes -= nbytes
+        # a plain function over the dict and the stats, not a bound method: a tracked tensor does not keep
+        # the whole context alive, and its death removes its own entry only
+        weakref.finalize(t, _release, self.storages, key, token, self.stats, nbytes)
 
     def _pack(self, t: torch.Tensor):
-        where = self.storages.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        where = self.storages.get(compat.storage_key(t)) if t.device.type != "meta" else None
         if where is None:
             return t
-        bucket, index = where
+        bucket, index, _ = where
         self.outstanding[bucket] = self.outstanding.get(bucket, 0) + 1
         return _Saved(bucket, index, tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
@@ -136,3 +137,11 @@ class ZeroContext:
             self.prefetched[b] = (self._start(b), nbytes)
             self.stats.live_bytes += nbytes
             self.stats.peak_bytes_backward = max(self.stats.peak_bytes_backward, self.stats.live_bytes)
+
+
+def _release(storages: dict, key, token, stats: ZeroStats, nbytes: int) -> None:
+    """A tracked gathered parameter died: drop its entry (if still the one it registered) and its bytes."""
+    entry = storages.get(key)
+    if entry is not None and entry[2] is token:
+        del storages[key]
+    stats.live_bytes -= nbytes

@@ -62,19 +62,25 @@ def _optimizer_args(name: str):
 
 
 def assert_matches(rank: int, out: dict, ref: dict, steps: int, params_tol: float = 5e-5) -> None:
-    """One rank's run against the single-process reference: losses within 2e-5, step-1 gradients within 2e-6,
-    parameters after `steps` within `params_tol`, and the same parameter names (the tests say why)."""
+    """One rank's run against the single-process reference: the same gradient and parameter names first (a
+    missing one would otherwise pass unseen), then losses within 2e-5, step-1 gradients within 2e-6,
+    parameters after `steps` within `params_tol` (the tests say why)."""
+    assert set(out["grads0"]) == set(ref["grads0"]), \
+        f"rank {rank}: gradients of {sorted(set(out['grads0']) ^ set(ref['grads0']))} on one side only"
+    assert set(out["params"]) == set(ref["params"]), \
+        f"rank {rank}: parameters {sorted(set(out['params']) ^ set(ref['params']))} on one side only"
     worst = max(abs(a - b) for a, b in zip(out["losses"], ref["losses"]))
     assert worst < 2e-5, (rank, out["losses"], ref["losses"])
     diff, where = max_diff(out["grads0"], ref["grads0"])
     assert diff < 2e-6, f"rank {rank}: step-1 gradient of {where} off by {diff}"
     diff, where = max_diff(out["params"], ref["params"])
     assert diff < params_tol, f"rank {rank}: parameter {where} off by {diff} after {steps} steps"
-    assert set(out["params"]) == set(ref["params"])
 
 
 def max_diff(a: dict, b: dict) -> tuple[float, str]:
-    """The largest absolute difference over the keys both share, and where."""
+    """The largest absolute difference, and where; the two must hold the same keys (a tensor missing on one
+    side is a failure, not a pass)."""
+    assert a.keys() == b.keys(), f"keys on one side only: {sorted(a.keys() ^ b.keys())}"
     worst, where = 0.0, ""
     for k in a.keys() & b.keys():
         d = (a[k].float() - b[k].float()).abs().max().item()
@@ -104,4 +110,7 @@ def mixed_reference(model: str, steps: int, batch: int, dtype=torch.bfloat16) ->
             for n, p in m.named_parameters():
                 p.copy_(masters[n].to(dtype))
         losses.append(loss.item())
-    return {"losses": losses, "params": {n: t.detach() for n, t in masters.items()}}
+    by_id = {id(p): n for n, p in m.named_parameters()}  # state_dict keys (tied aliases too), as job.state_dict
+    params = {k: (masters[by_id[id(v)]] if id(v) in by_id else v).detach()
+              for k, v in m.state_dict(keep_vars=True).items()}
+    return {"losses": losses, "params": params}

@@ -20,7 +20,7 @@ def test_demo_trains_over_two_processes(tmp_path):
     text = proc.stdout
     assert "dp=2 × tp=1 × pp=1 (2 ranks, gloo on cpu)" in text
     assert "all_reduce" in text  # the plan is printed before training
-    steps = [(int(s), float(l)) for s, l in re.findall(r"step\s+(\d+)/20 \[[#-]+\] loss (\d+\.\d+)", text)]
+    steps = [(int(s), float(loss)) for s, loss in re.findall(r"step\s+(\d+)/20 \[[#-]+\] loss (\d+\.\d+)", text)]
     assert steps[0][0] == 1 and steps[-1][0] == 20
     first, last = re.search(r"first 2 steps (\d+\.\d+) -> of the last 2 steps (\d+\.\d+)", text).groups()
     assert float(last) < float(first) - 0.5, text[-2000:]  # from ~4 (uniform over the characters)

@@ -117,21 +117,62 @@ def test_the_checker_sees_a_violation(tmp_path, monkeypatch):
     assert ORDER[layer_of("meshc.runtime.mesh")] > ORDER[layer_of("meshc.passes.bad")]
 
 
+# Private names of torch objects that meshc's code reaches (op overloads, nn.Module and Tensor internals, private
+# submodules and classes), flagged as attributes of anything but `self` (a meshc class's own `_buffers`, say, is
+# not torch's) and as names imported from a torch module. meshc's own private attributes (ShardedParam's `_local`
+# and `_spec`, ...) are not on the list; neither are ATen ops whose names start with "_" (aten._to_copy).
+TORCH_PRIVATE = {
+    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_forward_hooks", "_forward_pre_hooks",
+    "_backward_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks", "_named_members", "_get_name",
+    "_opname", "_schema", "_overloadpacket", "_C", "_dynamo", "_inductor", "_subclasses", "_pytree", "_functorch",
+    "_export", "_guards", "_prims", "_refs", "_decomp", "_higher_order_ops", "_python_dispatch", "_internal",
+    "_execution_engine", "_c10d_functional", "_make_wrapper_subclass", "_disabled_torch_function_impl",
+    "_resolve_process_group", "_StorageInfo", "_orig_mod", "_cdata", "_base", "_version", "_typed_storage",
+}
+
+
+def private_torch_uses(path: Path) -> list[str]:
+    """Each use of a private torch module, import or attribute in the file at `path`, as "file:line: what"."""
+    where = os.path.relpath(path, ROOT) if path.is_relative_to(ROOT) else str(path)
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module]
+            if node.module.split(".")[0] == "torch":
+                bad += [f"{where}:{node.lineno}: imports {a.name} from {node.module}"
+                        for a in node.names if a.name in TORCH_PRIVATE]
+        if any(n.startswith("torch.") and any(p.startswith("_") for p in n.split(".")[1:]) for n in names):
+            bad.append(f"{where}:{node.lineno}: imports {names[0]}")
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch" \
+                and node.attr.startswith("_") and not node.attr.startswith("__"):
+            bad.append(f"{where}:{node.lineno}: torch.{node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr in TORCH_PRIVATE \
+                and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+            bad.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "setattr") \
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
+                and node.args[1].value in TORCH_PRIVATE:
+            bad.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return bad
+
+
 def test_private_torch_only_in_the_compat_shim():
     """`torch._*` modules and private attributes of torch objects are reached through compiler/_torch_compat.py."""
-    bad = []
-    for module, path in _modules().items():
-        if module == "meshc.compiler._torch_compat":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                names = [node.module]
-            if any(n.startswith("torch.") and any(p.startswith("_") for p in n.split(".")[1:]) for n in names):
-                bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: imports {names[0]}")
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch" \
-                    and node.attr.startswith("_") and not node.attr.startswith("__"):
-                bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: torch.{node.attr}")
+    bad = [use for module, path in sorted(_modules().items()) if module != "meshc.compiler._torch_compat"
+           for use in private_torch_uses(path)]
     assert not bad, "private torch API outside the compat shim:\n" + "\n".join(bad)
+
+
+def test_the_private_torch_check_sees_a_violation(tmp_path):
+    fake = tmp_path / "bad.py"
+    fake.write_text("import torch\nfrom torch.distributed.checkpoint.filesystem import _StorageInfo\n"
+                    "def f(module, func, job):\n"
+                    "    module._parameters['w'] = torch._C._nn\n"
+                    "    return func._schema, getattr(module, '_buffers'), job._local, self._buffers\n")
+    found = private_torch_uses(fake)
+    assert [line.split(": ", 1)[1] for line in found] == [
+        "imports _StorageInfo from torch.distributed.checkpoint.filesystem", "module._parameters", "torch._C",
+        "func._schema", "getattr(module, '_buffers')"], found

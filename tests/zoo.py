@@ -115,3 +115,45 @@ def uneven(seed: int = 0) -> torch.nn.Module:
 MODELS["uneven"] = uneven
 MODELS["reference4"] = lambda seed=0: reference_transformer(seed, layers=4)
 MODELS["gpt2_4"] = lambda seed=0: gpt2(seed, layers=4)
+
+
+class StraightThrough(torch.autograd.Function):
+    """Forward: round to multiples of 1/8; backward: the identity (a straight-through estimator). The ATen
+    derivative of round is zero, so a trace that drops this backward trains with no gradient through it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 8) / 8
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class GradReverse(torch.autograd.Function):
+    """Forward: the identity (a view of its input); backward: -scale times the gradient (gradient reversal)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.scale * grad, None
+
+
+class _CustomAct(torch.nn.Module):
+    def forward(self, x):
+        return GradReverse.apply(StraightThrough.apply(F.silu(x)), 0.5)
+
+
+def custom_fn(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Llama whose MLP activation goes through two custom autograd Functions (their own backward)."""
+    model = llama(seed, layers)
+    for layer in model.model.layers:
+        layer.mlp.act_fn = _CustomAct()
+    return model
+
+
+MODELS["custom_fn"] = custom_fn

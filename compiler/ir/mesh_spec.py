@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from .errors import MeshcTypeError, MeshcValueError
+
 AXES = ("pp", "dp", "tp")  # outermost first
 
 
@@ -27,11 +29,11 @@ class MeshSpec:
     def __post_init__(self) -> None:
         unknown = set(self.sizes) - set(AXES)
         if unknown:
-            raise ValueError(f"mesh: unknown axis {sorted(unknown)[0]!r}: expected axes among dp, tp, pp")
+            raise MeshcValueError(f"mesh: unknown axis {sorted(unknown)[0]!r}: expected axes among dp, tp, pp")
         sizes = {axis: int(self.sizes.get(axis, 1)) for axis in AXES}
         for axis, n in sizes.items():
             if n < 1:
-                raise ValueError(f"mesh: expected {axis} to be a positive int, got {n}")
+                raise MeshcValueError(f"mesh: expected {axis} to be a positive int, got {n}")
         object.__setattr__(self, "sizes", sizes)
 
     @property
@@ -53,7 +55,7 @@ class MeshSpec:
     def coords(self, rank: int) -> dict[str, int]:
         """`rank`'s index along every axis."""
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"mesh coords: expected a rank in [0, {self.world_size}), got {rank}")
+            raise MeshcValueError(f"mesh coords: expected a rank in [0, {self.world_size}), got {rank}")
         out = {}
         for axis in reversed(AXES):  # tp varies fastest
             rank, out[axis] = divmod(rank, self.sizes[axis])
@@ -102,7 +104,7 @@ def as_spec(mesh) -> MeshSpec:
     """The MeshSpec of a MeshSpec or of a runtime Mesh (its `.spec`)."""
     spec = getattr(mesh, "spec", None)
     if not isinstance(spec, MeshSpec):
-        raise TypeError(f"mesh: expected a meshc Mesh or MeshSpec, got {type(mesh).__name__}")
+        raise MeshcTypeError(f"mesh: expected a meshc Mesh or MeshSpec, got {type(mesh).__name__}")
     return spec
 
 
@@ -112,13 +114,13 @@ def parse_sizes(text: str) -> dict[str, int]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, value = part.partition("=")
         if not sep or not value.strip().isdigit():
-            raise ValueError(f"mesh: expected 'axis=size' pairs such as dp=2,tp=2, got {part!r}")
+            raise MeshcValueError(f"mesh: expected 'axis=size' pairs such as dp=2,tp=2, got {part!r}")
         if name.strip() not in AXES:
-            raise ValueError(f"mesh: unknown axis {name.strip()!r}: expected axes among dp, tp, pp")
+            raise MeshcValueError(f"mesh: unknown axis {name.strip()!r}: expected axes among dp, tp, pp")
         sizes[name.strip()] = int(value)
     return sizes
 
 
 def _check_axis(axis: str) -> None:
     if axis not in AXES:
-        raise ValueError(f"mesh axis: expected one of {', '.join(AXES)}, got {axis!r}")
+        raise MeshcValueError(f"mesh axis: expected one of {', '.join(AXES)}, got {axis!r}")

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+from .errors import MeshcValueError
 from .schedule import NAMES, ALIASES, Schedule, check_sizes, gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from .schedule_sim import check
 
@@ -16,7 +17,7 @@ def schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedul
     """
     canonical = ALIASES.get(str(name).lower())
     if canonical is None:
-        raise ValueError(f"unknown schedule: expected one of {', '.join(NAMES)}, got {name!r}")
+        raise MeshcValueError(f"unknown schedule: expected one of {', '.join(NAMES)}, got {name!r}")
     if canonical == "interleaved":
         out = interleaved_1f1b(pp, microbatches, virtual)
     else:

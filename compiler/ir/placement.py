@@ -51,6 +51,12 @@ def S(dim: int, chunks: int = 1) -> Shard:
     return Shard(dim, chunks)
 
 
+def in_parts(p) -> bool:
+    """Does no rank hold the whole value: S(d) (pieces) or P (summands)? `p` is a placement, None (no tensor),
+    or a tuple with one per output of a multi-output op (then: any of them)."""
+    return any(isinstance(x, (Shard, Partial)) for x in (p if isinstance(p, tuple) else (p,)))
+
+
 def format_placements(placements: dict[str, Placement]) -> str:
     """`{"dp": R, "tp": S(0)}` -> "dp:R tp:S(0)"."""
     return " ".join(f"{axis}:{p}" for axis, p in placements.items())

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from .errors import MeshcTypeError, MeshcValueError
+
 
 TP_STYLES = ("colwise", "rowwise", "vocab", "replicate")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -63,8 +65,13 @@ class Plan:
             next to them (chunks passed around a ring of point-to-point transfers).
         inductor: under torch.compile(model, backend=meshc.backend(...)), Inductor compiles each per-rank
             program (the regions between collectives become generated kernels; the collectives stay).
-        trace: "auto" tries strict torch.export (TorchDynamo) and falls back to non-strict; "strict" or
-            "non-strict" forces one (non-strict is several times faster on Hugging Face models).
+        trace: "auto" tries non-strict torch.export and falls back to strict (TorchDynamo); "strict" or
+            "non-strict" forces one. Non-strict comes first because it keeps user autograd.Functions'
+            backward (strict export drops it: wrong gradients) and is several times faster.
+        check_trace: compare the traced program's loss and gradients with eager on the example batch
+            before sharding, raising on the first parameter whose gradient differs. None (default): on
+            when the model's parameters are real tensors of at most 16M elements in all (the check costs
+            one forward and backward of each); True/False force it.
     """
 
     bucket_mb: float = 25.0
@@ -72,6 +79,7 @@ class Plan:
     debug_dir: str | None = None
     verify: bool = False
     trace: str = "auto"
+    check_trace: bool | None = None
     tp: dict[str, str] | None = None
     sequence_parallel: bool = False
     vocab_parallel: bool = False
@@ -92,48 +100,51 @@ class Plan:
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
-            raise ValueError(f"Plan.bucket_mb: expected a positive number of MiB, got {self.bucket_mb!r}")
+            raise MeshcValueError(f"Plan.bucket_mb: expected a positive number of MiB, got {self.bucket_mb!r}")
         if isinstance(self.disable, str) or not all(isinstance(n, str) for n in self.disable):
-            raise TypeError(
+            raise MeshcTypeError(
                 f"Plan.disable: expected a tuple of pass names, got {self.disable!r}; "
                 f"write disable=({self.disable!r},) for one pass"
             )
         object.__setattr__(self, "disable", tuple(self.disable))
         if self.tp is not None:
             if not isinstance(self.tp, dict):
-                raise TypeError(f"Plan.tp: expected a dict of module glob -> style, got {type(self.tp).__name__}")
+                raise MeshcTypeError(f"Plan.tp: expected a dict of module glob -> style, got {type(self.tp).__name__}")
             bad = {k: v for k, v in self.tp.items() if v not in TP_STYLES}
             if bad:
                 glob, style = next(iter(bad.items()))
-                raise ValueError(f"Plan.tp[{glob!r}]: expected a style among {', '.join(TP_STYLES)}, got {style!r}")
+                raise MeshcValueError(f"Plan.tp[{glob!r}]: expected a style among {', '.join(TP_STYLES)}, got "
+                                      f"{style!r}")
         if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"Plan.zero: expected a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
+            raise MeshcValueError(f"Plan.zero: expected a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
         if not isinstance(self.zero_bucket_mb, (int, float)) or self.zero_bucket_mb <= 0:
-            raise ValueError(f"Plan.zero_bucket_mb: expected a positive number of MiB, got {self.zero_bucket_mb!r}")
+            raise MeshcValueError("Plan.zero_bucket_mb: expected a positive number of MiB, got "
+                                  f"{self.zero_bucket_mb!r}")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-                raise TypeError(f"Plan.{name}: expected a floating torch.dtype such as torch.bfloat16, got {value!r}")
+                raise MeshcTypeError(f"Plan.{name}: expected a floating torch.dtype such as torch.bfloat16, got "
+                                     f"{value!r}")
         if self.param_dtype is not None and self.zero == 0:
-            raise ValueError("Plan.param_dtype: expected zero >= 1 (mixed precision keeps fp32 master shards), got "
-                             "zero=0; use zero=1, which communicates as much as plain data parallelism")
+            raise MeshcValueError("Plan.param_dtype: expected zero >= 1 (mixed precision keeps fp32 master shards), "
+                                  "got zero=0; use zero=1, which communicates as much as plain data parallelism")
         for name in ("microbatches", "virtual"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Plan.{name}: expected a positive int, got {value!r}")
+                raise MeshcValueError(f"Plan.{name}: expected a positive int, got {value!r}")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"Plan.schedule: expected one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+            raise MeshcValueError(f"Plan.schedule: expected one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if (self.schedule == "interleaved") != (self.virtual > 1):
-            raise ValueError(f"Plan.schedule: the interleaved schedule and virtual > 1 go together, got "
-                             f"schedule={self.schedule!r} with virtual={self.virtual}")
+            raise MeshcValueError(f"Plan.schedule: the interleaved schedule and virtual > 1 go together, got "
+                                  f"schedule={self.schedule!r} with virtual={self.virtual}")
         if self.split_points is not None:
             if isinstance(self.split_points, str) or not all(isinstance(p, str) for p in self.split_points):
-                raise TypeError(f"Plan.split_points: expected a list of module names, got {self.split_points!r}")
+                raise MeshcTypeError(f"Plan.split_points: expected a list of module names, got {self.split_points!r}")
             object.__setattr__(self, "split_points", tuple(self.split_points))
         if self.remat not in ("none", "full", "selective"):
-            raise ValueError(f"Plan.remat: expected 'none', 'full' or 'selective', got {self.remat!r}")
+            raise MeshcValueError(f"Plan.remat: expected 'none', 'full' or 'selective', got {self.remat!r}")
         if self.trace not in ("auto", "strict", "non-strict"):
-            raise ValueError(f"Plan.trace: expected 'auto', 'strict' or 'non-strict', got {self.trace!r}")
+            raise MeshcValueError(f"Plan.trace: expected 'auto', 'strict' or 'non-strict', got {self.trace!r}")
 
     def describe(self) -> str:
         """One line with the fields that differ from their defaults."""

@@ -14,6 +14,11 @@ Node metadata keys meshc writes (always namespaced):
     "meshc.placement"  dict axis -> Placement of the value a node produces
     "meshc.why"        on every node a pass inserts: the rule and the tensor that made it necessary
     "meshc.comm"       on collective nodes: list of CommRecord (forward and backward traffic)
+    "meshc.shape"      on tensor values: the global shape as a tuple of sympy expressions (shapes pass)
+    "meshc.stage"      on activations when pipelined: the pipeline stage that computes it (pipeline_split)
+    "meshc.bucket"     on ZeRO gather waits and grad_sync nodes: the FQNs of the parameters in the bucket
+The constants below spell them once: ROLE ... BUCKET, META_KEYS (all of them: compiler/verify.py fails a
+"meshc.*" key outside it) and VALUE_META (what a node that stands for another's value copies from it).
 """
 from __future__ import annotations
 
@@ -30,6 +35,11 @@ from .placement import FlatShard, Placement, Replicate, Shard
 if TYPE_CHECKING:
     from .mesh_spec import MeshSpec
     from .plan import Plan
+
+ROLE, FQN, PLACEMENT, WHY, COMM = "meshc.role", "meshc.fqn", "meshc.placement", "meshc.why", "meshc.comm"
+SHAPE, STAGE, BUCKET = "meshc.shape", "meshc.stage", "meshc.bucket"
+META_KEYS = frozenset({ROLE, FQN, PLACEMENT, WHY, COMM, SHAPE, STAGE, BUCKET})
+VALUE_META = ("val", SHAPE, PLACEMENT)  # copied by a node standing for another's value (a bucket's getitem)
 
 
 @dataclass

@@ -35,16 +35,18 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .errors import MeshcTypeError, MeshcValueError
+
 KINDS = ("F", "B", "I", "W")
 
 
-class ScheduleError(ValueError):
+class ScheduleError(MeshcValueError):
     """A schedule that would compute wrongly or hang: the message names the first offending action."""
 
 
 def _check_int(rule: str, value, lowest: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-        raise ValueError(f"{rule}: expected an int >= {lowest}, got {value!r}")
+        raise MeshcValueError(f"{rule}: expected an int >= {lowest}, got {value!r}")
 
 
 @dataclass(frozen=True, order=True)
@@ -59,7 +61,7 @@ class Action:
         _check_int("Action.stage", self.stage, 0)
         _check_int("Action.microbatch", self.microbatch, 0)
         if self.kind not in KINDS:
-            raise ValueError(f"Action.kind: expected one of {', '.join(KINDS)}, got {self.kind!r}")
+            raise MeshcValueError(f"Action.kind: expected one of {', '.join(KINDS)}, got {self.kind!r}")
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.microbatch}"
@@ -72,7 +74,7 @@ class Action:
         """`Action.parse("2F0") == Action(2, "F", 0)`."""
         match = re.fullmatch(r"(\d+)([FBIW])(\d+)", text.strip())
         if match is None:
-            raise ValueError(f"Action.parse: expected '<stage><F|B|I|W><microbatch>' like '2F0', got {text!r}")
+            raise MeshcValueError(f"Action.parse: expected '<stage><F|B|I|W><microbatch>' like '2F0', got {text!r}")
         return Action(int(match[1]), match[2], int(match[3]))
 
 
@@ -100,9 +102,9 @@ class P2P:
 
     def __post_init__(self):
         if self.op not in ("send", "recv"):
-            raise ValueError(f"P2P.op: expected 'send' or 'recv', got {self.op!r}")
+            raise MeshcValueError(f"P2P.op: expected 'send' or 'recv', got {self.op!r}")
         if self.kind not in ("F", "B"):
-            raise ValueError(f"P2P.kind: expected 'F' (activation) or 'B' (gradient), got {self.kind!r}")
+            raise MeshcValueError(f"P2P.kind: expected 'F' (activation) or 'B' (gradient), got {self.kind!r}")
         _check_int("P2P.stage", self.stage, 0)
         _check_int("P2P.microbatch", self.microbatch, 0)
         _check_int("P2P.peer", self.peer, 0)
@@ -152,7 +154,7 @@ class Schedule:
 
     def __post_init__(self):
         if not isinstance(self.name, str):
-            raise TypeError(f"Schedule.name: expected a str, got {self.name!r}")
+            raise MeshcTypeError(f"Schedule.name: expected a str, got {self.name!r}")
         _check_int("Schedule.pp", self.pp, 1)
         _check_int("Schedule.microbatches", self.microbatches, 1)
         _check_int("Schedule.virtual", self.virtual, 1)
@@ -192,7 +194,7 @@ class Schedule:
         by the send it produces (activation of F to stage s+1, input gradient of B or I to stage s-1).
         Neighbouring stages on the same rank (pp == 1) hand over locally, with no message."""
         if not 0 <= rank < self.pp:
-            raise ValueError(f"Schedule.program: expected a rank in [0, {self.pp}), got {rank}")
+            raise MeshcValueError(f"Schedule.program: expected a rank in [0, {self.pp}), got {rank}")
         out: list[Op] = []
         for a in self.actions[rank]:
             src = a.stage - 1 if a.kind == "F" else a.stage + 1
@@ -224,8 +226,8 @@ def check_sizes(name: str, pp: int, m: int, virtual: int, *, allowed_virtual: in
     _check_int(f"{name} microbatches", m, 1)
     _check_int(f"{name} virtual", virtual, 1)
     if allowed_virtual is not None and virtual != allowed_virtual:
-        raise ValueError(f"{name} runs one stage per rank: expected virtual=1, got {virtual}; "
-                         "use 'interleaved' for virtual stages")
+        raise MeshcValueError(f"{name} runs one stage per rank: expected virtual=1, got {virtual}; "
+                              "use 'interleaved' for virtual stages")
 
 
 def gpipe(pp: int, m: int) -> Schedule:
@@ -260,11 +262,11 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
     """
     check_sizes("interleaved", pp, m, v, allowed_virtual=None)
     if v < 2:
-        raise ValueError(f"interleaved needs several stages per rank: expected virtual >= 2, got {v}; "
-                         "use '1f1b' for one stage per rank")
+        raise MeshcValueError(f"interleaved needs several stages per rank: expected virtual >= 2, got {v}; "
+                              "use '1f1b' for one stage per rank")
     if m % pp:
-        raise ValueError(f"interleaved needs microbatches to be a multiple of pp: expected a multiple of "
-                         f"{pp}, got {m}")
+        raise MeshcValueError(f"interleaved needs microbatches to be a multiple of pp: expected a multiple of "
+                              f"{pp}, got {m}")
     total = m * v
 
     def nth(k: int, backward: bool) -> tuple[int, int]:  # (local stage index, microbatch) of k-th op

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from math import gcd
 
+from .errors import MeshcValueError
 from .schedule import Action, Op, P2P, Schedule, ScheduleError
 
 DEFAULT_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -68,7 +69,7 @@ class SimResult:
 
     def __post_init__(self):
         if self.makespan < 0 or any(b < 0 for b in self.busy):
-            raise ValueError(f"SimResult: expected times >= 0, got makespan {self.makespan}, busy {self.busy}")
+            raise MeshcValueError(f"SimResult: expected times >= 0, got makespan {self.makespan}, busy {self.busy}")
 
     @property
     def idle(self) -> tuple[float, ...]:
@@ -209,7 +210,7 @@ def simulate(schedule: Schedule, cost: Cost = DEFAULT_COST, comm: float = 0.0,
     comm: latency of one message; sends never block the sender.
     """
     if comm < 0:
-        raise ValueError(f"simulate comm: expected a latency >= 0, got {comm}")
+        raise MeshcValueError(f"simulate comm: expected a latency >= 0, got {comm}")
     return _run(schedule, programs, _cost_fn(cost), float(comm))
 
 
@@ -218,7 +219,7 @@ def _cost_fn(cost: Cost) -> Callable[[Action], float]:
         return cost
     missing = [k for k in "FBIW" if k not in cost]
     if missing or any(cost[k] < 0 for k in "FBIW"):
-        raise ValueError(f"simulate cost: expected costs >= 0 for F, B, I and W, got {dict(cost)}")
+        raise MeshcValueError(f"simulate cost: expected costs >= 0 for F, B, I and W, got {dict(cost)}")
     return lambda a: float(cost[a.kind])
 
 
@@ -274,8 +275,8 @@ def grid(target: Schedule | SimResult, cost: Cost = DEFAULT_COST, comm: float = 
     step = _common_step(times)
     steps = int(round(Fraction(result.makespan).limit_denominator(10_000) / step))
     if steps > MAX_GRID_STEPS:
-        raise ValueError(f"grid: expected at most {MAX_GRID_STEPS} time steps, got {steps} (1 step = "
-                         f"{float(step):g}); give costs and comm that are multiples of a common unit")
+        raise MeshcValueError(f"grid: expected at most {MAX_GRID_STEPS} time steps, got {steps} (1 step = "
+                              f"{float(step):g}); give costs and comm that are multiples of a common unit")
     cells = [["."] * steps for _ in result.timeline]
     for r, row in enumerate(result.timeline):
         for s in row:

@@ -93,7 +93,7 @@ def test_chosen_plan_is_the_fastest_measured_on_two_ranks():
     # Where other jobs share the cores (load average above cores + 1), a pipeline's ranks gain: each takes
     # turns computing while the other waits, so it gets more of the machine than a dp or tp rank does. At
     # load ~5 on 2 cores the measured pp=2 step beat the chosen dp=2 one by 13%; there a choice within 35% of
-    # the fastest counts (see test_cost's step-time test for the same effect).
+    # the fastest counts (see benchmarks/cost_speed.py for the same effect).
     load, cores = runs[0]["load"], os.cpu_count() or 1
     slack = 1.1 if load <= cores + 1 else 1.35
     assert chosen <= slack * min(measured.values()), (best.describe(), load, measured)

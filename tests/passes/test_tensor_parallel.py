@@ -137,7 +137,7 @@ def _flippy_rank() -> dict:
                             plan=meshc.Plan(verify=True, tp={"up": "colwise", "down": "rowwise"}))
     loss = job.step(x, y, zoo.lm_loss)
     return {"loss": loss.item(), "warnings": [str(w.message) for w in caught if w.category is meshc.MeshcWarning],
-            "report": str(job.explain())}
+            "where": [w.filename for w in caught if w.category is meshc.MeshcWarning], "report": str(job.explain())}
 
 
 def test_op_without_rule_is_correct_and_warned():
@@ -145,6 +145,7 @@ def test_op_without_rule_is_correct_and_warned():
     for out in run_ranks(_flippy_rank, 2, timeout=120):
         assert abs(out["loss"] - ref) < 1e-5
         assert any("no tensor-parallel rule for aten::flip" in w for w in out["warnings"])
+        assert out["where"] and set(out["where"]) == {__file__}  # reported at the user's meshc.compile line
         assert "no tensor-parallel rule for aten::flip" in out["report"]
 
 

@@ -318,3 +318,29 @@ def test_resume_is_bitwise_in_a_new_process_group(tmp_path):
     assert resumed["losses"] == straight["losses"][N:]  # bitwise: same plan, same arithmetic, same RNG
     for key, value in straight["params"].items():
         assert torch.equal(resumed["params"][key], value), key
+
+
+def test_save_never_deletes_what_meshc_did_not_write(tmp_path, single_mesh):
+    """A results folder at the save path, or a foreign PATH.old/PATH.partial, is refused and left intact;
+    meshc's own checkpoint at the path is replaced, and its .old removed."""
+    data = zoo.batches(1, 8)
+    job = meshc.compile(zoo.gpt2(1), single_mesh, example_inputs=(data[0][0],), plan=meshc.Plan(**PLAN))
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "notes.txt").write_text("a user's own file")
+    with pytest.raises(ValueError, match=r"results to be absent or a meshc checkpoint, got a folder"):
+        job.save(results)
+    assert (results / "notes.txt").read_text() == "a user's own file"
+    assert not (tmp_path / "results.partial").exists()
+    target = tmp_path / "ckpt"
+    job.save(target, step=1)
+    job.save(target, step=2)  # its own checkpoint: replaced, and the .old it made on the way removed
+    assert json.loads((target / "meshc.json").read_text())["step"] == 2
+    assert not (tmp_path / "ckpt.old").exists() and not (tmp_path / "ckpt.partial").exists()
+    assert "meshc-partial" not in os.listdir(target)
+    foreign = tmp_path / "ckpt.old"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("not meshc's")
+    with pytest.raises(ValueError, match=r"ckpt\.old to be absent or meshc's own checkpoint folder"):
+        job.save(target, step=3)
+    assert (foreign / "keep.txt").exists() and json.loads((target / "meshc.json").read_text())["step"] == 2

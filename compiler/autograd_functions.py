@@ -1,0 +1,146 @@
+"""Custom autograd Functions kept through the trace: each call becomes a custom op with the Function's backward.
+
+torch.export (strict and non-strict alike, measured on torch 2.13) traces a `torch.autograd.Function`'s
+forward into plain ATen ops and drops its backward: a straight-through estimator (forward: round, backward:
+identity) would train with the zero gradient of round. While meshc traces, `functions_as_ops(model)` makes
+every user-defined Function's `apply` call a custom op instead:
+
+    meshc_fn::<Function>_<n>(Tensor[] tensors) -> Tensor[]
+
+whose forward is the Function's forward and whose autograd formula runs the Function's own backward: it
+recomputes the forward from the saved inputs with autograd on and differentiates through it, so whatever
+`backward` the user wrote (and whatever it saved in `ctx`) is what gradients see. Non-tensor arguments are
+constants of the op (one op per class and distinct constants). Costs: the Function's forward runs twice
+per step (forward, and again in backward). Limits, refused with an error naming the Function: arguments
+that are neither tensors nor plain constants (None, bool, int, float, str and tuples of them), keyword
+arguments, outputs that are not tensors. A Function whose forward draws random numbers would be
+recomputed with other random numbers: pass it its noise as an input.
+
+Functions defined by torch and by meshc itself are left alone.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any
+
+import torch
+
+from .ir.errors import TraceError
+
+_OPS: dict[tuple, Any] = {}  # (Function class, constants, positions) -> custom op, for the process's lifetime
+_COUNT = itertools.count()
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def user_functions() -> list[type]:
+    """Every live subclass of torch.autograd.Function not defined by torch or meshc."""
+    out, stack = [], list(torch.autograd.Function.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        module = getattr(cls, "__module__", "") or ""
+        if not module.startswith(("torch.", "meshc.")) and module != "torch":
+            out.append(cls)
+    return out
+
+
+@contextlib.contextmanager
+def functions_as_ops():
+    """While the block runs (an export), user Functions' `apply` calls become meshc_fn custom ops."""
+    patched = []
+    for cls in user_functions():
+        own = cls.__dict__.get("apply")
+        if own is not None:  # a Function with an apply of its own: left as it is (check_trace compares it)
+            continue
+        patched.append(cls)
+        cls.apply = classmethod(_as_op)
+    try:
+        yield
+    finally:
+        for cls in patched:
+            del cls.apply
+
+
+def _original_apply(cls, *args):
+    """The Function's own apply (torch.autograd.Function's), bypassing the patch."""
+    return torch.autograd.Function.__dict__["apply"].__func__(cls, *args)
+
+
+def _as_op(cls, *args, **kwargs):
+    if kwargs:
+        raise TraceError(f"trace: {cls.__qualname__}.apply was called with keyword arguments {sorted(kwargs)}; "
+                         "meshc keeps a Function's backward only for positional arguments: pass them positionally, "
+                         "or register the function as a torch.library custom op")
+    positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+    constants = tuple((i, a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
+    for i, value in constants:
+        if not _plain(value):
+            raise TraceError(f"trace: {cls.__qualname__}.apply argument {i} is a {type(value).__name__}; meshc keeps "
+                             "a Function's backward for tensor and plain constant arguments (None, bool, int, float, "
+                             "str): pass it another way, or register the function as a torch.library custom op")
+    key = (cls, positions, repr(constants))
+    if key not in _OPS:
+        _OPS[key] = _define(cls, positions, constants, len(args))
+    op, single = _OPS[key]
+    outs = op([args[i] for i in positions])
+    return outs[0] if single[0] else tuple(outs)
+
+
+def _plain(value) -> bool:
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _define(cls, positions: tuple, constants: tuple, n: int):
+    name = f"meshc_fn::{_identifier(cls.__qualname__)}_{next(_COUNT)}"
+    single = [True]  # whether the Function returns one tensor (set by the first forward, real or fake)
+
+    def call(tensors):
+        args = [None] * n
+        for i, t in zip(positions, tensors):
+            args[i] = t
+        for i, value in constants:
+            args[i] = value
+        out = _original_apply(cls, *args)
+        single[0] = isinstance(out, torch.Tensor)
+        outs = [out] if single[0] else list(out)
+        if not all(isinstance(o, torch.Tensor) for o in outs):
+            raise TraceError(f"trace: {cls.__qualname__}.forward returned {type(out).__name__}; meshc keeps a "
+                             "Function's backward when it returns tensors: register it as a torch.library custom op")
+        return outs
+
+    def forward(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            outs = call(tensors)
+        ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        return [o.clone() if o.untyped_storage().data_ptr() in ptrs else o for o in outs]  # ops never alias inputs
+
+    op = torch.library.custom_op(name, forward, mutates_args=(), schema="(Tensor[] tensors) -> Tensor[]")
+
+    @op.register_fake
+    def _fake(tensors):
+        with torch.no_grad():
+            return [o.clone() for o in call(tensors)]
+
+    def setup_context(ctx, inputs, output):
+        ctx.tensors = inputs[0]
+
+    def backward(ctx, grads):
+        xs = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in ctx.tensors]
+        with torch.enable_grad():
+            outs = call(xs)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        wanted = [x for x in xs if x.requires_grad]
+        if not pairs or not wanted:
+            return [None] * len(xs)
+        got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
+        return [next(got) if x.requires_grad else None for x in xs]
+
+    op.register_autograd(backward, setup_context=setup_context)
+    return op, single
+
+
+def _identifier(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text)

@@ -1,0 +1,107 @@
+"""FX helpers every layer reads graphs with: the name of a node's op, and which ops are views.
+
+    op_name(aten.add.Tensor) == "aten::add.Tensor"     the schema name (messages, markers)
+    op_label(aten.view.default) == "aten.view.default"  as torch prints the overload (the driver's census)
+    op_short_name(aten.add.Tensor) == "add"             the overload packet (the cost model's op tables)
+
+Python callables (meshc's ops, operator.getitem) are named by `__name__` in all three.
+
+A node's inputs are addressed by path (tensor_args, get_arg, set_arg): (i,) for args[i], (i, j) for the
+j-th tensor of a list in args[i], (name,) for kwargs[name].
+
+Two sets of view ops, one inside the other:
+    RESHAPE_OPS   view, reshape, _unsafe_view: the same elements in another shape (what the sharding and
+                  fusion passes walk through);
+    VIEW_NAMES    short names of the ops whose output shares its input's storage (reshapes, transposes,
+                  slices, splits...) or that compute nothing (_assert_tensor_metadata): no kernel runs
+                  and nothing new is kept for backward (the cost model).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+RESHAPE_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+VIEW_NAMES = frozenset({
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
+    "squeeze", "split", "split_with_sizes", "chunk", "alias", "detach", "_assert_tensor_metadata", "unbind",
+    "as_strided", "view_as", "expand_as", "flatten", "unflatten", "movedim", "narrow", "lift_fresh_copy"})
+
+
+def op_name(target: Any) -> str:
+    """The schema name of an ATen or custom op ("aten::add.Tensor"); a Python callable's `__name__`."""
+    name = getattr(target, "name", None)
+    if callable(name):
+        return name()
+    return getattr(target, "__name__", None) or str(target)
+
+
+def op_label(target: Any) -> str:
+    """An op overload as torch prints it ("aten.view.default"); a Python callable's `__name__`."""
+    if hasattr(target, "_schema"):  # an ATen or custom op overload
+        return str(target)
+    return getattr(target, "__name__", None) or str(target)
+
+
+def op_short_name(target: Any) -> str:
+    """The overload packet's name of an ATen op ("add" for aten.add.Tensor); a Python callable's `__name__`."""
+    packet = getattr(target, "overloadpacket", None)
+    if packet is not None:
+        return packet.__name__
+    return getattr(target, "__name__", str(target))
+
+
+def is_call(node: Any, *targets: Any) -> bool:
+    """Is `node` an fx call_function node of one of `targets`?"""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def is_reshape(node: Any) -> bool:
+    """A view, reshape or _unsafe_view node (RESHAPE_OPS)."""
+    return is_call(node, *RESHAPE_OPS)
+
+
+def is_view(target: Any) -> bool:
+    """An op that runs no kernel of its own: a view of its input, or a metadata assertion (VIEW_NAMES)."""
+    return op_short_name(target) in VIEW_NAMES
+
+
+# ---------------------------------------------------------------------------------------- arg paths
+def tensor_args(node: fx.Node) -> list[tuple[tuple, fx.Node]]:
+    """(path, node) of every tensor-valued input (an input whose "val" is a tensor)."""
+    out = []
+    for i, a in enumerate(node.args):
+        if isinstance(a, fx.Node) and _is_tensor(a):
+            out.append(((i,), a))
+        elif isinstance(a, (list, tuple)):
+            out += [((i, j), b) for j, b in enumerate(a) if isinstance(b, fx.Node) and _is_tensor(b)]
+    out += [((k,), v) for k, v in node.kwargs.items() if isinstance(v, fx.Node) and _is_tensor(v)]
+    return out
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def get_arg(node: fx.Node, path: tuple) -> Any:
+    """The input of `node` at `path`."""
+    if isinstance(path[0], str):
+        return node.kwargs[path[0]]
+    value = node.args[path[0]]
+    return value[path[1]] if len(path) > 1 else value
+
+
+def set_arg(node: fx.Node, path: tuple, new: Any) -> None:
+    """Replace the input of `node` at `path` by `new`."""
+    if isinstance(path[0], str):
+        node.update_kwarg(path[0], new)
+    elif len(path) == 1:
+        node.update_arg(path[0], new)
+    else:
+        seq = list(node.args[path[0]])
+        seq[path[1]] = new
+        node.update_arg(path[0], type(node.args[path[0]])(seq))

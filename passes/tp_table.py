@@ -1,0 +1,53 @@
+"""The tensor-parallel rule table: which rule decides each op's placements on one mesh axis.
+
+    RULES[aten.linear.default] is tp_rules.matmul_rule
+    infer(node, ctx) -> Decision
+
+Built once, here, from the rules tp_rules (COMPUTE_RULES) and tp_views (VIEW_RULES) list, each marked with
+the ops it handles; an op claimed by two rules is an internal error. An op not in the table falls back to
+tp_rules.pointwise_rule when torch tags it pointwise, and to tp_rules.no_rule (every tensor input
+replicated, with a note) otherwise. The plan pass (its trials) and the tensor_parallel pass read the same
+table; importing a module registers nothing.
+"""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx as fx
+
+from meshc.compiler.ir.errors import MeshcInternalError
+
+from .tp_rules import COMPUTE_RULES, Decision, RuleCtx, no_rule, pointwise_rule
+from .tp_views import VIEW_RULES
+
+Rule = Callable[[fx.Node, RuleCtx], Decision]
+
+
+def build_table(rules: tuple[Rule, ...]) -> Mapping[Any, Rule]:
+    """op -> rule from rules marked by tp_rules.handles; an op claimed twice raises MeshcInternalError."""
+    table: dict[Any, Rule] = {}
+    for rule in rules:
+        for target in rule.targets:
+            if target in table:
+                raise MeshcInternalError(f"tp rules: {target} is handled by both {table[target].__name__} and "
+                                         f"{rule.__name__}; expected one rule per op")
+            table[target] = rule
+    return MappingProxyType(table)
+
+
+RULES = build_table(COMPUTE_RULES + VIEW_RULES)
+
+
+def rule_for(target: Any) -> Rule:
+    """The rule deciding `target`: its entry in RULES, else pointwise_rule for pointwise ops, else no_rule."""
+    rule = RULES.get(target)
+    if rule is None and hasattr(target, "tags") and torch.Tag.pointwise in target.tags:
+        return pointwise_rule
+    return rule or no_rule
+
+
+def infer(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """The decision of `node`'s rule under the input placements in `ctx`."""
+    return rule_for(node.target)(node, ctx)

@@ -1,0 +1,278 @@
+"""Tensor-parallel rules as tables: one op on hand-built inputs of given shapes and placements, and the
+Decision its rule gives (output placement, inputs to redistribute, a note where a shard is given up).
+
+Each row: op, inputs (T(shape) for a tensor), the placement of each tensor input in order, the axis size,
+and the expected output placement and required input placements (by arg path: (i,) args[i], (i, j) inside
+a list). Shapes are global; the rules read them from "meshc.shape" as the shapes pass writes it.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.fx as fx
+
+from meshc.compiler.ir.errors import MeshcInternalError
+from meshc.compiler.ir.placement import P, R, S
+from meshc.passes.shapes import shape_of
+from meshc.passes.tp_rules import COMPUTE_RULES, RuleCtx, no_rule, pointwise_rule
+from meshc.passes.tp_table import RULES, build_table, infer, rule_for
+from meshc.passes.tp_views import VIEW_RULES, view_rule
+from meshc.runtime.ops.tp_ops import vocab_parallel_cross_entropy, vocab_parallel_embedding
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class T:
+    """A tensor input of the op: its global shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+
+def build(target, args: tuple, kwargs: dict | None = None) -> tuple[fx.Node, list[fx.Node]]:
+    """One call of `target` on placeholders for the T inputs, its "val" and "meshc.shape" from meta tensors."""
+    graph, inputs = fx.Graph(), []
+
+    def convert(a):
+        if isinstance(a, T):
+            node = graph.placeholder(f"x{len(inputs)}")
+            node.meta["val"] = torch.empty(a.shape, dtype=a.dtype, device="meta")
+            node.meta["meshc.shape"] = shape_of(node.meta["val"])
+            inputs.append(node)
+            return node
+        if isinstance(a, (list, tuple)):
+            return type(a)(convert(x) for x in a)
+        return a
+
+    args, kwargs = convert(args), {k: convert(v) for k, v in (kwargs or {}).items()}
+    node = graph.call_function(target, args, kwargs)
+    vals = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+    node.meta["val"] = target(*vals[0], **vals[1])
+    node.meta["meshc.shape"] = shape_of(node.meta["val"])
+    return node, inputs
+
+
+def decide(target, args, placements, n=2, kwargs=None, **ctx):
+    node, inputs = build(target, args, kwargs)
+    assert len(inputs) == len(placements), "one placement per tensor input"
+    rule_ctx = RuleCtx(n, dict(zip(inputs, placements)), **ctx)
+    return node, infer(node, rule_ctx)
+
+
+X = T((2, 3, 8))  # (B, T, H) activations
+LONG = torch.int64
+
+# id, op, args, input placements, axis size, expected out, expected required inputs, a note expected
+COMPUTE = [
+    # pointwise: shards align on the output dim; a replicated operand is sliced; P stays P only where linear
+    ("add S+S", aten.add.Tensor, (T((2, 4)), T((2, 4))), [S(1), S(1)], 2, S(1), {}, False),
+    ("add S+R slices R", aten.add.Tensor, (T((2, 4)), T((2, 4))), [S(1), R], 2, S(1), {(1,): S(1)}, False),
+    ("add S+R broadcast bias", aten.add.Tensor, (T((2, 4)), T((4,))), [S(1), R], 2, S(1), {(1,): S(0)}, False),
+    ("add S(0)+R broadcast over it", aten.add.Tensor, (T((4, 6)), T((6,))), [S(0), R], 2, S(0), {}, False),
+    ("add misaligned shards", aten.add.Tensor, (T((4, 6)), T((4, 6))), [S(0), S(1)], 2, S(0), {(1,): S(0)}, False),
+    ("add P+P", aten.add.Tensor, (T((2, 4)), T((2, 4))), [P, P], 2, P, {}, False),
+    ("add P+R reduces", aten.add.Tensor, (T((2, 4)), T((2, 4))), [P, R], 2, R, {(0,): R}, False),
+    ("add P+scalar reduces", aten.add.Tensor, (T((2, 4)), 1.0), [P], 2, R, {(0,): R}, False),
+    ("mul P*R stays P", aten.mul.Tensor, (T((2, 4)), T((2, 4))), [P, R], 2, P, {}, False),
+    ("div R/P reduces", aten.div.Tensor, (T((2, 4)), T((2, 4))), [R, P], 2, R, {(1,): R}, False),
+    ("gelu (tagged pointwise) S", aten.gelu.default, (X,), [S(2)], 2, S(2), {}, False),
+    ("relu of P reduces", aten.relu.default, (T((2, 4)),), [P], 2, R, {(0,): R}, False),
+    ("dropout of S", aten.dropout.default, (X, 0.1, True), [S(2)], 2, S(2), {}, False),
+    ("dropout of P reduces", aten.dropout.default, (X, 0.1, True), [P], 2, R, {(0,): R}, False),
+    ("to.dtype keeps S", aten.to.dtype, (X, torch.float16), [S(1)], 2, S(1), {}, False),
+    # matmuls: column parallel, row parallel (partial sum), batch and row shards; biases follow
+    ("linear column", aten.linear.default, (X, T((6, 8))), [R, S(0)], 2, S(2), {}, False),
+    ("linear column, chunked", aten.linear.default, (X, T((6, 8))), [R, S(0, 3)], 2, S(2, 3), {}, False),
+    ("linear row", aten.linear.default, (T((2, 3, 6)), T((8, 6))), [S(2), S(1)], 2, P, {(0,): S(2)}, False),
+    ("linear row slices a whole x", aten.linear.default, (T((2, 3, 6)), T((8, 6))), [R, S(1)], 2, P,
+     {(0,): S(2)}, False),
+    ("linear column, bias sliced", aten.linear.default, (X, T((6, 8)), T((6,))), [R, S(0), R], 2, S(2),
+     {(2,): S(0)}, False),
+    ("linear row with a bias gathers", aten.linear.default, (T((2, 3, 6)), T((8, 6)), T((8,))), [S(2), S(1), R], 2,
+     R, {(0,): R, (1,): R, (2,): R}, True),
+    ("linear x's k sharded, W whole", aten.linear.default, (T((2, 3, 6)), T((8, 6))), [S(2), R], 2, P,
+     {(1,): S(1)}, False),
+    ("linear batch-sharded x", aten.linear.default, (X, T((6, 8))), [S(0), R], 2, S(0), {}, False),
+    ("mm rows", aten.mm.default, (T((4, 8)), T((8, 6))), [S(0), R], 2, S(0), {}, False),
+    ("mm P@R stays P", aten.mm.default, (T((4, 8)), T((8, 6))), [P, R], 2, P, {}, False),
+    ("mm P@P reduces one side", aten.mm.default, (T((4, 8)), T((8, 6))), [P, P], 2, P, {(1,): R}, False),
+    ("bmm batch on both", aten.bmm.default, (T((4, 3, 8)), T((4, 8, 5))), [S(0), S(0)], 2, S(0), {}, False),
+    ("bmm misaligned batch", aten.bmm.default, (T((4, 3, 8)), T((4, 8, 5))), [S(0), S(1)], 2, P,
+     {(0,): S(2)}, False),
+    ("addmm column, bias sliced", aten.addmm.default, (T((6,)), T((4, 8)), T((8, 6))), [R, R, S(1)], 2, S(1),
+     {(0,): S(0)}, False),
+    # reductions: over the sharded dim a sum becomes a partial sum; other reductions gather
+    ("sum over the shard", aten.sum.dim_IntList, (T((4, 6)), [1]), [S(1)], 2, P, {}, False),
+    ("sum elsewhere, shard shifts", aten.sum.dim_IntList, (T((4, 6, 2)), [0]), [S(1)], 2, S(0), {}, False),
+    ("sum keepdim, shard stays", aten.sum.dim_IntList, (T((4, 6, 2)), [0], True), [S(1)], 2, S(1), {}, False),
+    ("sum of P", aten.sum.default, (T((4, 6)),), [P], 2, P, {}, False),
+    ("mean over the shard gathers", aten.mean.dim, (T((4, 6)), [1]), [S(1)], 2, R, {(0,): R}, True),
+    ("amax of P reduces", aten.amax.default, (T((4, 6)), [1]), [P], 2, R, {(0,): R}, False),
+    ("softmax along the shard", aten._softmax.default, (T((2, 4)), -1, False), [S(1)], 2, R, {(0,): R}, True),
+    ("softmax elsewhere", aten._softmax.default, (T((2, 4)), 1, False), [S(0)], 2, S(0), {}, False),
+    ("layer_norm over the shard", aten.layer_norm.default, (X, [8], T((8,)), T((8,))), [S(2), R, R], 2, R,
+     {(0,): R}, True),
+    ("layer_norm, batch shard", aten.layer_norm.default, (X, [8], T((8,)), T((8,))), [S(0), R, R], 2, S(0), {},
+     False),
+    ("layer_norm of P reduces", aten.layer_norm.default, (X, [8]), [P], 2, R, {(0,): R}, False),
+    # attention: q, k, v on the heads (or batch) dim together
+    ("sdpa heads", aten.scaled_dot_product_attention.default, (T((2, 4, 3, 8)),) * 3, [S(1)] * 3, 2, S(1), {},
+     False),
+    ("sdpa slices whole k, v", aten.scaled_dot_product_attention.default, (T((2, 4, 3, 8)),) * 3, [S(1), R, R], 2,
+     S(1), {(1,): S(1), (2,): S(1)}, False),
+    ("sdpa on the head dim gathers", aten.scaled_dot_product_attention.default, (T((2, 4, 3, 8)),) * 3,
+     [S(3), S(3), S(3)], 2, R, {(0,): R, (1,): R, (2,): R}, True),
+    # embedding: vocab-parallel (rows), hidden-parallel (columns), or following sharded indices
+    ("embedding vocab rows", aten.embedding.default, (T((10, 4)), T((2, 3), LONG)), [S(0), R], 2, P, {}, False),
+    ("embedding vocab gathers idx", aten.embedding.default, (T((10, 4)), T((2, 3), LONG)), [S(0), S(0)], 2, P,
+     {(1,): R}, False),
+    ("embedding hidden columns", aten.embedding.default, (T((10, 4)), T((2, 3), LONG)), [S(1), R], 2, S(2), {},
+     False),
+    ("embedding follows idx", aten.embedding.default, (T((10, 4)), T((2, 3), LONG)), [R, S(0)], 2, S(0), {},
+     False),
+    # cross-entropy: loss-parallel on vocabulary-sharded logits, gathered otherwise
+    ("cross_entropy loss-parallel", aten.cross_entropy_loss.default, (T((6, 10)), T((6,), LONG)), [S(1), R], 2, R,
+     {}, False),
+    ("cross_entropy on token shards", aten.cross_entropy_loss.default, (T((6, 10)), T((6,), LONG)), [S(0), R], 2,
+     R, {(0,): R}, True),
+    ("cross_entropy, smoothing", aten.cross_entropy_loss.default, (T((6, 10)), T((6,), LONG), None, 1, -100, 0.1),
+     [S(1), R], 2, R, {(0,): R}, True),
+    # factories and ops without a rule
+    ("arange", aten.arange.default, (5,), [], 2, R, {}, False),
+    ("no rule: flip gathers", aten.flip.default, (T((4, 6)), [0]), [S(0)], 2, R, {(0,): R}, True),
+    ("no rule, all whole: no note", aten.flip.default, (T((4, 6)), [0]), [R], 2, R, {}, False),
+]
+
+VIEWS = [
+    ("view merges into the shard", aten.view.default, (X, [6, 8]), [S(0)], 2, S(0), {}, False),
+    ("view splits heads", aten.view.default, (X, [2, 3, 2, 4]), [S(2)], 2, S(2), {}, False),
+    ("view flattens a column shard", aten.view.default, (T((4, 6)), [24]), [S(1)], 2, S(0, 4), {}, False),
+    ("view of R", aten.view.default, (X, [6, 8]), [R], 2, R, {}, False),
+    ("view regroups a column shard", aten.view.default, (T((4, 6)), [8, 3]), [S(1)], 2, S(0, 4), {}, False),
+    ("view straddles: gathers", aten.view.default, (T((4, 6)), [4, 3, 2]), [S(1)], 2, R, {(0,): R}, True),
+    ("expand keeps the shard", aten.expand.default, (T((3, 8)), [2, 3, 8]), [S(1)], 2, S(2), {}, False),
+    ("transpose moves it", aten.transpose.int, (X, 1, 2), [S(1)], 2, S(2), {}, False),
+    ("t moves it", aten.t.default, (T((4, 6)),), [S(0)], 2, S(1), {}, False),
+    ("permute moves it", aten.permute.default, (X, [2, 0, 1]), [S(0)], 2, S(1), {}, False),
+    ("unsqueeze before it", aten.unsqueeze.default, (T((2, 3)), 0), [S(1)], 2, S(2), {}, False),
+    ("squeeze before it", aten.squeeze.dim, (T((2, 1, 4)), 1), [S(2)], 2, S(1), {}, False),
+    ("slice of the sharded dim gathers", aten.slice.Tensor, (T((4, 6)), 1, 0, 3), [S(1)], 2, R, {(0,): R}, True),
+    ("whole slice keeps it", aten.slice.Tensor, (T((4, 6)), 1, 0, 6), [S(1)], 2, S(1), {}, False),
+    ("slice elsewhere keeps it", aten.slice.Tensor, (T((4, 6)), 0, 0, 2), [S(1)], 2, S(1), {}, False),
+    ("select elsewhere shifts it", aten.select.int, (T((4, 6)), 0, 1), [S(1)], 2, S(0), {}, False),
+    ("select on it gathers", aten.select.int, (T((4, 6)), 1, 1), [S(1)], 2, R, {(0,): R}, True),
+    ("split a fused qkv", aten.split.Tensor, (T((2, 12)), 4, 1), [S(1, 3)], 2, (S(1), S(1), S(1)), {}, False),
+    ("split across blocks gathers", aten.split.Tensor, (T((2, 12)), 4, 1), [S(1)], 2, (R, R, R), {(0,): R}, True),
+    ("split elsewhere", aten.split.Tensor, (T((4, 6)), 2, 0), [S(1)], 2, (S(1), S(1)), {}, False),
+    ("unbind elsewhere", aten.unbind.int, (T((3, 4)), 0), [S(1)], 2, (S(0),) * 3, {}, False),
+    ("unbind of it gathers", aten.unbind.int, (T((3, 4)), 1), [S(1)], 2, (R,) * 4, {(0,): R}, True),
+    ("cat of shards on it", aten.cat.default, ([T((4, 6)), T((4, 6))], 1), [S(1), S(1)], 2, S(1, 2), {}, False),
+    ("cat elsewhere slices R", aten.cat.default, ([T((4, 6)), T((4, 6))], 0), [S(1), R], 2, S(1),
+     {(0, 0): S(1), (0, 1): S(1)}, False),
+    ("cat of P", aten.cat.default, ([T((4, 6)), T((4, 6))], 0), [P, P], 2, P, {}, False),
+    ("cat of P and R gathers", aten.cat.default, ([T((4, 6)), T((4, 6))], 0), [P, R], 2, R,
+     {(0, 0): R, (0, 1): R}, True),
+]
+
+
+@pytest.mark.parametrize("name,op,args,placements,n,out,inputs,note", COMPUTE + VIEWS,
+                         ids=[row[0] for row in COMPUTE + VIEWS])
+def test_rule_table(name, op, args, placements, n, out, inputs, note):
+    _, dec = decide(op, args, placements, n)
+    assert dec.out == out
+    assert dec.inputs == inputs
+    assert (dec.note is not None) == note, dec.note
+
+
+def test_no_rule_note_names_the_op():
+    _, dec = decide(aten.flip.default, (T((4, 6)), [0]), [S(0)])
+    assert dec.note == "no tensor-parallel rule for aten::flip: inputs replicated"
+
+
+def test_indivisible_heads_are_named():
+    """Two heads of 2 over tp=4: the shard cannot follow the view, and the rule says which size is to blame."""
+    _, dec = decide(aten.view.default, (T((2, 3, 4)), [2, 3, 2, 2]), [S(2)], n=4)
+    assert dec.out == R and dec.inputs == {(0,): R}
+    assert dec.indivisible is not None and dec.indivisible[1] == 2
+
+
+def test_getitem_picks_its_output():
+    graph = fx.Graph()
+    parts = graph.placeholder("parts")
+    item = graph.call_function(operator.getitem, (parts, 1))
+    dec = infer(item, RuleCtx(2, {parts: (R, S(1, 2))}))
+    assert dec.out == S(1, 2) and dec.inputs == {}
+
+
+def test_sequence_parallel_norm_runs_on_sequence_shards():
+    """Under SP a replicated residual stream is sliced on the sequence before a norm; a partial sum is
+    reduce-scattered there instead of all-reduced."""
+    sp = {"sp_dim": lambda node: S(1)}
+    _, dec = decide(aten.layer_norm.default, (X, [8]), [R], **sp)
+    assert dec.out == S(1) and dec.inputs == {(0,): S(1)}
+    _, dec = decide(aten.add.Tensor, (X, X), [P, R], **sp)
+    assert dec.out == S(1) and dec.inputs == {(0,): S(1), (1,): S(1)}
+
+
+# ---------------------------------------------------------------------------------------- rewrites
+def test_view_rewrite_makes_sizes_local():
+    node, dec = decide(aten.view.default, (X, [2, 3, 2, 4]), [S(2)])
+    dec.rewrite(node)
+    assert node.args[1] == [2, 3, 1, 4]
+
+
+def test_split_rewrite_makes_sizes_local():
+    node, dec = decide(aten.split.Tensor, (T((2, 12)), 4, 1), [S(1, 3)])
+    dec.rewrite(node)
+    assert node.args[1] == 2
+
+
+def test_vocab_parallel_embedding_rewrite():
+    node, dec = decide(aten.embedding.default, (T((10, 4)), T((2, 3), LONG)), [S(0), R], index=1, group="7")
+    dec.rewrite(node)
+    assert node.target is vocab_parallel_embedding
+    assert node.kwargs == {"start": 5, "end": 10, "padding_idx": -1}
+    assert "rows [5, 10)" in node.meta["meshc.why"]
+
+
+def test_loss_parallel_rewrite_records_its_reductions():
+    node, dec = decide(aten.cross_entropy_loss.default, (T((6, 10)), T((6,), LONG)), [S(1), R], index=1,
+                       group="7")
+    dec.rewrite(node)
+    assert node.target is vocab_parallel_cross_entropy
+    assert node.kwargs == {"start": 5, "end": 10, "ignore_index": -100, "reduction": 1, "group": "7"}
+    [record] = node.meta["meshc.comm"]
+    assert (record.kind, record.axis, record.bytes, record.count) == ("all_reduce", "tp", 6 * 4, 3)
+
+
+def test_rules_without_a_rewrite_leave_the_node():
+    node, dec = decide(aten.embedding.default, (T((10, 4)), T((2, 3), LONG)), [S(1), R])
+    assert dec.rewrite is None and node.target is aten.embedding.default
+
+
+# ---------------------------------------------------------------------------------------- the table
+def test_table_covers_every_rule_once():
+    rules = COMPUTE_RULES + VIEW_RULES
+    assert len(set(rules)) == len(rules)
+    assert len(RULES) == sum(len(r.targets) for r in rules)
+    assert RULES[aten.view.default] is view_rule
+
+
+def test_fallbacks():
+    assert rule_for(aten.gelu.default) is pointwise_rule  # tagged pointwise, not in the table
+    assert rule_for(aten.flip.default) is no_rule
+    assert rule_for(operator.getitem) is RULES[operator.getitem]
+
+
+def test_an_op_claimed_twice_is_refused():
+    with pytest.raises(MeshcInternalError, match="handled by both"):
+        build_table((view_rule, view_rule))
+
+
+def test_the_table_is_read_only():
+    with pytest.raises(TypeError):
+        RULES[aten.flip.default] = no_rule
