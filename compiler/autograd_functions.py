@@ -13,8 +13,10 @@ recomputes the forward from the saved inputs with autograd on and differentiates
 constants of the op (one op per class and distinct constants). Costs: the Function's forward runs twice
 per step (forward, and again in backward). Limits, refused with an error naming the Function: arguments
 that are neither tensors nor plain constants (None, bool, int, float, str and tuples of them), keyword
-arguments, outputs that are not tensors. A Function whose forward draws random numbers would be
-recomputed with other random numbers: pass it its noise as an input.
+arguments, outputs that are not tensors. The op also returns the CPU generator's state from before the
+forward (one extra uint8 output, unused by the model), and backward recomputes under that state: a
+Function that draws random numbers (its own dropout) is differentiated with the numbers it drew. (CUDA
+generators are not captured yet: on a GPU, such a Function would be recomputed with other numbers.)
 
 Functions defined by torch and by meshc itself are left alone.
 """
@@ -31,6 +33,7 @@ from .ir.errors import TraceError
 _OPS: dict[tuple, Any] = {}  # (Function class, constants, positions) -> custom op, for the process's lifetime
 _COUNT = itertools.count()
 _PLAIN = (type(None), bool, int, float, str)
+STATE_BYTES = torch.get_rng_state().numel()  # the CPU generator's state, as torch.get_rng_state() returns it
 
 
 def user_functions() -> list[type]:
@@ -83,7 +86,7 @@ def _as_op(cls, *args, **kwargs):
     if key not in _OPS:
         _OPS[key] = _define(cls, positions, constants, len(args))
     op, single = _OPS[key]
-    outs = op([args[i] for i in positions])
+    outs = op([args[i] for i in positions])[:-1]  # the last output is the RNG state backward recomputes under
     return outs[0] if single[0] else tuple(outs)
 
 
@@ -112,24 +115,27 @@ def _define(cls, positions: tuple, constants: tuple, n: int):
         return outs
 
     def forward(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        state = torch.get_rng_state()
         with torch.no_grad():
             outs = call(tensors)
         ptrs = {t.untyped_storage().data_ptr() for t in tensors}
-        return [o.clone() if o.untyped_storage().data_ptr() in ptrs else o for o in outs]  # ops never alias inputs
+        outs = [o.clone() if o.untyped_storage().data_ptr() in ptrs else o for o in outs]  # ops never alias inputs
+        return outs + [state]
 
     op = torch.library.custom_op(name, forward, mutates_args=(), schema="(Tensor[] tensors) -> Tensor[]")
 
     @op.register_fake
     def _fake(tensors):
         with torch.no_grad():
-            return [o.clone() for o in call(tensors)]
+            return [o.clone() for o in call(tensors)] + [torch.empty(STATE_BYTES, dtype=torch.uint8)]
 
     def setup_context(ctx, inputs, output):
-        ctx.tensors = inputs[0]
+        ctx.tensors, ctx.state = inputs[0], output[-1]
 
     def backward(ctx, grads):
         xs = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in ctx.tensors]
-        with torch.enable_grad():
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.set_rng_state(ctx.state)
             outs = call(xs)
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         wanted = [x for x in xs if x.requires_grad]

@@ -19,7 +19,9 @@ import torch
 from meshc.compiler import _torch_compat as compat
 from meshc.compiler.compile import CompiledRank, compile_program, compile_rank, passes_for_rank
 from meshc.compiler.explain import Report, explain
+from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.program import Program
+from meshc.compiler.pipeline_plan import PipelinePlan
 
 from meshc.runtime import failures
 from meshc.runtime.param_store import ParamStore
@@ -58,8 +60,8 @@ class Job:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Forward on this rank's local batch; returns what the model returns."""
         if self.mesh.size("pp") > 1:
-            raise ValueError("job(x): a plan with pipeline stages has no plain forward on one rank; train with "
-                             "job.step(inputs, targets, loss_fn), which runs the schedule")
+            raise MeshcValueError("job(x): a plan with pipeline stages has no plain forward on one rank; train with "
+                                  "job.step(inputs, targets, loss_fn), which runs the schedule")
         return self._run(self._program_for(args, kwargs), args, kwargs)
 
     def _run(self, program: Program, args: tuple, kwargs: dict) -> Any:
@@ -109,8 +111,8 @@ class Job:
             loss = loss_fn(self(*args), targets)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"job.step: expected loss_fn to return a scalar tensor, got {shape}; "
-                             "reduce the loss to its mean over the batch")
+            raise MeshcValueError(f"job.step: expected loss_fn to return a scalar tensor, got {shape}; "
+                                  "reduce the loss to its mean over the batch")
         loss.backward()
         return self._average(loss.detach(), "dp")
 
@@ -266,13 +268,25 @@ class Job:
         live = self.live_optimizers()
         return explain(getattr(self, "_last", self.program), live, self._layout)
 
-    def graph(self, rank: int | None = None, stage: int = 0) -> torch.fx.GraphModule:
-        """The transformed GraphModule that `rank` (default: this one) runs for pipeline stage `stage`."""
-        if stage != 0:
-            raise ValueError(f"job.graph: expected stage 0 (this plan has one pipeline stage), got {stage}")
-        if rank is None or rank == self.mesh.rank:
-            return self.program.gm
-        return passes_for_rank(next(iter(self._traced.values())), rank).gm
+    def graph(self, rank: int | None = None, stage: int | None = None) -> torch.fx.GraphModule:
+        """The transformed GraphModule that `rank` (default: this one) runs: the whole program, or with pipeline
+        stages the graph of stage `stage` (stage s runs on pp rank s % pp; default: the rank's first stage)."""
+        own = rank is None or rank == self.mesh.rank
+        rank = self.mesh.rank if rank is None else rank
+        if self._layout is None:
+            if stage not in (None, 0):
+                raise MeshcValueError(f"job.graph: expected stage 0 (this plan has one pipeline stage), got {stage}")
+            return self.program.gm if own else passes_for_rank(next(iter(self._traced.values())), rank).gm
+        layout = self._layout if own else PipelinePlan(passes_for_rank(self.compiled.traced, rank), self.plan)
+        count = len(layout.all_stages)
+        stage = layout.coord if stage is None else stage
+        if not 0 <= stage < count:
+            raise MeshcValueError(f"job.graph: expected a stage in [0, {count}), got {stage}")
+        if stage % layout.pp != layout.coord:
+            raise MeshcValueError(f"job.graph: stage {stage} runs on pp rank {stage % layout.pp}, rank {rank} is pp rank "
+                                  f"{layout.coord}; ask for one of its stages "
+                                  f"{sorted(s for s in range(count) if s % layout.pp == layout.coord)} or another rank")
+        return layout.all_stages[stage].gm
 
     def _program_for(self, args: tuple, kwargs: dict) -> Program:
         key = _signature(args, kwargs)

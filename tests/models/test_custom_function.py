@@ -84,3 +84,33 @@ def test_custom_functions_train_at_parity(case):
         assert "tp:S(" in report
     if "pp" in mesh:  # two stages, each rank holding its own
         assert "stage 1 (pp rank 1)" in report
+
+
+class _Noisy(torch.autograd.Function):
+    """Forward: x plus noise it draws; backward: the gradient times that noise (it must be the same noise)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        noise = torch.rand_like(x)
+        ctx.save_for_backward(noise)
+        return x + noise
+
+    @staticmethod
+    def backward(ctx, grad):
+        (noise,) = ctx.saved_tensors
+        return grad * noise
+
+
+def test_a_function_drawing_random_numbers_is_differentiated_with_its_own_numbers():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return _Noisy.apply(self.lin(x))
+
+    torch.manual_seed(0)
+    model, x = M(), torch.randn(3, 4)
+    traced, _, _ = compile_program(model, (x,), {}, mesh=MeshSpec({}), plan=meshc.Plan(check_trace=True), rank=0)
+    assert any("check_trace: loss and 2 gradients" in note for note in traced.notes)
