@@ -164,6 +164,8 @@ def plans_for(sizes: tuple[int, int, int], batch: int, search: Search, layers: i
     vps = search.vocab_parallel if tp > 1 else (False,)
     for m, zero, remat, sp, vp in itertools.product(ms, zeros, search.remat, sps, vps):
         for schedule, virtual in _schedules(pp, m, search, layers):
+            if remat == "selective" and schedule == "zb-h1":  # Plan refuses it: two backward halves per block
+                continue
             yield dataclasses.replace(search.base, zero=zero, microbatches=m, schedule=schedule, virtual=virtual,
                                       remat=remat, sequence_parallel=sp, vocab_parallel=vp,
                                       param_dtype=search.param_dtype)

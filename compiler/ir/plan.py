@@ -47,7 +47,7 @@ class Plan:
             first (as FSDP2 keeps its root module's parameters): one all-gather of it fewer per step.
         param_dtype: compute dtype of the parameters (e.g. torch.bfloat16) with fp32 master shards;
             needs zero >= 1. Floating inputs are cast to it.
-        reduce_dtype: dtype in which gradients are reduced (default: param_dtype, or fp32).
+        reduce_dtype: dtype in which ZeRO reduces gradients (default: param_dtype, or fp32); needs zero >= 1.
         microbatches: micro-batches per step (m): the dp-local batch is split into m equal parts, run
             through the pipeline stages in the order `schedule` gives, gradients accumulated.
         schedule: "gpipe", "1f1b", "interleaved" (needs virtual >= 2 and m a multiple of pp) or "zb-h1"
@@ -57,12 +57,14 @@ class Plan:
             of them); default: the compiler balances the stages. A meshc.pipe_split() call in the model
             marks a cut too.
         remat: activation checkpointing: "none", "full" (each block recomputed in backward) or
-            "selective" (matmul and collective outputs kept, cheap elementwise ops and softmax recomputed).
+            "selective" (matmul and collective outputs kept, cheap elementwise ops and softmax recomputed;
+            not with schedule="zb-h1", whose two backward halves torch's selective checkpoint cannot run).
         fusion: rewrite the chains next to collectives into meshc's fused kernels (bias-dropout-add-norm,
             bias+GeLU/SwiGLU, ZeRO copy-in/out and gradient prologue); False turns the pass off.
         require_fusion: raise if an eligible chain stayed unfused (the error says why).
         collective_matmul: overlap sequence parallelism's all-gather and reduce-scatter with the matmuls
-            next to them (chunks passed around a ring of point-to-point transfers).
+            next to them (chunks passed around a ring of point-to-point transfers); needs
+            sequence_parallel=True and fusion=True (the fusion pass inserts them).
         inductor: under torch.compile(model, backend=meshc.backend(...)), Inductor compiles each per-rank
             program (the regions between collectives become generated kernels; the collectives stay).
         trace: "auto" tries non-strict torch.export and falls back to strict (TorchDynamo); "strict" or
@@ -128,6 +130,19 @@ class Plan:
         if self.param_dtype is not None and self.zero == 0:
             raise MeshcValueError("Plan.param_dtype: expected zero >= 1 (mixed precision keeps fp32 master shards), "
                                   "got zero=0; use zero=1, which communicates as much as plain data parallelism")
+        if self.reduce_dtype is not None and self.zero == 0:
+            raise MeshcValueError("Plan.reduce_dtype: expected zero >= 1 (ZeRO's reduce-scatters are what casts "
+                                  "gradients), got zero=0; use zero=1, which communicates as much as plain data "
+                                  "parallelism")
+        if self.collective_matmul and not self.sequence_parallel:
+            raise MeshcValueError("Plan.collective_matmul: expected sequence_parallel=True (it overlaps sequence "
+                                  "parallelism's all-gather and reduce-scatter with the matmuls next to them), got "
+                                  "sequence_parallel=False; turn sequence parallelism on, or drop collective_matmul")
+        if not self.fusion and (self.collective_matmul or self.require_fusion):
+            name = "collective_matmul" if self.collective_matmul else "require_fusion"
+            raise MeshcValueError(f"Plan.{name}: expected fusion=True (the fuse_comm pass makes the fused kernels "
+                                  "and collective matmuls, and fusion=False turns it off), got fusion=False; keep "
+                                  f"fusion on, or drop {name}")
         for name in ("microbatches", "virtual"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -143,6 +158,11 @@ class Plan:
             object.__setattr__(self, "split_points", tuple(self.split_points))
         if self.remat not in ("none", "full", "selective"):
             raise MeshcValueError(f"Plan.remat: expected 'none', 'full' or 'selective', got {self.remat!r}")
+        if self.remat == "selective" and self.schedule == "zb-h1":
+            raise MeshcValueError("Plan.remat: expected 'none' or 'full' with schedule='zb-h1' (its input- and "
+                                  "weight-gradient halves run backward twice over each block, and torch's selective "
+                                  "checkpoint lets a block run backward once), got 'selective'; use remat='full', "
+                                  "or another schedule")
         if self.trace not in ("auto", "strict", "non-strict"):
             raise MeshcValueError(f"Plan.trace: expected 'auto', 'strict' or 'non-strict', got {self.trace!r}")
 

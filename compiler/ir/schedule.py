@@ -266,7 +266,7 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
                               "use '1f1b' for one stage per rank")
     if m % pp:
         raise MeshcValueError(f"interleaved needs microbatches to be a multiple of pp: expected a multiple of "
-                              f"{pp}, got {m}")
+                              f"{pp}, got {m}; use microbatches={pp * -(-m // pp)}, or the 1f1b schedule")
     total = m * v
 
     def nth(k: int, backward: bool) -> tuple[int, int]:  # (local stage index, microbatch) of k-th op

@@ -1,0 +1,297 @@
+"""Every plan combination trains at parity with one process or is refused at construction (issue 13).
+
+The options of meshc.Plan and the mesh are crossed pairwise: a covering array (every pair of values of
+any two factors appears in some case, not the full product of 13,824) over
+
+    mesh              dp2, tp2, pp2, dp2xtp2, tp2xpp2, dp2xpp2
+    zero              0, 1, 2, 3
+    remat             none, full, selective
+    sequence_parallel off, on
+    vocab_parallel    off, on
+    schedule          1f1b, gpipe, interleaved (virtual=2), zb-h1
+    param_dtype       fp32, bf16
+    fusion            on, off
+    collective_matmul off, on
+    microbatches      1, 2, 4
+
+generated here by a deterministic greedy all-pairs search (`covering_array`). A pair counts as covered
+only by a case where both values take effect (`in_effect`: sequence and vocab parallelism and collective
+matmuls need a tp axis, ZeRO a dp axis, a schedule a pp axis), so the array crosses options that really
+run together; cases may still carry settings the mesh makes moot (they must train too).
+Combinations meshc does not support (`expected_refusal`) are left out of the pairs, and each such rule
+gets one case of its own, which must be refused by Plan(...) or meshc.compile with a MeshcError whose
+message names the option. Anything else raised (in job.step, the optimizer step, or a non-meshc error
+at construction) is a failure.
+
+The array has 42 cases: 37 that must train (13 on dp2xpp2, where alone ZeRO stages meet pipeline
+schedules on a real dp axis; 6 on dp2xtp2, 6 on tp2xpp2, 5 on pp2, 4 on dp2, 3 on tp2) and 5 refusals
+(one per rule in RULES). They run on the reference Transformer (2 layers, dim 32, vocab 64) for 2 AdamW
+steps on a global batch of 8: one run_ranks spawn per mesh, whose ranks compile and train each of that
+mesh's cases in turn, so six process start-ups in all. About 80 s on 2 CPU cores (up to 2.5 min when the
+machine is busy with other work).
+
+Tolerances: fp32 cases as every parity test (parity.assert_matches: losses 2e-5, step-1 gradients 2e-6,
+parameters 5e-5; tests/models/test_pp_parity.py and test_tp_parity.py say why). bf16 cases against
+parity.mixed_reference, as tests/runtime/test_zero.py's mixed-precision test: losses within 3e-2 and
+parameters within 3e-3 (bf16 rounding of gradients summed in another order; see there). Measured here:
+fp32 losses <= 2e-6, step-1 gradients <= 4.2e-7, parameters <= 3.9e-6; bf16 losses <= 1.4e-2 (the fused
+kernels compute in fp32 inside, so with fusion on meshc's first loss sits nearer the fp32 loss than the
+eager bf16 reference does) and parameters <= 2.6e-3 (a tiny gradient whose sign flips moves a weight by 2 x lr in
+AdamW's first step).
+"""
+from __future__ import annotations
+
+import itertools
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import meshc
+from tests import parity, zoo
+from tests.harness import run_ranks
+
+MODEL, STEPS, BATCH = "reference", 2, 8
+MESHES = {"dp2": {"dp": 2}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "dp2xtp2": {"dp": 2, "tp": 2},
+          "tp2xpp2": {"tp": 2, "pp": 2}, "dp2xpp2": {"dp": 2, "pp": 2}}
+FACTORS = {
+    "mesh": tuple(MESHES),
+    "zero": (0, 1, 2, 3),
+    "remat": ("none", "full", "selective"),
+    "sequence_parallel": (False, True),
+    "vocab_parallel": (False, True),
+    "schedule": ("1f1b", "gpipe", "interleaved", "zb-h1"),
+    "param_dtype": ("fp32", "bf16"),
+    "fusion": (True, False),
+    "collective_matmul": (False, True),
+    "microbatches": (1, 2, 4),
+}
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def _size(case: dict, axis: str) -> int:
+    return MESHES[case["mesh"]].get(axis, 1)
+
+
+def in_effect(case: dict, factor: str) -> bool:
+    """Whether `case[factor]` changes what runs on `case["mesh"]` (defaults and off switches always do)."""
+    value = case[factor]
+    if factor == "zero":
+        return value == 0 or _size(case, "dp") > 1
+    if factor in ("sequence_parallel", "vocab_parallel", "collective_matmul"):
+        return not value or _size(case, "tp") > 1
+    if factor == "schedule":
+        return _size(case, "pp") > 1
+    return True
+
+
+# Combinations meshc refuses at construction: the rule, the option its message must name, and when it applies.
+RULES = {
+    "mixed precision keeps fp32 master shards: zero >= 1": (
+        "param_dtype", lambda c: c["param_dtype"] != "fp32" and c["zero"] == 0),
+    "interleaved 1F1B: microbatches a multiple of pp": (
+        "microbatches", lambda c: c["schedule"] == "interleaved" and c["microbatches"] % _size(c, "pp") != 0),
+    "collective matmuls overlap sequence parallelism's collectives": (
+        "collective_matmul", lambda c: c["collective_matmul"] and not c["sequence_parallel"]),
+    "collective matmuls are made by the fusion pass": (
+        "collective_matmul", lambda c: c["collective_matmul"] and not c["fusion"]),
+    "zb-h1 runs backward twice per block, torch's selective checkpoint once": (
+        "remat", lambda c: c["remat"] == "selective" and c["schedule"] == "zb-h1"),
+}
+
+
+def broken_rules(case: dict) -> list[str]:
+    return [rule for rule, (_, applies) in RULES.items() if applies(case)]
+
+
+def expected_refusal(case: dict) -> str | None:
+    """The option a MeshcError must name when meshc refuses `case` at construction; None: it must train."""
+    rules = broken_rules(case)
+    return RULES[rules[0]][0] if rules else None
+
+
+def _pairs(case: dict) -> int:
+    """The case's pairs of values in effect, as a bit set over PAIR_BITS."""
+    names = [f for f in FACTORS if in_effect(case, f)]
+    bits = 0
+    for a, b in itertools.combinations(names, 2):
+        bits |= 1 << PAIR_BITS[(a, case[a], b, case[b])]
+    return bits
+
+
+PAIR_BITS = {key: i for i, key in enumerate(
+    (a, va, b, vb) for a, b in itertools.combinations(FACTORS, 2) for va in FACTORS[a] for vb in FACTORS[b])}
+
+
+def covering_array() -> list[dict]:
+    """Greedy all-pairs: repeatedly take the first case (in product order) covering the most pairs not yet
+    covered, until every pair that some supported case covers is covered; then one case per refusal rule
+    (the first in product order that breaks only that rule)."""
+    product = [dict(zip(FACTORS, values)) for values in itertools.product(*FACTORS.values())]
+    valid = [(c, _pairs(c)) for c in product if expected_refusal(c) is None]
+    wanted = 0
+    for _, bits in valid:
+        wanted |= bits
+    chosen, covered = [], 0
+    while covered != wanted:
+        case, bits = max(valid, key=lambda cb: (cb[1] & ~covered).bit_count())
+        chosen.append(case)
+        covered |= bits
+    refused = {}
+    for c in product:
+        broken = broken_rules(c)
+        if len(broken) == 1:
+            refused.setdefault(broken[0], c)
+    return chosen + [refused[rule] for rule in RULES]
+
+
+def plan_kwargs(case: dict) -> dict:
+    kwargs = {k: case[k] for k in ("zero", "remat", "sequence_parallel", "vocab_parallel", "schedule", "fusion",
+                                   "collective_matmul", "microbatches")}
+    kwargs["virtual"] = 2 if case["schedule"] == "interleaved" else 1
+    kwargs["param_dtype"] = DTYPES[case["param_dtype"]]
+    return {**kwargs, "trace": "non-strict", "verify": True}
+
+
+def case_id(case: dict) -> str:
+    parts = [case["mesh"], f"z{case['zero']}", case["remat"], case["schedule"], case["param_dtype"],
+             f"m{case['microbatches']}"]
+    parts += [name for name, flag in (("sp", case["sequence_parallel"]), ("vocab", case["vocab_parallel"]),
+                                      ("nofusion", not case["fusion"]), ("cm", case["collective_matmul"])) if flag]
+    return "-".join(parts)
+
+
+CASES = covering_array()
+
+
+# ------------------------------------------------------------------------------ one rank, many plans
+def _rank_runs(mesh_sizes: dict, plans: list[dict]) -> list[dict]:
+    """Compile and train each plan in turn on one mesh. Per plan: {"refused": "Type: message"} when
+    Plan(...) or meshc.compile raised on every rank, else the parity run's results; an error after
+    construction ends the loop with {"failed": traceback} (the peers may be stuck in a collective)."""
+    mesh = meshc.mesh(timeout_s=60, **mesh_sizes)
+    data = zoo.batches(STEPS, BATCH)
+    out = []
+    for kwargs in plans:
+        try:
+            job = meshc.compile(zoo.build(MODEL), mesh, example_inputs=(mesh.shard_batch(data[0][0]),),
+                                plan=meshc.Plan(**kwargs))
+            error = None
+        except Exception as e:  # noqa: BLE001 - a refusal, judged by the test
+            job, error = None, (type(e).__name__, isinstance(e, meshc.MeshcError), str(e), traceback.format_exc())
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, error is None)
+        if not all(every):  # refused; every rank must agree, or the run has diverged
+            out.append({"refused": error, "agreed": not any(every)})
+            continue
+        try:
+            opt = job.optimizer(torch.optim.AdamW, lr=parity.LR)
+            losses, grads0 = [], {}
+            for i, (x, y) in enumerate(data):
+                loss = job.step(mesh.shard_batch(x), mesh.shard_batch(y), zoo.lm_loss)
+                if i == 0:
+                    grads0 = job.grad_state_dict()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            out.append({"losses": losses, "grads0": grads0, "params": job.state_dict(), "report": str(job.explain())})
+        except Exception:  # noqa: BLE001 - after construction, every error is a failure
+            out.append({"failed": traceback.format_exc()})
+            break
+    return out
+
+
+# ------------------------------------------------------------------------------ the tests
+def test_the_array_covers_every_pair():
+    covered = 0
+    for c in CASES:
+        if expected_refusal(c) is None:
+            covered |= _pairs(c)
+    reachable = 0
+    for values in itertools.product(*FACTORS.values()):
+        c = dict(zip(FACTORS, values))
+        if expected_refusal(c) is None:
+            reachable |= _pairs(c)
+    assert covered == reachable
+    assert len(CASES) == len({case_id(c) for c in CASES}) == 42, [case_id(c) for c in CASES]
+    assert [expected_refusal(c) for c in CASES[-len(RULES):]] == [option for option, _ in RULES.values()]
+
+
+@pytest.mark.parametrize("kwargs,option", [
+    ({"reduce_dtype": torch.float32}, "reduce_dtype"),  # zero=0 reduces in the gradients' dtype
+    ({"fusion": False, "require_fusion": True}, "require_fusion"),
+    ({"collective_matmul": True}, "collective_matmul"),
+    ({"collective_matmul": True, "sequence_parallel": True, "fusion": False}, "collective_matmul"),
+])
+def test_options_that_would_be_ignored_are_refused_by_plan(kwargs, option):
+    with pytest.raises(meshc.MeshcError, match=f"Plan.{option}: expected "):
+        meshc.Plan(**kwargs)
+
+
+_REFS: dict[str, dict] = {}
+
+
+def _reference(dtype: str) -> dict:
+    if dtype not in _REFS:
+        _REFS[dtype] = (parity.reference(MODEL, STEPS, BATCH) if dtype == "fp32"
+                        else parity.mixed_reference(MODEL, STEPS, BATCH, DTYPES[dtype]))
+    return _REFS[dtype]
+
+
+def _judge(case: dict, results: list[dict]) -> str | None:
+    """None if every rank's result for `case` is as expected, else what went wrong."""
+    expected = expected_refusal(case)
+    first = results[0]
+    if "failed" in first or any("failed" in r for r in results):
+        return "raised after construction:\n" + next(r["failed"] for r in results if "failed" in r)
+    if "refused" in first or any("refused" in r for r in results):
+        r = next(r for r in results if "refused" in r)
+        if not r["agreed"]:
+            return "refused on some ranks only"
+        kind, ours, message, tb = r["refused"]
+        if expected is None:
+            return f"refused, but meshc documents it as supported: {kind}: {message}\n{tb}"
+        if not ours or expected not in message:
+            return f"refused without a MeshcError naming {expected!r}: {kind}: {message}\n{tb}"
+        return None
+    if expected is not None:
+        return f"trained, but meshc documents it as unsupported ({expected})"
+    ref = _reference(case["param_dtype"])
+    try:
+        for rank, out in enumerate(results):
+            if case["param_dtype"] == "fp32":
+                parity.assert_matches(rank, out, ref, STEPS)
+            else:
+                worst = max(abs(a - b) for a, b in zip(out["losses"], ref["losses"]))
+                assert worst < 3e-2, f"rank {rank}: losses {out['losses']} against {ref['losses']}"
+                diff, where = parity.max_diff(out["params"], ref["params"])
+                assert diff < 3e-3, f"rank {rank}: parameter {where} off by {diff}"
+            report = out["report"]
+            if _size(case, "tp") > 1:
+                assert "tp:S(" in report, f"rank {rank}: nothing sharded on tp"
+            if _size(case, "dp") > 1 and case["zero"] > 0:
+                assert "dp:F" in report, f"rank {rank}: nothing ZeRO-sharded on dp"
+            if _size(case, "pp") > 1:
+                assert "stage 1 (pp rank 1)" in report, f"rank {rank}: no second pipeline stage"
+    except AssertionError as e:
+        return f"trained differently: {e}"
+    return None
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_plans_on_mesh_train_at_parity_or_are_refused(mesh):
+    cases = [c for c in CASES if c["mesh"] == mesh]
+    sizes = MESHES[mesh]
+    world = sizes.get("dp", 1) * sizes.get("tp", 1) * sizes.get("pp", 1)
+    per_rank = run_ranks(_rank_runs, world, sizes, [plan_kwargs(c) for c in cases], timeout=300)
+    problems = []
+    for i, case in enumerate(cases):
+        results = [r[i] for r in per_rank if i < len(r)]
+        if len(results) < world:
+            problems.append(f"{case_id(case)}: not run (an earlier case failed)")
+            continue
+        problem = _judge(case, results)
+        if problem:
+            problems.append(f"{case_id(case)}: {problem}")
+    assert not problems, f"{len(problems)} of {len(cases)} cases on {mesh}:\n" + "\n\n".join(problems)
