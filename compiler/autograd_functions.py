@@ -150,3 +150,44 @@ def _define(cls, positions: tuple, constants: tuple, n: int):
 
 def _identifier(text: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in text)
+
+
+def apply_bodies(fwd: torch.fx.GraphModule, bwd: torch.fx.GraphModule, *args, **kwargs):
+    """`torch.ops.higher_order.autograd_function_apply(fwd, bwd, *args, **kwargs)`, which is what TorchDynamo
+    makes of a user Function's `apply` (fwd: its forward, returning (output, saved values); bwd: its backward,
+    taking the output gradients and the saved values), as a meshc_fn custom op whose backward is `bwd`.
+
+    A torch.export of TorchDynamo's graph (the torch.compile door lowers each graph so) would run `fwd` under
+    no_grad, as TorchDynamo traced it, and drop `bwd`: measured on BLOOM's GeLU Function, no gradient reached
+    anything before it. Refused with a TraceError: a Function that marks outputs dirty (in-place outputs)."""
+    if kwargs.get("dirty_idx"):
+        raise TraceError("trace: a torch.autograd.Function in the compiled region marks an output dirty "
+                         "(ctx.mark_dirty, an in-place output); meshc keeps a Function's backward only for new "
+                         "outputs: return a new tensor, or use meshc.compile(model, mesh, ...)")
+    cls = getattr(fwd, "_meshc_function", None)
+    if cls is None:
+        cls = _function_of_bodies(fwd, bwd, tuple(kwargs.get("non_differentiable_idx", ())))
+        fwd._meshc_function = cls  # one Function (and one custom op) per region body, however often it is lowered
+    return _as_op(cls, *args)
+
+
+def _function_of_bodies(fwd, bwd, non_differentiable: tuple) -> type:
+    """A torch.autograd.Function running TorchDynamo's forward and backward bodies, as torch's own eager
+    implementation of autograd_function_apply does."""
+
+    class DynamoFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            output, saved = torch.fx.Interpreter(fwd).run(*args)
+            ctx.saved = tuple(saved)
+            outs = output if isinstance(output, (tuple, list)) else (output,)
+            marked = [o for i, o in enumerate(outs) if i in non_differentiable and isinstance(o, torch.Tensor)]
+            if marked:
+                ctx.mark_non_differentiable(*marked)
+            return output
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return torch.fx.Interpreter(bwd).run(*grads, *ctx.saved)
+
+    return DynamoFunction

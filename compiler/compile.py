@@ -12,7 +12,7 @@ import torch
 
 from . import check_trace
 from ._torch_compat import tree_map
-from .driver import run_passes
+from .driver import reporting, run_passes
 from .ir.errors import MeshcValueError
 from .ir.program import Program
 from .pipeline_plan import PipelinePlan
@@ -53,7 +53,8 @@ def compile_rank(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, pla
     if pipelined:
         args, kwargs = one_microbatch((args, kwargs), plan.microbatches)
     traced, program, tensors = compile_program(model, args, kwargs, mesh=mesh, plan=plan, rank=rank)
-    pipeline = PipelinePlan(program, plan) if pipelined else None
+    with reporting("pipeline stage extraction", hint="move the cut (Plan(split_points=...))"):
+        pipeline = PipelinePlan(program, plan) if pipelined else None
     return CompiledRank(traced, program, pipeline), tensors
 
 

@@ -5,17 +5,28 @@ true. The driver builds the list from the Plan (DESIGN.md §3), can switch a pas
 (`Plan(disable=(...))`), logs every pass with its time and the nodes it added or removed, checks the
 invariants after each pass when asked (`Plan(verify=True)`, as tests do), and in debug mode
 (`Plan(debug_dir=...)`) writes each graph before and after its pass.
+
+No bare exception escapes a pass (DESIGN.md §5.6): a MeshcError passes through as it is; anything else
+(an IndexError, a KeyError, torch's own errors) becomes a MeshcInternalError naming the pass, the node it
+was processing (found in the failing frames' locals: the innermost meshc frame holding an fx.Node named
+`node` or `n`, else torch.fx's own) with its op and the model's source line, and the original error (chained,
+and kept as `.original`). `reporting(name)` gives other compiler steps (stage extraction) the same.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
-from .ir.errors import MeshcValueError
+import torch
+import torch.fx as fx
+
+from .ir.errors import MeshcError, MeshcInternalError, MeshcValueError
 from .ir.fx_ops import op_label
 from .ir.program import Program
 
@@ -82,7 +93,8 @@ def run_passes(program: Program, passes: list[tuple[str, PassFn]] | None = None)
         if debug_dir:
             _dump(debug_dir, f"{index:02d}_{name}_before.txt", format_graph(program.gm, program))
         t0 = time.perf_counter()
-        result = fn(program)
+        with reporting(f"pass {name!r}", hint=_HINTS.get(name, "")):
+            result = fn(program)
         seconds = time.perf_counter() - t0
         after = _census(result)
         record = PassRecord(
@@ -98,6 +110,82 @@ def run_passes(program: Program, passes: list[tuple[str, PassFn]] | None = None)
             verify(result, after_pass=name)
         program = result
     return program
+
+
+# What a user can do about a failing pass while the bug is fixed, where there is something.
+_HINTS = {
+    "plan": "keep the module replicated on tp (Plan(tp={'<module glob>': 'replicate'}))",
+    "tensor_parallel": "keep the module replicated on tp (Plan(tp={'<module glob>': 'replicate'}))",
+    "fuse_comm": "switch the pass off (Plan(disable=('fuse_comm',)))",
+    "remat": "switch activation checkpointing off (Plan(remat='none'))",
+}
+
+
+@contextlib.contextmanager
+def reporting(step: str, hint: str = "") -> Iterator[None]:
+    """Run a compiler step; an exception from it that is not a MeshcError becomes a MeshcInternalError naming
+    `step`, the graph node being processed (if a frame of the traceback holds one) and the original error."""
+    try:
+        yield
+    except MeshcError:
+        raise
+    except Exception as error:
+        node = _failing_node(error.__traceback__)
+        where, module = "", ""
+        if node is not None:
+            op = op_label(node.target) if node.op == "call_function" else node.op
+            stack = node.meta.get("nn_module_stack") or {}
+            module = list(stack.values())[-1][0] if stack else ""
+            where = f" at node {node.format_node()} (op {op}" + (f" in module {module}" if module else "")
+            where += f"; model source: {_source(node)})" if _source(node) else ")"
+        todo = f"; until it is fixed, {hint.replace('<module glob>', module or '<module glob>')}" if hint else ""
+        internal = MeshcInternalError(f"{step}: expected to compile this graph, got {type(error).__name__}: {error}"
+                                      f"{where}. This is a bug in meshc: please report it with this message{todo}")
+        internal.step, internal.node, internal.original = step, node, error
+        raise internal from error
+
+
+def _failing_node(tb) -> fx.Node | None:
+    """The fx.Node the failing code was processing: from the innermost frame of meshc's own packages that
+    holds one in a local named `node` (or `n`), else from the innermost frame holding one named `node`."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    ours = _package_folders()
+    for frame in reversed(frames):
+        if os.path.abspath(frame.f_code.co_filename).startswith(ours):
+            for name in ("node", "n"):
+                if isinstance(frame.f_locals.get(name), fx.Node):
+                    return frame.f_locals[name]
+    for frame in reversed(frames):
+        if isinstance(frame.f_locals.get("node"), fx.Node):
+            return frame.f_locals["node"]
+    return None
+
+
+def _package_folders() -> tuple[str, ...]:
+    folders = []
+    for name in ("meshc", "meshc.compiler", "meshc.passes", "meshc.kernels", "meshc.runtime"):
+        folders += [os.path.abspath(p) + os.sep for p in getattr(sys.modules.get(name), "__path__", ())]
+    return tuple(folders) or (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+
+
+def _source(node: fx.Node) -> str:
+    """The model's line that made `node` (`File "...", line N, in f: code`), from its stack_trace: the innermost
+    frame outside torch (outside torch.nn's layers where the model is torch's own), else the innermost."""
+    lines = [line.strip() for line in (node.meta.get("stack_trace") or "").strip().splitlines() if line.strip()]
+    frames = [(a, b) for a, b in zip(lines, lines[1:]) if a.startswith("File ") and not b.startswith("File ")]
+    if not frames:
+        return lines[-1] if lines else ""
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    layers = (os.path.join(torch_dir, "nn") + os.sep, os.path.join(torch_dir, "functional.py"))
+    path = lambda frame: frame[0].split('"')[1] if frame[0].count('"') >= 2 else ""
+    for keep in (lambda f: not path(f).startswith(torch_dir + os.sep), lambda f: not path(f).startswith(layers)):
+        chosen = [f for f in frames if keep(f)]
+        if chosen:
+            return f"{chosen[-1][0]}: {chosen[-1][1]}"
+    return f"{frames[-1][0]}: {frames[-1][1]}"
 
 
 def _census(program: Program) -> Counter:

@@ -99,8 +99,9 @@ def _build(program, k, count, stage_of, crossing, inputs, order) -> Stage:
     for i, n in enumerate(recv):
         env[n] = new.placeholder(f"recv_{i}_{n.name}")
         env[n].meta.update({key: v for key, v in n.meta.items() if key in VALUE_META})
+    copied = ("call_function", "call_module", "get_attr")  # get_attr: a higher-order op's body (submod_5)
     for n in graph.nodes:
-        if n.op not in ("call_function", "call_module") or n in env or not (n in needed or stage_of.get(n) == k):
+        if n.op not in copied or n in env or not (n in needed or stage_of.get(n) == k):
             continue
         if op_name(n.target) == MARKER:
             continue

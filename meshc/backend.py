@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from meshc.compiler.ir.errors import MeshcValueError
+from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError
 from meshc.runtime.global_param import ShardedParam, local
 from meshc.runtime.mesh import Mesh, last_mesh
 from meshc.runtime.sharding import full_tensor, local_shard
@@ -37,6 +37,7 @@ from meshc.compiler.explain import Report, explain
 from meshc.compiler.ir.placement import Replicate
 from meshc.compiler.ir.plan import Plan
 from meshc.compiler.ir.program import Program
+from meshc.compiler.autograd_functions import apply_bodies
 from meshc.compiler.trace import trace
 
 _SOURCE = re.compile(r"_(modules|parameters|buffers)\['([^']+)'\]")
@@ -88,7 +89,7 @@ class MeshcBackend:
         self._queued: set[str] = set()  # callbacks queued for the end of the current backward
         self._counting = None
         self._fqn_of: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (parameter or buffer, FQN)
-        self._lowered: dict[Any, tuple[Program, list, Any]] = {}
+        self._lowered: dict[Any, tuple[Program, list, Any, list]] = {}
 
     @property
     def mesh(self) -> Mesh:
@@ -102,6 +103,7 @@ class MeshcBackend:
         return self._mesh
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
+        _functions_as_ops(gm)
         runner = _Runner(self, gm)
         if not any(_symbolic(a) for a in example_inputs):  # lowered now, so that errors surface at compile time
             runner.program_for(example_inputs)
@@ -127,36 +129,49 @@ class MeshcBackend:
         self._check_blocks(roles)
         return roles
 
-    def lowered(self, gm: fx.GraphModule, roles, args: list) -> tuple[Program, list, Any]:
-        """(program, slot of each graph input among its parameters and buffers, what runs it), cached by the
-        graph's code and its inputs' global shapes: after the parameters are swapped for their shards Dynamo
-        retraces the same region, which then reuses the program (and Inductor's code) already built."""
+    def lowered(self, gm: fx.GraphModule, roles, args: list) -> tuple[Program, list, Any, list]:
+        """(program, slot of each graph input among its parameters and buffers, what runs it, the values of
+        those slots no graph input fills), cached by the graph's code and its inputs' global shapes: after the
+        parameters are swapped for their shards Dynamo retraces the same region, which then reuses the program
+        (and Inductor's code) already built."""
         body = "\n".join(line for line in gm.code.splitlines() if not line.startswith("def forward("))  # no annotations
         key = (body, tuple(roles), tuple((tuple(a.shape), a.dtype, local(a).requires_grad)
                                             if isinstance(a, torch.Tensor) else repr(a) for a in args))
         if key not in self._lowered:
-            program = self.lower(gm, roles, args)
+            program, constants = self.lower(gm, roles, args)
             index = {("param", f): i for i, f in enumerate(program.params)}
             index.update({("buffer", f): len(program.params) + i for i, f in enumerate(program.buffers)})
+            slots = [index.get(r) for r in roles]
+            filled = [None] * len(index)  # the constants the trace lifted: no graph input of Dynamo's holds them
+            for fqn, value in constants.items():
+                filled[index[("buffer", fqn)]] = value
+            missing = [name for name, i in index.items() if i not in slots and filled[i] is None]
+            if missing:
+                raise MeshcInternalError(f"meshc.backend: expected every parameter and buffer of the lowered region "
+                                         f"to come from a graph input or a traced constant, got none for {missing[:3]}")
             run = program.gm
             if self.plan.inductor:  # the collectives stay calls; Inductor generates code for what lies between
                 run = torch.compile(program.gm, backend=_counting_inductor, dynamic=False)
-            self._lowered[key] = (program, [index.get(r) for r in roles], run)
+            self._lowered[key] = (program, slots, run, filled)
         return self._lowered[key]
 
-    def lower(self, gm: fx.GraphModule, roles, args: list) -> Program:
-        """The per-rank program of one region for these input shapes; shards newly placed parameters."""
+    def lower(self, gm: fx.GraphModule, roles, args: list) -> tuple[Program, dict[str, torch.Tensor]]:
+        """The per-rank program of one region for these input shapes, and this rank's values of the tensor
+        constants the trace lifted (e.g. the index list of `x[..., [-2]]` becomes a constant tensor input);
+        shards newly placed parameters."""
         wrapper, fake_inputs = _wrapper(gm, roles, args)
         fixed = dict(self.placements)
         # non-strict always: the graph is TorchDynamo's already, and a strict export would run TorchDynamo again
         # inside its own backend (measured: intermittent crashes in the frame that called the compiled model)
         plan = dataclasses.replace(self.plan, trace="non-strict")
-        traced, _ = trace(wrapper, tuple(fake_inputs), mesh=self.mesh, plan=plan, prefix="model.")
+        traced, tensors = trace(wrapper, tuple(fake_inputs), mesh=self.mesh, plan=plan, prefix="model.")
         _scopes_from_parameters(traced)
         program = run_passes(traced.replace(fixed_placements=fixed or None))
         self._shard(program, roles, args)
         _LAST.programs.append(program)
-        return program
+        constants = {fqn: local_shard(tensors[fqn], spec, self.mesh).to(self.mesh.device)
+                     for fqn, spec in program.buffers.items() if spec.kind == "constant"}
+        return program, constants
 
     def _shard(self, program: Program, roles, example_inputs) -> None:
         """Record the placements of parameters this graph places first; a sharded one is queued for its swap
@@ -295,7 +310,7 @@ class _Runner:
         self.backend, self.gm = backend, gm
         self.kinds = [_role(n) for n in gm.graph.nodes if n.op == "placeholder"]
         self._roles: dict[tuple, list] = {}  # ids of the parameter and buffer inputs -> roles
-        self.programs: dict[Any, tuple[Program, list, Any, list]] = {}
+        self.programs: dict[Any, tuple[Program, list, Any, list, list]] = {}
         self.checked: set[int] = set()
 
     def roles_for(self, args) -> list[tuple[str, str]]:
@@ -304,7 +319,7 @@ class _Runner:
             self._roles[ids] = self.backend.roles(self.kinds, args)
         return self._roles[ids]
 
-    def program_for(self, args) -> tuple[Program, list, Any, list]:
+    def program_for(self, args) -> tuple[Program, list, Any, list, list]:
         roles = self.roles_for(args)
         key = (tuple(roles), tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a)
                                    for (kind, _), a in zip(roles, args) if kind == "input"))
@@ -313,8 +328,8 @@ class _Runner:
         return self.programs[key]
 
     def __call__(self, *args):
-        program, order, run, roles = self.program_for(args)
-        values: list[Any] = [None] * (len(program.params) + len(program.buffers))
+        program, order, run, constants, roles = self.program_for(args)
+        values: list[Any] = list(constants)
         inputs = []
         for slot, arg, (_, fqn) in zip(order, args, roles):
             if slot is None:
@@ -337,6 +352,20 @@ def _counting_inductor(gm: fx.GraphModule, example_inputs: list) -> Any:
     """Inductor, recording each graph it compiles in last_compiled()."""
     _LAST.inductor_graphs.append(gm)
     return compat.inductor_compile(gm, example_inputs)
+
+
+def _functions_as_ops(gm: fx.GraphModule) -> None:
+    """TorchDynamo's graph holds each user torch.autograd.Function as an autograd_function_apply of its forward and
+    backward bodies; an export of the graph would keep neither the backward nor the gradient through the forward
+    (its body runs under no_grad). Each becomes a call of apply_bodies, a meshc_fn custom op with that backward,
+    as meshc.compile's trace makes of the Function (compiler/autograd_functions)."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.higher_order.autograd_function_apply:
+            node.target = apply_bodies
+            changed = True
+    if changed:
+        gm.recompile()
 
 
 def _scopes_from_parameters(program: Program) -> None:

@@ -232,8 +232,19 @@ def unbind_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
 
 @handles(aten.cat.default)
 def cat_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
-    tensors = node.args[0]
-    dim = (node.args[1] if len(node.args) > 1 else 0) % len(_ints(node))
+    # torch.cat skips 1-D empty tensors of another rank (legacy behaviour: transformers' DynamicCache starts
+    # from torch.tensor([]) and concatenates the first keys onto it); they add nothing and constrain no
+    # placement, so the rule decides over the others and leaves them as they are
+    ndim = len(_ints(node))
+    kept = [i for i, t in enumerate(node.args[0]) if ndim == 1 or _ints(t) != (0,)]
+    if not kept:
+        return Decision({}, R)
+    sub = _cat_rule([node.args[0][i] for i in kept], node.args[1] if len(node.args) > 1 else 0, ndim, ctx)
+    return Decision({(0, kept[path[1]]): p for path, p in sub.inputs.items()}, sub.out, note=sub.note)
+
+
+def _cat_rule(tensors: list, dim: int, ndim: int, ctx: RuleCtx) -> Decision:
+    dim = dim % ndim
     pls = [ctx.pl(t) for t in tensors]
     if all(isinstance(p, Replicate) for p in pls):
         return Decision({}, R)

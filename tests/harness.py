@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 PRELOAD = ["torch", "torch.distributed", "meshc", "meshc.passes.tensor_parallel", "tests.zoo", "tests.parity",
            "torch.testing._internal.distributed._tensor.common_dtensor", "transformers",
-           *(f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "llama", "bert", "mixtral"))]
+           *(f"transformers.models.{m}.modeling_{m}"
+             for m in ("gpt2", "llama", "bert", "mixtral", "t5", "bloom", "falcon"))]
 _ctx = mp.get_context("forkserver")
 _ctx.set_forkserver_preload(PRELOAD)
 

@@ -157,3 +157,59 @@ def custom_fn(seed: int = 0, layers: int = 2) -> torch.nn.Module:
 
 
 MODELS["custom_fn"] = custom_fn
+
+
+class Seq2SeqLM(torch.nn.Module):
+    """An encoder-decoder model fed like the decoder-only ones: forward(tokens) runs the encoder on `tokens` and
+    the decoder on `tokens` as well (decoder_input_ids = tokens: causal self-attention, cross-attention to the
+    encoder), and returns the decoder's logits, so zoo.lm_loss's next-token loss applies unchanged. The
+    decoder can see the next token through cross-attention; that makes the task easy, not the test weaker:
+    parity compares the same arithmetic on both sides."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens, decoder_input_ids=tokens).logits
+
+
+def t5(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face T5 (encoder-decoder): one embedding shared by encoder, decoder and the tied LM head,
+    cross-attention, relative position bias (bucketed, learned in each stack's first layer), RMS norm. The
+    config's default use_cache=True is kept on purpose: the decoder's DynamicCache concatenates its first
+    keys onto an empty 1-D tensor (torch.cat skips it), which once crashed tensor parallelism."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_decoder_layers=layers,
+                   num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=SEQ,
+                   dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    return Seq2SeqLM(T5ForConditionalGeneration(cfg))
+
+
+def bloom(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face BLOOM: ALiBi attention biases (no position embeddings), fused query_key_value, embedding
+    LayerNorm, tied LM head, and an MLP GeLU through a custom autograd.Function (its own backward)."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=layers, n_head=4, hidden_dropout=0.0,
+                      attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return BloomForCausalLM(cfg)
+
+
+def falcon(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face Falcon (the 7B architecture): bias-free fused QKV projection with multi-query attention,
+    attention and MLP in parallel from one LayerNorm, rotary embeddings."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                       new_decoder_architecture=False, parallel_attn=True, multi_query=True, bias=False,
+                       alibi=False, hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=SEQ,
+                       use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return FalconForCausalLM(cfg)
+
+
+MODELS.update(t5=t5, bloom=bloom, falcon=falcon)

@@ -101,3 +101,31 @@ def backend_rank(model: str, steps: int, batch: int, sizes: dict, plan: dict, gr
             jopt.zero_grad()
             out["compile_losses"].append(loss.item())
     return out
+
+
+def families_rank(models: list[str], steps: int, batch: int, sizes: dict) -> dict:
+    """Each of `models` trained `steps` AdamW steps through the torch.compile door on one mesh, in one process
+    per rank (one spawn for every family): {model: {"losses", "params", "sharded", "error"}}. A model the
+    backend refuses reports the refusal's message under "error" (the test decides whether that is allowed)."""
+    mesh = meshc.mesh(timeout_s=90, **sizes)
+    out = {}
+    for name in models:
+        torch.compiler.reset()  # each family compiles afresh: no recompilation limit shared between them
+        m = zoo.build(name)
+        opt = torch.optim.AdamW(m.parameters(), lr=parity.LR)
+        backend = meshc.backend(mesh, meshc.Plan(trace="non-strict"))
+        compiled = torch.compile(m, backend=backend)
+        losses = []
+        try:
+            for x, y in zoo.batches(steps, batch):
+                loss = zoo.lm_loss(compiled(mesh.shard_batch(x)), mesh.shard_batch(y))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(_dp_mean(loss, mesh))
+        except meshc.MeshcError as error:
+            out[name] = {"error": f"{type(error).__name__}: {error}"}
+            continue
+        out[name] = {"losses": losses, "params": backend.state_dict(m), "error": None,
+                     "sharded": sum(type(p).__name__ == "ShardedParam" for p in m.parameters())}
+    return out

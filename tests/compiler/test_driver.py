@@ -57,3 +57,38 @@ def test_plan_validation():
         meshc.Plan(bucket_mb=0)
     with pytest.raises(TypeError, match="tuple of pass names"):
         meshc.Plan(disable="grad_sync")
+
+
+def _broken_pass(program):
+    """A pass with a bug: indexes past the end of an op's arguments at the first linear layer."""
+    for node in program.gm.graph.nodes:
+        if node.op == "call_function" and "linear" in str(node.target):
+            return node.args[7]
+    return program
+
+
+def test_a_bare_exception_from_a_pass_names_the_pass_the_node_and_the_source(fake_mesh):
+    from meshc.passes.shapes import shapes_pass
+
+    program = _traced(fake_mesh(dp=2))
+    with pytest.raises(meshc.MeshcInternalError) as info:
+        run_passes(program, [("shapes", shapes_pass), ("broken", _broken_pass)])
+    text = str(info.value)
+    assert text.startswith("pass 'broken': expected to compile this graph, got IndexError: tuple index out of range")
+    assert "at node %linear : [num_users=1] = call_function[target=torch.ops.aten.linear.default]" in text
+    # the model's own line that made the node (torch's reference Transformer: not torch.nn.Linear's line)
+    assert "(op aten.linear.default in module layers.0.attention.wq; model source: File " in text
+    assert "common_dtensor.py" in text
+    assert "queries, keys, values = self.wq(x), self.wk(x), self.wv(x))" in text
+    assert "bug in meshc" in text
+    assert isinstance(info.value.original, IndexError) and info.value.__cause__ is info.value.original
+    assert info.value.node.name == "linear"
+
+
+def test_a_meshc_error_from_a_pass_passes_through_unchanged(fake_mesh):
+    def refusing(program):
+        raise meshc.MeshcError("rule: expected A, got B")
+
+    with pytest.raises(meshc.MeshcError) as info:
+        run_passes(_traced(fake_mesh(dp=2)), [("refusing", refusing)])
+    assert str(info.value) == "rule: expected A, got B"

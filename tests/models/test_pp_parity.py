@@ -22,7 +22,10 @@ CASES = ([(m, {"pp": 2}, {**s, "microbatches": 4}) for m in ("reference", "gpt2"
             ("gpt2", {"pp": 2}, {"microbatches": 2, "remat": "full"}),
             ("gpt2", {"tp": 2}, {"remat": "selective"}),
             ("llama", {"dp": 2}, {"remat": "selective", "zero": 3}),
-            ("reference", {"pp": 1}, {"microbatches": 4})])
+            ("reference", {"pp": 1}, {"microbatches": 4}),
+            # an encoder-decoder cut between stages, and ALiBi with a custom autograd.Function (issue 13)
+            ("t5", {"pp": 2}, {"microbatches": 2}),
+            ("bloom", {"pp": 2}, {"microbatches": 2})])
 
 
 def _id(case):

@@ -29,6 +29,10 @@ CASES = [(m, mesh, {}) for m in ("reference", "gpt2", "llama", "bert", "mixtral"
     ("bert", {"tp": 2}, {"sequence_parallel": True}),
     ("llama", {"tp": 2}, {"sequence_parallel": True, "collective_matmul": True}),
     ("reference", {"tp": 4}, {"sequence_parallel": True, "collective_matmul": True}),
+    # an encoder-decoder (shared embedding, cross-attention, relative position bias, a DynamicCache) and ALiBi
+    # attention with a custom autograd.Function GeLU: each crashed inside the compiler once (issue 13)
+    ("t5", {"tp": 2}, {}),
+    ("bloom", {"tp": 2}, {}),
 ]
 
 

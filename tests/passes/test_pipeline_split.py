@@ -87,3 +87,16 @@ def test_microbatches_must_divide_the_batch(fake_mesh):
     with pytest.raises(ValueError, match="not divisible by microbatches=3"):
         meshc.compile(zoo.reference_transformer(), mesh, example_inputs=(zoo.batches(1, 4)[0][0],),
                       plan=meshc.Plan(trace="non-strict", microbatches=3))
+
+
+def test_stage_graphs_keep_higher_order_op_bodies(fake_mesh):
+    # a strict export holds a Function's forward as wrap_with_set_grad_enabled(False, %submod_N, ...): a stage
+    # must carry the body its op calls (it raised KeyError: submod_5 on BLOOM); check_trace is off because the
+    # strict trace drops these Functions' backward (meshc refuses it by default)
+    traced, _ = trace(zoo.custom_fn(), (zoo.batches(1, 2)[0][0],), mesh=fake_mesh(pp=2),
+                      plan=meshc.Plan(verify=True, trace="strict", check_trace=False))
+    stages = stage_graphs(run_passes(traced), 2)
+    for stage in stages:
+        bodies = [n for n in stage.gm.graph.nodes if n.op == "get_attr"]
+        assert bodies and all(hasattr(stage.gm, n.target) for n in bodies)
+        stage.gm.graph.lint()

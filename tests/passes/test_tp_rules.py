@@ -176,6 +176,10 @@ VIEWS = [
     ("cat of P", aten.cat.default, ([T((4, 6)), T((4, 6))], 0), [P, P], 2, P, {}, False),
     ("cat of P and R gathers", aten.cat.default, ([T((4, 6)), T((4, 6))], 0), [P, R], 2, R,
      {(0, 0): R, (0, 1): R}, True),
+    # torch.cat skips a 1-D empty tensor (transformers' DynamicCache starts from torch.tensor([])): no constraint
+    ("cat onto an empty 1-D tensor", aten.cat.default, ([T((0,)), T((2, 4, 3, 8))], -2), [R, S(1)], 2, S(1),
+     {(0, 1): S(1)}, False),
+    ("cat of an empty 1-D and P", aten.cat.default, ([T((0,)), T((2, 4, 3, 8))], -2), [R, P], 2, P, {}, False),
 ]
 
 
