@@ -24,7 +24,7 @@ import operator
 
 import torch.fx as fx
 
-from meshc.compiler.ir.program import Program
+from meshc.compiler.ir.program import ROLE, STAGE, VALUE_META, WHY, Program
 from meshc.runtime.ops.remat import Remat
 from meshc.runtime.ops.zero import zero_reduce
 
@@ -43,7 +43,7 @@ def remat_pass(program: Program) -> Program:
     regions: dict[tuple, list[fx.Node]] = {}
     for node in graph.nodes:
         if node in acts and "." in block_of(node):
-            regions.setdefault((node.meta.get("meshc.stage", 0), block_of(node)), []).append(node)
+            regions.setdefault((node.meta.get(STAGE, 0), block_of(node)), []).append(node)
     dp_group = (program.mesh.group_name("dp", program.rank),) if program.plan.zero == 3 else ()
     done = 0
     for (stage, block), nodes in regions.items():
@@ -78,15 +78,14 @@ def _checkpoint(program, nodes, name, policy, dp_group, stage) -> str | None:
     program.gm.add_submodule(name, Remat(fx.GraphModule(program.gm, sub), policy, dp_group))
     with graph.inserting_after(last):
         call = graph.call_module(name, tuple(inputs))
-    call.meta.update({"meshc.why": f"activation checkpointing ({policy}) of {block_of(nodes[0])}",
-                      "nn_module_stack": nodes[0].meta.get("nn_module_stack", {}), "meshc.stage": stage})
+    call.meta.update({WHY: f"activation checkpointing ({policy}) of {block_of(nodes[0])}",
+                      "nn_module_stack": nodes[0].meta.get("nn_module_stack", {}), STAGE: stage})
     anchor = call
     for i, n in enumerate(outputs):
         with graph.inserting_after(anchor):
             item = graph.call_function(operator.getitem, (call, i))
-        item.meta.update({k: v for k, v in n.meta.items() if k in ("val", "meshc.shape", "meshc.placement",
-                                                                      "nn_module_stack")})
-        item.meta["meshc.stage"] = stage
+        item.meta.update({k: v for k, v in n.meta.items() if k in (*VALUE_META, "nn_module_stack")})
+        item.meta[STAGE] = stage
         n.replace_all_uses_with(item, delete_user_cb=lambda u: u not in members)
         anchor = item
     for n in reversed(ordered):
@@ -102,7 +101,7 @@ def _private_inputs(nodes: list[fx.Node]) -> set[fx.Node]:
         changed = False
         for n in list(inside):
             for a in n.all_input_nodes:
-                if a in inside or a.op != "call_function" or "meshc.stage" in a.meta:
+                if a in inside or a.op != "call_function" or STAGE in a.meta:
                     continue
                 if all(u in inside for u in a.users) and not _is_activation_like(a) and not _reduces(a):
                     inside.add(a)
@@ -126,7 +125,7 @@ def _is_activation_like(node: fx.Node) -> bool:
             continue
         seen.add(n)
         if n.op == "placeholder":
-            if n.meta.get("meshc.role") == "input":
+            if n.meta.get(ROLE) == "input":
                 return True
             continue
         stack.extend(n.all_input_nodes)
