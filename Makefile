@@ -1,5 +1,6 @@
 # make demo: create .venv, install, train the demo GPT over 2 local processes.
-# make test: create .venv if needed, install, lint with ruff (pyproject's [tool.ruff]), run the whole test suite.
+# make test: create .venv if needed, install (and Debian's chromium: make browser), lint with ruff (pyproject's
+# [tool.ruff]), run the whole test suite.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ STAMP := $(VENV)/.meshc-installed
 # The CPU build of PyTorch; a GPU user installs the CUDA build of the same version first (see README).
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean browser
 
 install: $(STAMP)
 
@@ -22,7 +23,13 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/meshc demo
 
-test: $(STAMP)
+# Debian's Chromium for the report's browser tests (tests/compiler/test_report_html.py drives it headless over
+# the DevTools protocol); where it cannot be installed (not root, no registry), those tests skip and say why.
+browser:
+	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		chromium >/dev/null) || echo "make browser: could not install chromium; the browser tests will be skipped"
+
+test: $(STAMP) browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 

@@ -15,6 +15,7 @@ checkpoint to resume from, or one saved with another model, batch, sequence leng
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import re
@@ -50,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt-dir", default=None, help="folder for the checkpoints (default: OUT/ckpt)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --ckpt-dir up to --steps in all")
+    p.add_argument("--trace", action="store_true",
+                   help="record every step on every rank into OUT/trace.json (Chrome trace; use a few --steps)")
 
 
 # what a checkpoint must agree on with the command that resumes it (the model and the data it reads)
@@ -96,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
     tokens = args.batch * args.seq
     losses = []
     saved = None
+    traced = contextlib.ExitStack()  # job.trace on every rank when --trace; rank 0 writes the file at its close
+    if args.trace:
+        traced.enter_context(job.trace(os.path.join(os.path.abspath(args.out), "trace.json")))
     for step in range(start + 1, args.steps + 1):
         t = time.perf_counter()
         loss = job.step(mesh.shard_batch(x), mesh.shard_batch(y), models.lm_loss)
@@ -113,9 +119,16 @@ def run(args: argparse.Namespace) -> int:
             saved = job.save(os.path.join(args.ckpt_dir, f"step_{step:06d}"), step=step,
                              extra={"data_position": step, "config": config})
             bar.note(f"saved checkpoint {saved} (step {step}, {time.perf_counter() - t:.1f} s)")
+    traced.close()
     if lead:
         bar.close()
         log.close()
+        if args.trace:
+            print(f"trace of every step in {os.path.join(os.path.abspath(args.out), 'trace.json')} (open it in "
+                  "ui.perfetto.dev or chrome://tracing)", flush=True)
+        trace = os.path.join(os.path.abspath(args.out), "trace.json") if args.trace else None
+        print(f"plan report in {job.report(os.path.join(os.path.abspath(args.out), 'plan.html'), trace=trace)}",
+              flush=True)
         if losses:
             k = max(1, len(losses) // 10)  # single batches are noisy: compare the first and last tenths
             first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k

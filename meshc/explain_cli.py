@@ -27,6 +27,7 @@ from meshc.compiler.cost_graph import estimate_compiled
 from meshc.compiler.explain import explain
 from meshc.compiler.hardware import load as load_hardware
 from meshc.compiler.ir.errors import MeshcValueError
+from meshc.compiler.report_html import write_report
 from meshc.compiler.show import format_graph
 from meshc.compiler.ir.mesh_spec import MeshSpec, parse_sizes
 
@@ -99,6 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default="h100", help="profile for the predictions: h100, h200, a100, cpu, or a .json")
     add_plan_arguments(p)
     p.add_argument("--graph", action="store_true", help="also print the rank's transformed graph")
+    p.add_argument("--html", default=None, metavar="PATH",
+                   help="also write the plan as one self-contained HTML page (open it in any browser)")
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -133,4 +136,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nsimulated compile: {sim.seconds:.1f} s, peak memory of this process {sim.peak_rss / 2**30:.2f} GiB")
     if args.graph:
         print("\n" + format_graph(sim.rank_program.program.gm, sim.rank_program.program))
+    if args.html:
+        path = write_report(args.html, sim.rank_program, sim.report, hardware=args.hardware)
+        print(f"\nreport: {path.resolve()} (open it in a browser)")
     return 0

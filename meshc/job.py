@@ -19,11 +19,14 @@ import torch
 from meshc.compiler import _torch_compat as compat
 from meshc.compiler.compile import CompiledRank, compile_program, compile_rank, passes_for_rank
 from meshc.compiler.explain import Report, explain
+from meshc.compiler.hardware import detect as detect_hardware
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.program import Program
 from meshc.compiler.pipeline_plan import PipelinePlan
+from meshc.compiler.report_html import write_report
 
 from meshc.runtime import failures
+from meshc.runtime import trace as tracing
 from meshc.runtime.param_store import ParamStore
 from meshc.runtime.pipelined import Pipelined
 from meshc.runtime.sharding import LocalShard, full_tensor, local_shard
@@ -96,7 +99,7 @@ class Job:
         step checks that every rank runs the same plan; a dead or stalled peer raises failures.RankFailure.
         """
         failures.preflight(self)
-        with failures.watching(self.mesh, "job.step"):
+        with failures.watching(self.mesh, "job.step"), tracing.region("step", "step"):
             return self._step(inputs, targets, loss_fn)
 
     def _step(self, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
@@ -267,6 +270,22 @@ class Job:
         """The plan, per-rank memory, every collective and why (of the program run last): print it."""
         live = self.live_optimizers()
         return explain(getattr(self, "_last", self.program), live, self._layout)
+
+    def report(self, path, *, hardware=None, trace=None) -> str:
+        """Write the plan as one self-contained HTML page (compiler/report_html.py: mesh, sharding map, graphs,
+        collectives, memory, pipeline schedule) to `path`, predicted on `hardware` (default: this device's
+        profile); after a call or step, the bytes this rank holds (measured: gradients until zero_grad) are drawn
+        beside the prediction; `trace`, a file job.trace wrote, adds its last step's measured timeline. Returns
+        the path."""
+        measured = self.held_bytes() if hasattr(self, "_last") else None
+        return str(write_report(path, self.compiled, self.explain(), hardware=hardware or detect_hardware(),
+                                measured=measured, trace=trace))
+
+    def trace(self, path):
+        """A context manager that records the steps run inside it on every rank (runtime/trace.py: each step,
+        pipeline action, send and receive, collective and wait) and, on exit, writes them as one Chrome-trace
+        JSON to `path` from rank 0 (open it in ui.perfetto.dev or chrome://tracing). Every rank enters it."""
+        return tracing.record(self.mesh, path)
 
     def graph(self, rank: int | None = None, stage: int | None = None) -> torch.fx.GraphModule:
         """The transformed GraphModule that `rank` (default: this one) runs: the whole program, or with pipeline

@@ -17,6 +17,7 @@ every tp rank of a stage exchanges its own (tp-local) activations with its peer.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ from meshc.compiler import _torch_compat as compat
 from meshc.compiler.stages import Stage
 
 from meshc.compiler.ir.schedule import P2P, Action, Schedule
+from . import trace as tracing
 from .zero_context import ZeroContext
 
 KINDS = {"F": 0, "B": 1}
@@ -57,13 +59,17 @@ class PipelineRun:
         start = time.perf_counter()
         for op in self.schedule.program(self.rank):
             if isinstance(op, P2P):
-                self._message(op)
+                nbytes = self._p2p_bytes(op) if tracing.active() else 0
+                with tracing.region(str(op), "p2p", bytes=nbytes, peer=op.peer):
+                    self._message(op)
             else:
                 t0 = time.perf_counter()
-                self._compute(op)
+                with tracing.region(str(op), "compute", stage=op.stage, microbatch=op.microbatch):
+                    self._compute(op)
                 self.busy += time.perf_counter() - t0
-        for work in self.sends:
-            work.wait()
+        with tracing.region("wait sends", "wait"):
+            for work in self.sends:
+                work.wait()
         self.elapsed = time.perf_counter() - start
         return self._loss()
 
@@ -128,6 +134,12 @@ class PipelineRun:
         self.inputs.pop(key, None)
 
     # ------------------------------------------------------------------------------ messages
+    def _p2p_bytes(self, op: P2P) -> int:
+        """Bytes a message carries (the tensors of the stage boundary it crosses)."""
+        stage = self.stages[op.stage]
+        metas = stage.send if (op.op == "send") == (op.kind == "F") else stage.recv
+        return sum(math.prod(b.shape) * _wire_dtype(b.dtype).itemsize for b in metas)
+
     def _message(self, op: P2P) -> None:
         key = (op.stage, op.microbatch)
         stage = self.stages[op.stage]

@@ -1,0 +1,169 @@
+"""The HTML plan report (compiler/report_html.py): its content, and the page in a real headless Chromium.
+
+The page is checked twice: parsed as HTML here (every parameter row, every collective of explain()'s census,
+one timeline bar per schedule action, nothing fetched from the network), then opened in Debian's Chromium
+through the DevTools protocol (tests/cdp.py): no console errors, the same counts in the live DOM, a click on a
+module expands it, the filter hides rows, a collective's link opens its node, and a screenshot is written
+(MESHC_REPORT_PNG=docs/report.png refreshes the README's). The demo GPT (2 layers) under dp=2 × tp=2 × pp=2,
+compiled for rank 0 on a MeshSpec as `meshc explain` does: no process group, fake tensors (~4 s).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+from html.parser import HTMLParser
+
+import pytest
+
+import meshc
+from meshc.compiler.explain import explain
+from meshc.compiler.ir.errors import MeshcValueError
+from meshc.compiler.ir.schedule import Action
+from meshc.compiler.report_html import html_report, source_line, write_report
+from meshc import explain_cli
+from meshc.explain_cli import simulate
+from tests import cdp
+
+
+@pytest.fixture(scope="module")
+def sim():
+    plan = meshc.Plan(trace="non-strict", microbatches=2)
+    return simulate("gpt2-small", {"dp": 2, "tp": 2, "pp": 2}, plan=plan, layers=2, seq=64)
+
+
+@pytest.fixture(scope="module")
+def page_file(sim, tmp_path_factory):
+    return write_report(tmp_path_factory.mktemp("report") / "plan.html", sim.rank_program, sim.report)
+
+
+class _Tags(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+
+def _tags(text: str) -> list[tuple[str, dict]]:
+    parser = _Tags()
+    parser.feed(text)
+    return parser.tags
+
+
+def _classed(tags, tag: str, cls: str) -> list[dict]:
+    return [a for t, a in tags if t == tag and cls in (a.get("class") or "").split()]
+
+
+def _actions(schedule) -> int:
+    return sum(isinstance(op, Action) for prog in schedule.programs() for op in prog)
+
+
+def test_report_content(sim, page_file):
+    text = page_file.read_text()
+    tags = _tags(text)
+    program, pipeline = sim.rank_program.program, sim.rank_program.pipeline
+    census = explain(program, (), pipeline).collectives
+    rows = _classed(tags, "tr", "param")
+    assert [r["data-fqn"] for r in rows] == list(program.params)
+    assert len(_classed(tags, "tr", "collective")) == len(census) == len(sim.report.collectives) > 0
+    bars = _classed(tags, "div", "tl-bar")
+    assert len(bars) == _actions(pipeline.schedule) == 8  # 2 stages × 2 micro-batches × (F, B)
+    assert sorted(b["data-action"] for b in bars) == sorted(str(s.action) for row in pipeline.simulated.timeline
+                                                            for s in row)
+    cells = _classed(tags, "div", "rank")
+    assert len(cells) == 8 and [c["data-rank"] for c in cells if "me" in c["class"].split()] == ["0"]
+    # self-contained: no element loads anything, no URL outside the page
+    assert not [a for t, a in tags if a.get("src") or (t == "link")]
+    assert not re.search(r"https?://", text)
+    # every graph collective names the model line that made it necessary
+    graph_comms = _classed(tags, "div", "comm")
+    assert len(graph_comms) == sum(1 for s in pipeline.local.values() for n in s.gm.graph.nodes
+                                   if n.meta.get("meshc.comm"))
+    for stage in pipeline.local.values():
+        for node in stage.gm.graph.nodes:
+            if node.meta.get("meshc.comm"):
+                assert re.match(r"models\.py:\d+ in \w+: ", source_line(node, stage.gm)), node.format_node()
+
+
+def test_explain_cli_html(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    explain_cli.add_arguments(parser)
+    path = tmp_path / "out" / "plan.html"
+    args = parser.parse_args(["--model", "gpt-tiny", "--mesh", "tp=2,pp=2", "--microbatches", "2", "--html", str(path)])
+    assert explain_cli.run(args) == 0
+    assert f"report: {path}" in capsys.readouterr().out
+    assert len(_classed(_tags(path.read_text()), "div", "tl-bar")) == 8
+
+
+def test_report_without_pipeline_and_bad_path(tmp_path):
+    sim = simulate("gpt-tiny", {"dp": 2, "tp": 2}, plan=meshc.Plan(trace="non-strict"))
+    text = html_report(sim.rank_program, sim.report)
+    assert "No pipeline" in text and 'class="tl-bar' not in text
+    assert len(_classed(_tags(text), "tr", "collective")) == len(sim.report.collectives)
+    with pytest.raises(MeshcValueError, match="report: expected a path ending in .html"):
+        write_report(tmp_path / "plan.txt", sim.rank_program, sim.report)
+
+
+# ------------------------------------------------------------------------------------------ the browser
+needs_chromium = pytest.mark.skipif(cdp.chromium() is None, reason="Debian's chromium is not installed: `make "
+                                    "browser` installs it (apt-get install chromium), as `make test` does")
+
+
+@needs_chromium
+def test_report_in_chromium(sim, page_file, tmp_path):
+    program, pipeline = sim.rank_program.program, sim.rank_program.pipeline
+    with cdp.Browser(width=1280, height=900) as browser:
+        page = browser.open(page_file.as_uri())
+        assert page.eval("document.body.getAttribute('data-ready')") == "1"  # the script ran to its end
+        count = lambda sel: page.eval(f"document.querySelectorAll({sel!r}).length")
+        assert count("#params tr.param") == len(program.params)
+        assert count("#collectives tr.collective") == len(explain(program, (), pipeline).collectives)
+        assert count(".timeline .tl-bar") == _actions(pipeline.schedule)
+        assert count("#graph .node") == sum(len(s.gm.graph.nodes) for s in pipeline.local.values())
+        # a click on a collapsed module of the graph expands it and shows its nodes
+        module = "#graph details.tree[data-module^='blocks']"
+        assert page.eval(f"document.querySelector({module!r}).open") is False
+        page.click(module + " > summary")
+        assert page.eval(f"document.querySelector({module!r}).open") is True
+        assert page.eval(f"document.querySelector({module!r}).querySelector('.node').offsetHeight") > 0
+        # the filter keeps the matching parameters only
+        page.eval("(() => { const f = document.getElementById('param-filter'); f.value = 'mlp.up';"
+                  " f.dispatchEvent(new Event('input')); })()")
+        shown = page.eval("[...document.querySelectorAll('#params tr.param:not(.hidden)')]"
+                          ".map(r => r.dataset.fqn)")
+        assert shown == [f for f in program.params if "mlp.up" in f]
+        page.eval("(() => { const f = document.getElementById('param-filter'); f.value = '';"
+                  " f.dispatchEvent(new Event('input')); })()")
+        # a collective's link opens the module its node sits in
+        page.click("#collectives a.to-node")
+        target = page.eval("document.querySelector('#collectives a.to-node').getAttribute('href').slice(1)")
+        assert page.eval(f"document.getElementById({target!r}).offsetHeight") > 0
+        # the screenshot (every section): trees folded but one attention block's parameters and one mlp's nodes
+        page.eval("const keep = {params: ['blocks', 'blocks.0', 'blocks.0.attn', 'blocks.0.attn.proj'],"
+                  " graph: ['blocks', 'blocks.0', 'blocks.0.mlp']};"
+                  "document.querySelectorAll('details.tree').forEach(d => { d.open = d.matches('.graph') || "
+                  "keep[d.closest('section').id].includes(d.dataset.module); });"
+                  "document.getElementById('hover').style.display = 'none'; window.scrollTo(0, 0)")
+        shot = tmp_path / "report.png"
+        page.screenshot(shot, full_height=page.eval("document.documentElement.scrollHeight"), scale=0.62)
+        page.eval("1")  # flush the events the page sent before this reply
+        assert page.errors == []
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and 10_000 < len(data) < 400_000
+    if os.environ.get("MESHC_REPORT_PNG"):
+        shutil.copyfile(shot, os.environ["MESHC_REPORT_PNG"])
+
+
+@needs_chromium
+def test_console_errors_are_seen(tmp_path):
+    """The check above is not vacuous: a page that throws is reported."""
+    bad = tmp_path / "bad.html"
+    bad.write_text("<!DOCTYPE html><html><body><script>console.error('boom'); null.x;</script></body></html>")
+    with cdp.Browser() as browser:
+        page = browser.open(bad.as_uri())
+        page.eval("1")
+        errors = page.errors
+    assert any("boom" in e for e in errors) and any("TypeError" in e for e in errors), errors
