@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .ir.coverage import coverage
 from .ir.placement import format_placements
 from .ir.program import CommRecord, Program
 from .show import human_bytes
@@ -40,6 +41,7 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     pipeline: list[str] = field(default_factory=list)  # stages, schedule grid, predicted bubble
     fusion: list[str] = field(default_factory=list)  # per kernel: fused k of n eligible, and why not
+    coverage: list[str] = field(default_factory=list)  # share of block weight bytes sharded per axis; replicated modules
 
     def bytes_per_step(self) -> dict[str, int]:
         """Collective payload bytes per step, summed by mesh axis."""
@@ -56,8 +58,10 @@ class Report:
                   f"  parameters        {human_bytes(m['params']):>12}",
                   f"  gradients         {human_bytes(m['grads']):>12}",
                   f"  optimizer states  {human_bytes(m['optimizer']):>12}  ({self.optimizer_note})",
-                  f"  total             {human_bytes(sum(m.values())):>12}", "",
-                  "collectives per step:"]
+                  f"  total             {human_bytes(sum(m.values())):>12}"]
+        if self.coverage:
+            lines += ["", "coverage:"] + [f"  {line}" for line in self.coverage]
+        lines += ["", "collectives per step:"]
         if self.collectives:
             lines.append(f"  {'kind':<15}{'axis':<6}{'bytes':>11}{'count':>7}  {'phase':<9} why")
             for c in self.collectives:
@@ -106,6 +110,7 @@ def explain(program: Program, optimizers: list[torch.optim.Optimizer] = (), pipe
         pipeline=_pipeline_lines(program, pipeline) if pipeline is not None else [],
         fusion=[f"{kernel}: fused {r.fused} of {r.eligible} eligible" + "".join(f"; left {x}" for x in r.left)
                 for kernel, r in program.fusion.items()],
+        coverage=coverage(program.params, sizes, program.tp_why).lines(),
     )
 
 

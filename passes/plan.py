@@ -1,7 +1,8 @@
 """plan: decide every parameter's placement on the tp axis (the decision; tensor_parallel is the mechanism).
 
 Purpose: the automatic Megatron-LM plan, found from the graph rather than from module names: linear layers
-that read the same activation (q/k/v, MLP up/gate) are tried column-parallel together; their sharded
+(aten.linear, or a matmul/mm/bmm by a transposed weight such as Falcon's `x @ weight.T`) that read the same
+activation (q/k/v, MLP up/gate) are tried column-parallel together; their sharded
 outputs are followed op by op (with the same rules the tensor_parallel pass uses) and must reach linear
 layers that can consume them row-parallel (attention output, MLP down) without any communication in
 between. Members whose flow cannot stay sharded are dropped and the rest tried again: a k/v projection
@@ -14,7 +15,10 @@ Ensures: ParamSpec.placements["tp"] set for every parameter (R unless a style sh
     modules became column/row-parallel and why others stayed replicated. With tp = 1, no change.
 Terms: colwise = output features split (weight S(out dim), bias S(0)); rowwise = input features split
     (weight S(in dim), bias kept whole and added after the reduction); chunks = blocks of a fused
-    projection (GPT-2's c_attn holds q, k and v: each is split on its own).
+    projection (GPT-2's c_attn holds q, k and v: each is split on its own), found from the split, chunk or
+    slices that cut its output; blocks of unequal sizes (Phi-3's q|k|v under GQA) are kept as their sizes.
+    Coverage: the share of the blocks' weight bytes sharded (compiler/ir/coverage.py); every replicated block
+    module gets a reason in Program.tp_why; below one half compile warns, below Plan.min_tp_coverage it fails.
 
 Before: p_layers_0_attention_wq_weight  tp:R          After: tp:S(0)
 """
@@ -26,12 +30,14 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.ir.fx_ops import get_arg, is_reshape
-from meshc.compiler.ir.placement import Replicate, Shard, in_parts
+from meshc.compiler.ir.coverage import block_weights, coverage
+from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
+from meshc.compiler.ir.fx_ops import get_arg, is_reshape, op_name
+from meshc.compiler.ir.placement import Replicate, Shard, as_chunks, in_parts
 from meshc.compiler.ir.program import Program
 
-from .shapes import divides
+from .blocks import block_of
+from .shapes import shard_divides
 from .tp_rules import RuleCtx
 from .tp_table import infer
 
@@ -47,7 +53,7 @@ class Weight:
     node: fx.Node  # the op that uses it
     act: fx.Node | None  # the activation it multiplies
     bias: str | None
-    chunks: int
+    chunks: int | tuple[int, ...]
 
     @property
     def out_dim(self) -> int:
@@ -81,14 +87,84 @@ def plan_pass(program: Program) -> Program:
             styles[w.fqn] = style
     for fqn, style in styles.items():
         _apply(program, weights[fqn], style)
+        if style == "replicate":
+            program.tp_why[weights[fqn].module] = "Plan.tp asks for it"
     for fqn, placements in fixed.items():  # decided by an earlier graph (torch.compile's graph breaks)
         if fqn in program.params:
             program.params[fqn].placements = dict(placements)
+    _untried_reasons(program, weights)
+    _row_reasons(program, weights)
     col = sorted({weights[f].module for f, s in styles.items() if s == "colwise"})
     row = sorted({weights[f].module for f, s in styles.items() if s == "rowwise"})
     program.notes.append(f"tp={n}: {len(col)} column-parallel, {len(row)} row-parallel modules, "
                          f"{sum(s == 'vocab' for s in styles.values())} vocab-parallel")
+    _check_coverage(program, n)
     return program
+
+
+def _untried_reasons(program: Program, weights: dict[str, Weight]) -> None:
+    """A reason for every block weight the Megatron trials never took up."""
+    nodes = program.param_nodes()
+    for spec in block_weights(program.params):
+        module = spec.fqn.rsplit(".", 1)[0]
+        if module in program.tp_why or spec.fqn not in nodes:
+            continue
+        uses = sorted({op_name(u.target) for u in nodes[spec.fqn].users})
+        if spec.fqn not in weights:
+            why = f"not the weight of a linear, matmul or embedding (used by {', '.join(uses) or 'nothing'})"
+        elif not spec.requires_grad:
+            why = "frozen (requires_grad=False)"
+        elif len(nodes[spec.fqn].users) > 1:
+            why = f"used by {len(nodes[spec.fqn].users)} ops ({', '.join(uses)})"
+        else:
+            why = "no row-parallel layer consumes its output"
+        program.tp_why[module] = why
+
+
+NORMS = (aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default)
+
+
+def _row_reasons(program: Program, weights: dict[str, Weight]) -> None:
+    """A replicated layer fed (within its block, past no norm) by another replicated layer could only have been
+    its row-parallel consumer: say so, rather than why it failed as a column-parallel layer itself."""
+    by_node = {w.node: w for w in weights.values() if w.kind != "embedding"}
+    whole = lambda w: not isinstance(program.params[w.fqn].placements.get(AXIS), Shard)
+    for w in by_node.values():
+        if not whole(w) or not isinstance(w.act, fx.Node):
+            continue
+        block, frontier, seen = block_of(w.node), [w.act], set()
+        while frontier:
+            cur = frontier.pop()
+            if cur in seen or cur.op != "call_function" or cur.target in NORMS or block_of(cur) != block:
+                continue
+            seen.add(cur)
+            src = by_node.get(cur)
+            if src is not None and src.module != w.module:
+                if whole(src):
+                    name = src.module[len(block) + 1:] if src.module.startswith(block + ".") else src.module
+                    program.tp_why[w.module] = f"its input comes from {name}, which stays replicated"
+                break
+            frontier.extend(cur.all_input_nodes)
+
+
+def _check_coverage(program: Program, n: int) -> None:
+    """Warn when tp shards less than half of the blocks' weight bytes; Plan.min_tp_coverage makes a floor an error."""
+    cov = coverage(program.params, {AXIS: n}, program.tp_why)
+    frac = cov.fractions.get(AXIS, 1.0)
+    program.notes.append(f"tp coverage: {frac:.2f} of the blocks' weight bytes sharded")
+    floor = program.plan.min_tp_coverage
+    listing = "; ".join(f"{m}: {r}" for m, r in cov.replicated[:12])
+    more = f"; and {len(cov.replicated) - 12} more" if len(cov.replicated) > 12 else ""
+    if floor is not None and frac < floor:
+        raise MeshcValueError(f"Plan.min_tp_coverage: expected at least {floor:.2f} of the blocks' weight bytes "
+                              f"sharded on tp={n}, got {frac:.2f}; replicated: {listing}{more}. Shard those modules "
+                              "with Plan(tp={'<module glob>': 'colwise'|'rowwise'}), use a smaller tp, or lower "
+                              "min_tp_coverage")
+    if frac < 0.5 and cov.total_bytes:
+        text = (f"tp={n} shards {frac:.2f} of the blocks' weight bytes (every tp rank holds and computes the rest): "
+                f"{listing}{more}")
+        program.warnings.append(text)
+        warn(text, MeshcWarning)
 
 
 def _apply(program: Program, w: Weight, style: str) -> None:
@@ -133,25 +209,54 @@ def _as_weight(program, fqn, node, use) -> Weight | None:
         return Weight(fqn, module, "conv1d", use, use.args[1], bias_of(use.args[0]), _chunks(use))
     if use.target in (aten.mm.default, aten.matmul.default) and use.args[1] is node:
         return Weight(fqn, module, "conv1d", use, use.args[0], None, _chunks(use))
+    if _swaps_2d(use) and len(use.users) == 1:  # x @ weight.T: a linear layer written by hand (Falcon)
+        (mm,) = use.users
+        if mm.target in MATMULS and mm.args[1] is use and len(mm.args) == 2:
+            return Weight(fqn, module, "linear", mm, mm.args[0], None, _chunks(mm))
     if use.target == aten.embedding.default and use.args[0] is node:
         return Weight(fqn, module, "embedding", use, use.args[1], None, 1)
     return None
 
 
-def _chunks(node: fx.Node) -> int:
-    """A fused projection: its output, through reshapes that keep the last dim, is split into k equal parts."""
+MATMULS = (aten.mm.default, aten.matmul.default, aten.bmm.default)
+
+
+def _swaps_2d(node: fx.Node) -> bool:
+    """Is `node` the transpose of a 2-D tensor: t, numpy_T (`.T`), mT, adjoint, transpose(0, 1), permute([1, 0])?"""
+    if node.op != "call_function" or len(node.meta.get("meshc.shape") or ()) != 2:
+        return False
+    if node.target in (aten.t.default, aten.numpy_T.default, aten.mT.default, aten.adjoint.default):
+        return True
+    if node.target == aten.transpose.int:
+        return {d % 2 for d in node.args[1:3]} == {0, 1}
+    return node.target == aten.permute.default and [d % 2 for d in node.args[1]] == [1, 0]
+
+
+def _chunks(node: fx.Node) -> int | tuple[int, ...]:
+    """A fused projection: its output, through reshapes that keep the last dim, is cut into parts on that dim
+    (split, chunk, or slices that tile it, as Phi-3's q|k|v): their count when equal, else their sizes."""
     width = int(node.meta["meshc.shape"][-1])
     frontier = [node]
     while frontier:
         cur = frontier.pop()
+        last = len(cur.meta["meshc.shape"]) - 1
+        slices = []
         for u in cur.users:
             if is_reshape(u) and int(u.meta["meshc.shape"][-1]) == width:
                 frontier.append(u)
-            elif u.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            elif u.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
                 dim = u.args[2] if len(u.args) > 2 else 0
-                parts = [int(s[dim]) for s in u.meta["meshc.shape"]]
-                if dim % len(cur.meta["meshc.shape"]) == len(cur.meta["meshc.shape"]) - 1 and len(set(parts)) == 1:
-                    return len(parts)
+                if dim % (last + 1) == last:
+                    return as_chunks(int(s[dim]) for s in u.meta["meshc.shape"])
+            elif u.target == aten.slice.Tensor and len(u.args) > 1 and u.args[1] % (last + 1) == last:
+                step = u.args[4] if len(u.args) > 4 else 1
+                lo = u.args[2] if len(u.args) > 2 and u.args[2] is not None else 0
+                if step == 1 and 0 <= lo < width:
+                    slices.append((lo, lo + int(u.meta["meshc.shape"][-1])))
+        tiles = sorted(set(slices))
+        if len(tiles) > 1 and tiles[0][0] == 0 and tiles[-1][1] == width and all(
+                a[1] == b[0] for a, b in zip(tiles, tiles[1:])):
+            return as_chunks(hi - lo for lo, hi in tiles)
     return 1
 
 
@@ -268,6 +373,8 @@ def _explain_failure(program: Program, result: _Trial, members: list[Weight], n:
         what, size = result.indivisible
         if n % size == 0:  # fewer heads than ranks (MQA/GQA): replicate them, as Megatron does for kv
             program.warnings.append(f"tp: {_names(blamed)} replicated: {what} < tp={n}")
+            for m in blamed:
+                program.tp_why[m.module] = f"{what}: {size} < tp={n}, replicated as Megatron does for kv heads"
             return
         raise MeshcValueError(f"tp sharding: {_names(blamed)} cannot be split over tp={n}: {what}={n}. "
                               f"Choose tp dividing {size}, or keep those modules replicated "
@@ -276,13 +383,15 @@ def _explain_failure(program: Program, result: _Trial, members: list[Weight], n:
         program.notes.append(f"auto: {_names(blamed)} left replicated: {result.reason}")
     elif members:
         program.notes.append(f"auto: {_names(members)} replicated: {result.reason}")
+    for m in blamed or members:
+        program.tp_why[m.module] = result.reason
 
 
 def _indivisible(node: fx.Node, out, n: int) -> int | None:
     outs = out if isinstance(out, tuple) else (out,)
     shapes = node.meta["meshc.shape"] if isinstance(out, tuple) else (node.meta["meshc.shape"],)
     for p, shape in zip(outs, shapes):
-        if isinstance(p, Shard) and shape is not None and not divides(shape[p.dim], n * p.chunks):
+        if isinstance(p, Shard) and shape is not None and not shard_divides(shape[p.dim], p, n):
             return int(shape[p.dim])
     return None
 

@@ -63,6 +63,13 @@ def divides(size: sympy.Expr, n: int) -> bool:
     return sympy.simplify(sympy.Mod(size, n)) == 0
 
 
+def shard_divides(size: sympy.Expr, placement: Shard, n: int) -> bool:
+    """True when every block of `placement` along a dim of `size` splits evenly over n ranks."""
+    if isinstance(placement.chunks, tuple):
+        return sum(placement.chunks) == size and all(b % n == 0 for b in placement.chunks)
+    return divides(size, n * placement.chunks)
+
+
 def local_shape(shape: tuple, placement, n: int) -> tuple:
     """The local sizes of a value of global `shape` under `placement` on an axis of size n."""
     if not isinstance(placement, Shard):
@@ -77,10 +84,14 @@ def check_divisible(shape: tuple, placement, n: int, axis: str, what: str, why: 
     if not isinstance(placement, Shard):
         return
     size = shape[placement.dim]
-    if not divides(size, n * placement.chunks):
-        per = f" ({placement.chunks} blocks of {size / placement.chunks})" if placement.chunks > 1 else ""
+    if not shard_divides(size, placement, n):
+        if isinstance(placement.chunks, tuple):
+            per, unit = f" (blocks of {'+'.join(map(str, placement.chunks))})", "each block"
+        else:
+            per = f" ({placement.chunks} blocks of {size / placement.chunks})" if placement.chunks > 1 else ""
+            unit = size / placement.chunks
         raise MeshcValueError(
             f"{axis} sharding: {what}: dim {placement.dim} of size {size}{per} is not divisible by "
-            f"{axis}={n}{why}. Choose {axis} dividing {size / placement.chunks}, or keep the parameter "
+            f"{axis}={n}{why}. Choose {axis} dividing {unit}, or keep the parameter "
             f"replicated on {axis} (Plan(tp={{'<module glob>': 'replicate'}}))."
         )

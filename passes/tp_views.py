@@ -8,13 +8,14 @@ VIEW_RULES lists this file's rules for tp_table.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 
 import torch
 import torch.fx as fx
 
-from meshc.compiler.ir.placement import Partial, R, Replicate, Shard
+from meshc.compiler.ir.placement import Partial, R, Replicate, Shard, as_chunks, block_sizes
 
 from .tp_rules import Decision, RuleCtx, handles
 
@@ -58,6 +59,8 @@ def shard_through_view(src: tuple[int, ...], dst: tuple[int, ...], shard: Shard,
     for gi, gj in view_groups(src, dst):
         if shard.dim not in gi:
             continue
+        if isinstance(shard.chunks, tuple):  # unequal blocks follow only a view that keeps their dim as it is
+            return Shard(gj[0], shard.chunks) if len(gi) == len(gj) == 1 else None
         k = gi.index(shard.dim)
         outer = math.prod(src[d] for d in gi[:k])
         inner = math.prod(src[d] for d in gi[k + 1:])
@@ -106,7 +109,21 @@ def view_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, out, rewrite=lambda nd, o=out: nd.update_arg(1, _local(dst, o, ctx.n)))
 
 
-@handles(aten.expand.default)
+@handles(aten.flatten.using_ints)
+def flatten_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """flatten(start, end): a view whose arguments are dims, not sizes (nothing to make local)."""
+    x = node.args[0]
+    p = ctx.pl(x)
+    if not isinstance(p, Shard):
+        return Decision({}, p)
+    src, dst = _ints(x), _ints(node)
+    out = shard_through_view(src, dst, p, ctx.n)
+    if out is None:
+        return Decision({(0,): R}, R, note=f"shard {p} of {src} cannot follow the flatten to {dst}")
+    return Decision({}, out)
+
+
+@handles(aten.expand.default, aten.broadcast_to.default)
 def expand_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     x = node.args[0]
     p = ctx.pl(x)
@@ -128,12 +145,18 @@ def transpose_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, Shard(dim, p.chunks))
 
 
-@handles(aten.t.default)
+@handles(aten.t.default, aten.numpy_T.default, aten.mT.default, aten.adjoint.default)
 def t_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """t and numpy_T (`weight.T`) reverse the dims; mT and adjoint swap the last two."""
     p = ctx.pl(node.args[0])
-    if isinstance(p, Shard) and len(_ints(node)) == 2:
-        return Decision({}, Shard(1 - p.dim, p.chunks))
-    return Decision({}, p)
+    if not isinstance(p, Shard):
+        return Decision({}, p)
+    ndim = len(_ints(node))
+    if node.target in (aten.mT.default, aten.adjoint.default):
+        dim = {ndim - 1: ndim - 2, ndim - 2: ndim - 1}.get(p.dim, p.dim)
+    else:
+        dim = ndim - 1 - p.dim
+    return Decision({}, Shard(dim, p.chunks))
 
 
 @handles(aten.permute.default)
@@ -178,9 +201,28 @@ def slice_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     start = node.args[2] if len(node.args) > 2 else 0
     end = node.args[3] if len(node.args) > 3 else None
     step = node.args[4] if len(node.args) > 4 else 1
-    if (start in (0, None)) and (end is None or end >= src[dim]) and step == 1:
+    start, end = _bound(start, src[dim], 0), _bound(end, src[dim], src[dim])
+    if start == 0 and end == src[dim] and step == 1:
         return Decision({}, p)
+    blocks = block_sizes(p.chunks, src[dim])
+    edges = [0, *itertools.accumulate(blocks)]
+    if step == 1 and start in edges and end in edges and start < end:  # q = qkv[..., :q_size]: whole blocks
+        held = blocks[edges.index(start):edges.index(end)]
+        n = ctx.n
+
+        def rewrite(nd: fx.Node) -> None:
+            nd.update_arg(2, start // n)
+            if len(nd.args) > 3:
+                nd.update_arg(3, end // n)
+        return Decision({}, Shard(dim, as_chunks(held)), rewrite=rewrite)
     return Decision({(0,): R}, R, note=f"slice of the sharded dim {dim}")
+
+
+def _bound(i, size: int, default: int) -> int:
+    """A slice bound as Python reads it: None -> default, negative from the end, clamped to [0, size]."""
+    if i is None:
+        return default
+    return min(max(i + size if i < 0 else i, 0), size)
 
 
 @handles(aten.select.int)
@@ -203,10 +245,10 @@ def split_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     parts = [int(s[dim]) for s in node.meta["meshc.shape"]]
     if not isinstance(p, Shard) or p.dim != dim:
         return Decision({}, tuple(p for _ in parts))
-    block = src[dim] // p.chunks
-    if any(size % block for size in parts):
+    groups = _whole_blocks(block_sizes(p.chunks, src[dim]), parts)
+    if groups is None:
         return Decision({(0,): R}, tuple(R for _ in parts), note="split across the blocks of a shard")
-    outs = tuple(Shard(dim, size // block) for size in parts)
+    outs = tuple(Shard(dim, as_chunks(g)) for g in groups)
 
     def rewrite(nd: fx.Node) -> None:
         if nd.target == aten.split.Tensor:
@@ -214,6 +256,38 @@ def split_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
         else:
             nd.update_arg(1, [s // ctx.n for s in parts])
     return Decision({}, outs, rewrite=rewrite)
+
+
+def _whole_blocks(blocks: tuple[int, ...], parts: list[int]) -> list[tuple[int, ...]] | None:
+    """The blocks each consecutive part of a dim holds, or None when a part cuts a block."""
+    out, i = [], 0
+    for size in parts:
+        held = []
+        while size > 0 and i < len(blocks) and blocks[i] <= size:
+            held.append(blocks[i])
+            size -= blocks[i]
+            i += 1
+        if size or not held:
+            return None
+        out.append(tuple(held))
+    return out
+
+
+@handles(aten.chunk.default)
+def chunk_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """chunk(c, dim) of a fused projection (gate|up): each part is whole blocks, so the local tensor chunked
+    the same way gives every part's local share (nothing to rewrite)."""
+    x = node.args[0]
+    p = ctx.pl(x)
+    src = _ints(x)
+    dim = (node.args[2] if len(node.args) > 2 else 0) % len(src)
+    parts = [int(s[dim]) for s in node.meta["meshc.shape"]]
+    if not isinstance(p, Shard) or p.dim != dim:
+        return Decision({}, tuple(p for _ in parts))
+    groups = _whole_blocks(block_sizes(p.chunks, src[dim]), parts)
+    if groups is None or len(set(parts)) != 1:
+        return Decision({(0,): R}, tuple(R for _ in parts), note="chunk across the blocks of a shard")
+    return Decision({}, tuple(Shard(dim, as_chunks(g)) for g in groups))
 
 
 @handles(aten.unbind.int)
@@ -252,14 +326,54 @@ def _cat_rule(tensors: list, dim: int, ndim: int, ctx: RuleCtx) -> Decision:
         return Decision({}, Partial())
     shards = [p for p in pls if isinstance(p, Shard)]
     if shards and all(isinstance(p, Shard) and p.dim == dim for p in pls):
-        blocks = {_ints(t)[dim] // p.chunks for t, p in zip(tensors, pls)}
-        if len(blocks) == 1:
-            return Decision({}, Shard(dim, sum(p.chunks for p in pls)))
+        blocks = [b for t, p in zip(tensors, pls) for b in block_sizes(p.chunks, _ints(t)[dim])]
+        return Decision({}, Shard(dim, as_chunks(blocks)))
     if shards and shards[0].dim != dim:
         target = shards[0]
         if all(not isinstance(p, Partial) for p in pls):
             return Decision({(0, i): target for i in range(len(tensors))}, target)
     return Decision({(0, i): R for i in range(len(tensors))}, R, note="cat of differently placed tensors")
+
+
+@handles(aten.stack.default)
+def stack_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """stack along a new dim (GPT-J's interleaved rotary: stack((-x2, x1), -1)): tensors sharded alike keep the
+    shard, moved past the new dim; replicated ones are sliced to match; partial sums stack as partial sums."""
+    tensors = list(node.args[0])
+    ndim = len(_ints(node))
+    dim = (node.args[1] if len(node.args) > 1 else 0) % ndim
+    pls = [ctx.pl(t) for t in tensors]
+    if all(isinstance(p, Replicate) for p in pls) or all(isinstance(p, Partial) for p in pls):
+        return Decision({}, pls[0])
+    shards = [p for p in pls if isinstance(p, Shard)]
+    if any(isinstance(p, Partial) for p in pls) or len(set(shards)) > 1:
+        return Decision({(0, i): R for i in range(len(tensors))}, R, note="stack of differently placed tensors")
+    p = shards[0]
+    req = {(0, i): p for i, q in enumerate(pls) if q != p}
+    return Decision(req, Shard(p.dim + (1 if p.dim >= dim else 0), p.chunks))
+
+
+@handles(aten.index.Tensor)
+def index_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """x[..., idx, ...] with index tensors on dims other than the sharded one (Falcon's qkv[:, :, :, [-2]]): the
+    shard follows. Index tensors on consecutive dims replace those dims with the index's dims (torch's advanced
+    indexing); other layouts, or an index on the sharded dim, are replicated."""
+    x, indices = node.args[0], list(node.args[1])
+    p = ctx.pl(x)
+    idx = [(d, t) for d, t in enumerate(indices) if t is not None]
+    if any(not isinstance(ctx.pl(t), Replicate) for _, t in idx):
+        return Decision({(0,): R, **{(1, d): R for d, _ in idx}}, R, note="index by a sharded index tensor")
+    if not isinstance(p, Shard):
+        return Decision({}, p)
+    dims = [d for d, _ in idx]
+    if p.dim in dims:
+        return Decision({(0,): R}, R, note=f"index on the sharded dim {p.dim}")
+    if dims != list(range(dims[0], dims[0] + len(dims))):
+        return Decision({(0,): R}, R, note="index tensors on dims apart from each other")
+    if p.dim < dims[0]:
+        return Decision({}, p)
+    added = len(_ints(node)) - len(_ints(x)) + len(dims)  # the index's broadcast dims
+    return Decision({}, Shard(p.dim - len(dims) + added, p.chunks))
 
 
 @handles(operator.getitem)
@@ -268,5 +382,5 @@ def getitem_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, p[node.args[1]] if isinstance(p, tuple) else p)
 
 
-VIEW_RULES = (view_rule, expand_rule, transpose_rule, t_rule, permute_rule, unsqueeze_rule, squeeze_rule, slice_rule,
-              select_rule, split_rule, unbind_rule, cat_rule, getitem_rule)
+VIEW_RULES = (view_rule, flatten_rule, expand_rule, transpose_rule, t_rule, permute_rule, unsqueeze_rule, squeeze_rule, slice_rule,
+              select_rule, split_rule, chunk_rule, unbind_rule, cat_rule, stack_rule, index_rule, getitem_rule)

@@ -25,6 +25,7 @@ which refuses anything but tensors. A folder holding any file the manifest does 
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import math
@@ -43,7 +44,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from meshc.compiler import _torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError
-from meshc.compiler.ir.placement import FlatShard, Shard
+from meshc.compiler.ir.placement import FlatShard, Shard, block_sizes
 
 FORMAT = "meshc-checkpoint"
 VERSION = 1
@@ -127,13 +128,15 @@ def _segments(dim: int, start: int, length: int, steps: list, lengths: list) -> 
     for (d, chunks, n, k), after in reversed(list(zip(steps, lengths))):
         if d != dim:
             continue
-        block = after // chunks  # a rank's part of one chunk block
+        local = [b // n for b in block_sizes(chunks, after * n)]  # a rank's part of each block
+        starts = list(itertools.accumulate([0] + local[:-1]))  # where each block's part begins, locally
         out = []
         for loc, cur, left in segs:
             while left > 0:
-                b, j = divmod(cur, block)
-                take = min(left, block - j)
-                out.append((loc, b * n * block + k * block + j, take))
+                b = bisect.bisect_right(starts, cur) - 1
+                j = cur - starts[b]
+                take = min(left, local[b] - j)
+                out.append((loc, starts[b] * n + k * local[b] + j, take))
                 loc, cur, left = loc + take, cur + take, left - take
         segs = out
     return segs

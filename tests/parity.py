@@ -52,7 +52,8 @@ def meshc_rank(model: str, steps: int, batch: int, mesh_sizes: dict | None = Non
         opt.zero_grad()
         losses.append(loss.item())
     params = job.state_dict()
-    return {"losses": losses, "grads0": grads0, "params": params, "report": str(job.explain())}
+    return {"losses": losses, "grads0": grads0, "params": params, "report": str(job.explain()),
+            "local_shapes": {fqn: tuple(p.shape) for fqn, p in job.named_parameters()}}
 
 
 def _optimizer_args(name: str):
@@ -75,6 +76,17 @@ def assert_matches(rank: int, out: dict, ref: dict, steps: int, params_tol: floa
     assert diff < 2e-6, f"rank {rank}: step-1 gradient of {where} off by {diff}"
     diff, where = max_diff(out["params"], ref["params"])
     assert diff < params_tol, f"rank {rank}: parameter {where} off by {diff} after {steps} steps"
+
+
+def block_coverage(local_shapes: dict, model: torch.nn.Module) -> float:
+    """The share of the blocks' weight bytes (parameters of 2+ dims under an indexed module) a rank holds in
+    part, from its local shapes: what the plan really sharded, whatever it reports."""
+    import re
+
+    whole = {n: p for n, p in model.named_parameters() if p.dim() >= 2 and re.search(r"\.\d+\.", n)}
+    total = sum(p.numel() for p in whole.values())
+    sharded = sum(p.numel() for n, p in whole.items() if n in local_shapes and tuple(local_shapes[n]) != tuple(p.shape))
+    return sharded / total
 
 
 def max_diff(a: dict, b: dict) -> tuple[float, str]:

@@ -212,4 +212,69 @@ def falcon(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return FalconForCausalLM(cfg)
 
 
-MODELS.update(t5=t5, bloom=bloom, falcon=falcon)
+def falcon_new(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face Falcon, the 40B layout (new_decoder_architecture): two LayerNorms, the fused QKV grouped by
+    kv head (each group: its query heads, one key, one value; `x @ weight.T` linears), 2 kv heads for 4 query
+    heads."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                       num_kv_heads=2, new_decoder_architecture=True, bias=False, alibi=False, hidden_dropout=0.0,
+                       attention_dropout=0.0, max_position_embeddings=SEQ, use_cache=False, bos_token_id=0,
+                       eos_token_id=0, pad_token_id=0)
+    return FalconForCausalLM(cfg)
+
+
+def falcon_mha(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face Falcon, the old layout without multi-query: the fused QKV interleaved per head (q, k, v of
+    head 0, then of head 1...), attention and MLP in parallel from one LayerNorm, biases on the linears."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                       new_decoder_architecture=False, parallel_attn=True, multi_query=False, bias=True,
+                       alibi=False, hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=SEQ,
+                       use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return FalconForCausalLM(cfg)
+
+
+def phi3(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face Phi-3: one fused qkv_proj whose q, k and v blocks differ in size (4 query heads, 2 kv heads:
+    32 + 16 + 16 rows), cut by slices; one fused gate_up_proj cut by chunk; RMSNorm, rotary embeddings."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                     original_max_position_embeddings=SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+                     use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return Phi3ForCausalLM(cfg)
+
+
+def gpt_neox(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face GPT-NeoX: the fused query_key_value interleaved per head (q, k, v of head 0, then head 1...),
+    viewed as heads and chunked into q, k, v; partial rotary; attention and MLP in parallel."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                        num_attention_heads=4, max_position_embeddings=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
+                        use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return GPTNeoXForCausalLM(cfg)
+
+
+def gptj(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face GPT-J: interleaved partial rotary (pairs of channels rotated, put back with torch.stack and
+    flatten) on 4 of each head's 8 channels, attention and MLP in parallel from one LayerNorm."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = GPTJConfig(vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=layers, n_positions=SEQ, rotary_dim=4,
+                     n_inner=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0,
+                     eos_token_id=0, pad_token_id=0)
+    return GPTJForCausalLM(cfg)
+
+
+MODELS.update(t5=t5, bloom=bloom, falcon=falcon, falcon_new=falcon_new, falcon_mha=falcon_mha, phi3=phi3,
+              gpt_neox=gpt_neox, gptj=gptj)

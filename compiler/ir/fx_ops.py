@@ -29,7 +29,8 @@ RESHAPE_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.defaul
 VIEW_NAMES = frozenset({
     "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select", "unsqueeze",
     "squeeze", "split", "split_with_sizes", "chunk", "alias", "detach", "_assert_tensor_metadata", "unbind",
-    "as_strided", "view_as", "expand_as", "flatten", "unflatten", "movedim", "narrow", "lift_fresh_copy"})
+    "as_strided", "view_as", "expand_as", "flatten", "unflatten", "movedim", "narrow", "lift_fresh_copy",
+    "numpy_T", "mT", "adjoint"})
 
 
 def op_name(target: Any) -> str:

@@ -17,12 +17,16 @@ class Replicate:
 @dataclass(frozen=True)
 class Shard:
     """Tensor dim `dim` split evenly over the axis. With chunks=c the dim is c equal blocks, each split
-    evenly, and a rank holds its part of every block (a fused qkv projection's output is 3 blocks)."""
+    evenly, and a rank holds its part of every block (a fused qkv projection's output is 3 blocks). Blocks of
+    unequal sizes (q|k|v under grouped-query attention) are given as their global sizes, chunks=(64, 32, 32):
+    the local tensor is then this rank's 1/n of each block, in block order."""
 
     dim: int
-    chunks: int = 1
+    chunks: int | tuple[int, ...] = 1
 
     def __str__(self) -> str:
+        if isinstance(self.chunks, tuple):
+            return f"S({self.dim})x({'+'.join(map(str, self.chunks))})"
         return f"S({self.dim})" if self.chunks == 1 else f"S({self.dim})x{self.chunks}"
 
 
@@ -47,8 +51,21 @@ R = Replicate()
 P = Partial()
 
 
-def S(dim: int, chunks: int = 1) -> Shard:
+def S(dim: int, chunks: int | tuple[int, ...] = 1) -> Shard:
     return Shard(dim, chunks)
+
+
+def block_sizes(chunks: int | tuple[int, ...], length: int) -> tuple[int, ...]:
+    """The sizes of the blocks a shard's `chunks` cuts a dim of `length` into (whole-tensor sizes)."""
+    if isinstance(chunks, tuple):
+        return chunks
+    return (length // chunks,) * chunks
+
+
+def as_chunks(sizes) -> int | tuple[int, ...]:
+    """The `chunks` of a shard with blocks of these (whole-tensor) sizes: a count when they are equal."""
+    sizes = tuple(int(s) for s in sizes)
+    return len(sizes) if len(set(sizes)) <= 1 else sizes
 
 
 def in_parts(p) -> bool:

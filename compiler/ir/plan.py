@@ -70,6 +70,9 @@ class Plan:
         trace: "auto" tries non-strict torch.export and falls back to strict (TorchDynamo); "strict" or
             "non-strict" forces one. Non-strict comes first because it keeps user autograd.Functions'
             backward (strict export drops it: wrong gradients) and is several times faster.
+        min_tp_coverage: with tp > 1, the least fraction (0 to 1] of the blocks' weight bytes the plan must
+            hold sharded on tp (compiler/ir/coverage.py says what counts); less is an error naming each
+            replicated module and why. None (default): below one half warns (MeshcWarning) instead.
         check_trace: compare the traced program's loss and gradients with eager on the example batch
             before sharding, raising on the first parameter whose gradient differs. None (default): on
             when the model's parameters are real tensors of at most 16M elements in all (the check costs
@@ -83,6 +86,7 @@ class Plan:
     trace: str = "auto"
     check_trace: bool | None = None
     tp: dict[str, str] | None = None
+    min_tp_coverage: float | None = None
     sequence_parallel: bool = False
     vocab_parallel: bool = False
     zero: int = 0
@@ -117,6 +121,10 @@ class Plan:
                 glob, style = next(iter(bad.items()))
                 raise MeshcValueError(f"Plan.tp[{glob!r}]: expected a style among {', '.join(TP_STYLES)}, got "
                                       f"{style!r}")
+        if self.min_tp_coverage is not None and (isinstance(self.min_tp_coverage, bool) or not isinstance(
+                self.min_tp_coverage, (int, float)) or not 0 < self.min_tp_coverage <= 1):
+            raise MeshcValueError(f"Plan.min_tp_coverage: expected a fraction in (0, 1] of the blocks' weight bytes, "
+                                  f"got {self.min_tp_coverage!r}; e.g. min_tp_coverage=0.9, or None for a warning only")
         if self.zero not in (0, 1, 2, 3):
             raise MeshcValueError(f"Plan.zero: expected a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
         if not isinstance(self.zero_bucket_mb, (int, float)) or self.zero_bucket_mb <= 0:

@@ -110,6 +110,7 @@ class Program:
     fusion: dict = field(default_factory=dict)  # fuse_comm: kernel -> FusionResult (fused, eligible, left)
     notes: list[str] = field(default_factory=list)  # what passes changed, in words
     warnings: list[str] = field(default_factory=list)  # what a user should look at
+    tp_why: dict[str, str] = field(default_factory=dict)  # plan pass: module -> why it stays replicated on tp
     pass_log: list[Any] = field(default_factory=list)  # driver.PassRecord per pass run
 
     def replace(self, **changes: Any) -> "Program":
@@ -127,6 +128,7 @@ class Program:
             buffers={k: dataclasses.replace(v, placements=dict(v.placements)) for k, v in self.buffers.items()},
             notes=list(self.notes),
             warnings=list(self.warnings),
+            tp_why=dict(self.tp_why),
             pass_log=list(self.pass_log),
         )
 

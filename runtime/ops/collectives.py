@@ -72,28 +72,41 @@ def grad_sync(*params: torch.Tensor, groups: tuple[str, ...], size: int) -> tupl
 # ------------------------------------------------------------------------------------------------
 
 
-def gather_shard(x: torch.Tensor, dim: int, chunks: int, size: int, group: str) -> torch.Tensor:
+# With unequal blocks, chunks is the tuple of their whole sizes (q|k|v under grouped-query attention).
+
+
+def gather_shard(x: torch.Tensor, dim: int, chunks: int | tuple, size: int, group: str) -> torch.Tensor:
     moved = x.movedim(dim, 0).contiguous()  # (c*b, ...)
     full = compat.all_gather(moved, size, group)  # (n*c*b, ...) in rank-major order
     rest = moved.shape[1:]
+    if isinstance(chunks, tuple):  # rank-major (n, local blocks...) -> block-major
+        parts = full.view(size, moved.shape[0], *rest).split([c // size for c in chunks], dim=1)
+        return torch.cat([p.reshape(-1, *rest) for p in parts]).movedim(0, dim)
     block = moved.shape[0] // chunks
     full = full.view(size, chunks, block, *rest).transpose(0, 1).reshape(chunks * size * block, *rest)
     return full.movedim(0, dim)
 
 
-def slice_shard(x: torch.Tensor, dim: int, chunks: int, size: int, index: int) -> torch.Tensor:
+def slice_shard(x: torch.Tensor, dim: int, chunks: int | tuple, size: int, index: int) -> torch.Tensor:
     moved = x.movedim(dim, 0)
     rest = moved.shape[1:]
+    if isinstance(chunks, tuple):
+        part = torch.cat([b.reshape(size, b.shape[0] // size, *rest)[index] for b in moved.split(list(chunks))])
+        return part.movedim(0, dim).contiguous()
     block = moved.shape[0] // (chunks * size)
     part = moved.reshape(chunks, size, block, *rest)[:, index].reshape(chunks * block, *rest)
     return part.movedim(0, dim).contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, chunks: int, size: int, group: str) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, chunks: int | tuple, size: int, group: str) -> torch.Tensor:
     moved = x.movedim(dim, 0)
     rest = moved.shape[1:]
-    block = moved.shape[0] // (chunks * size)
-    ordered = moved.reshape(chunks, size, block, *rest).transpose(0, 1).reshape(-1, *rest)  # rank-major
+    if isinstance(chunks, tuple):
+        ordered = torch.cat([b.reshape(size, b.shape[0] // size, *rest) for b in moved.split(list(chunks))], dim=1)
+        ordered = ordered.reshape(-1, *rest)  # rank-major
+    else:
+        block = moved.shape[0] // (chunks * size)
+        ordered = moved.reshape(chunks, size, block, *rest).transpose(0, 1).reshape(-1, *rest)  # rank-major
     return compat.reduce_scatter_sum(ordered, size, group).movedim(0, dim)
 
 
@@ -150,7 +163,10 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, chunks, size, group):
         ctx.args = (dim, chunks, size, group)
-        return _reduce_scatter(x, dim, chunks, size, group)
+        out = _reduce_scatter(x, dim, chunks, size, group)
+        # a view leaving a Function may not be modified in place (Falcon's `mlp_output += attention_output`):
+        # return a tensor of its own (movedim's view is copied; contiguous() of a contiguous view would not be)
+        return out.contiguous() if not out.is_contiguous() else out.clone()
 
     @staticmethod
     def backward(ctx, grad):

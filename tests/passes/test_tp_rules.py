@@ -97,6 +97,9 @@ COMPUTE = [
     ("linear x's k sharded, W whole", aten.linear.default, (T((2, 3, 6)), T((8, 6))), [S(2), R], 2, P,
      {(1,): S(1)}, False),
     ("linear batch-sharded x", aten.linear.default, (X, T((6, 8))), [S(0), R], 2, S(0), {}, False),
+    ("matmul x @ W.T column", aten.matmul.default, (X, T((8, 6))), [R, S(1)], 2, S(2), {}, False),
+    ("matmul x @ W.T row", aten.matmul.default, (T((2, 3, 6)), T((6, 8))), [S(2), S(0)], 2, P, {(0,): S(2)},
+     False),
     ("mm rows", aten.mm.default, (T((4, 8)), T((8, 6))), [S(0), R], 2, S(0), {}, False),
     ("mm P@R stays P", aten.mm.default, (T((4, 8)), T((8, 6))), [P, R], 2, P, {}, False),
     ("mm P@P reduces one side", aten.mm.default, (T((4, 8)), T((8, 6))), [P, P], 2, P, {(1,): R}, False),
@@ -158,6 +161,28 @@ VIEWS = [
     ("transpose moves it", aten.transpose.int, (X, 1, 2), [S(1)], 2, S(2), {}, False),
     ("t moves it", aten.t.default, (T((4, 6)),), [S(0)], 2, S(1), {}, False),
     ("permute moves it", aten.permute.default, (X, [2, 0, 1]), [S(0)], 2, S(1), {}, False),
+    # x @ weight.T (Falcon's linears): the transpose of a column- or row-parallel weight
+    ("numpy_T of a column weight", aten.numpy_T.default, (T((6, 8)),), [S(0)], 2, S(1), {}, False),
+    ("numpy_T of a chunked weight", aten.numpy_T.default, (T((6, 8)),), [S(0, 3)], 2, S(1, 3), {}, False),
+    ("numpy_T reverses every dim", aten.numpy_T.default, (X,), [S(0)], 2, S(2), {}, False),
+    ("mT swaps the last two", aten.mT.default, (X,), [S(1)], 2, S(2), {}, False),
+    ("mT leaves a batch shard", aten.mT.default, (X,), [S(0)], 2, S(0), {}, False),
+    ("flatten heads into the shard", aten.flatten.using_ints, (T((2, 3, 4, 2, 8)), 2, 3), [S(2)], 2, S(2), {},
+     False),
+    ("flatten keeps a shard before it", aten.flatten.using_ints, (T((2, 4, 3, 8)), 2, 3), [S(1)], 2, S(1), {},
+     False),
+    ("flatten an inner shard into blocks", aten.flatten.using_ints, (T((2, 3, 2, 8)), 2, 3), [S(3)], 2, S(2, 2), {},
+     False),
+    ("broadcast_to keeps the shard", aten.broadcast_to.default, (T((2, 3, 4, 1, 8)), [2, 3, 4, 2, 8]), [S(2)], 2,
+     S(2), {}, False),
+    # Falcon-40B's qkv[:, :, :, [-2]]: an index beside the shard (kv groups) keeps it
+    ("index after the shard", aten.index.Tensor, (T((2, 3, 4, 4, 8)), [None, None, None, T((1,), LONG)]),
+     [S(2), R], 2, S(2), {}, False),
+    ("index before the shard shifts it", aten.index.Tensor, (T((4, 6)), [T((2, 3), LONG)]), [S(1), R], 2, S(2), {},
+     False),
+    ("index on the shard gathers", aten.index.Tensor, (T((4, 6)), [None, T((2,), LONG)]), [S(1), R], 2, R,
+     {(0,): R}, True),
+    ("index of R", aten.index.Tensor, (T((4, 6)), [None, T((2,), LONG)]), [R, R], 2, R, {}, False),
     ("unsqueeze before it", aten.unsqueeze.default, (T((2, 3)), 0), [S(1)], 2, S(2), {}, False),
     ("squeeze before it", aten.squeeze.dim, (T((2, 1, 4)), 1), [S(2)], 2, S(1), {}, False),
     ("slice of the sharded dim gathers", aten.slice.Tensor, (T((4, 6)), 1, 0, 3), [S(1)], 2, R, {(0,): R}, True),
@@ -168,6 +193,40 @@ VIEWS = [
     ("split a fused qkv", aten.split.Tensor, (T((2, 12)), 4, 1), [S(1, 3)], 2, (S(1), S(1), S(1)), {}, False),
     ("split across blocks gathers", aten.split.Tensor, (T((2, 12)), 4, 1), [S(1)], 2, (R, R, R), {(0,): R}, True),
     ("split elsewhere", aten.split.Tensor, (T((4, 6)), 2, 0), [S(1)], 2, (S(1), S(1)), {}, False),
+    # fused projections laid out block after block, unequal blocks too (Phi-3's q|k|v = 32+16+16 under GQA)
+    ("slice the q block", aten.slice.Tensor, (T((2, 64)), 1, 0, 32), [S(1, (32, 16, 16))], 2, S(1), {}, False),
+    ("slice the k block", aten.slice.Tensor, (T((2, 64)), 1, 32, 48), [S(1, (32, 16, 16))], 2, S(1), {}, False),
+    ("slice k|v to the end", aten.slice.Tensor, (T((2, 64)), 1, 32, 2**63 - 1), [S(1, (32, 16, 16))], 2, S(1, 2),
+     {}, False),
+    ("slice q|k, unequal", aten.slice.Tensor, (T((2, 64)), 1, 0, -16), [S(1, (32, 16, 16))], 2, S(1, (32, 16)),
+     {}, False),
+    ("slice cutting a block gathers", aten.slice.Tensor, (T((2, 64)), 1, 0, 40), [S(1, (32, 16, 16))], 2, R,
+     {(0,): R}, True),
+    ("split unequal q|k|v", aten.split_with_sizes.default, (T((2, 64)), [32, 16, 16], 1), [S(1, (32, 16, 16))], 2,
+     (S(1), S(1), S(1)), {}, False),
+    ("split q | k+v", aten.split_with_sizes.default, (T((2, 64)), [32, 32], 1), [S(1, (32, 16, 16))], 2,
+     (S(1), S(1, 2)), {}, False),
+    ("split across unequal blocks gathers", aten.split_with_sizes.default, (T((2, 64)), [16, 48], 1),
+     [S(1, (32, 16, 16))], 2, (R, R), {(0,): R}, True),
+    ("chunk gate|up", aten.chunk.default, (T((2, 8)), 2, 1), [S(1, 2)], 2, (S(1), S(1)), {}, False),
+    ("chunk of a plain shard gathers", aten.chunk.default, (T((2, 8)), 2, 1), [S(1)], 2, (R, R), {(0,): R}, True),
+    ("chunk elsewhere keeps it", aten.chunk.default, (T((4, 8)), 2, 0), [S(1)], 2, (S(1), S(1)), {}, False),
+    ("cat of unequal blocks", aten.cat.default, ([T((2, 32)), T((2, 16))], 1), [S(1), S(1)], 2, S(1, (32, 16)), {},
+     False),
+    ("view keeps unequal blocks", aten.view.default, (T((2, 3, 64)), [6, 64]), [S(2, (32, 16, 16))], 2,
+     S(1, (32, 16, 16)), {}, False),
+    ("view splitting unequal blocks gathers", aten.view.default, (T((2, 64)), [2, 4, 16]), [S(1, (32, 16, 16))], 2,
+     R, {(0,): R}, True),
+    # GPT-J's interleaved rotary: stack((-x2, x1), dim=-1) of head-sharded halves
+    ("stack after the shard", aten.stack.default, ([T((2, 4, 3, 8)), T((2, 4, 3, 8))], -1), [S(1), S(1)], 2,
+     S(1), {}, False),
+    ("stack before the shard moves it", aten.stack.default, ([T((4, 6)), T((4, 6))], 0), [S(1), S(1)], 2, S(2), {},
+     False),
+    ("stack slices a whole one", aten.stack.default, ([T((4, 6)), T((4, 6))], 0), [S(1), R], 2, S(2),
+     {(0, 1): S(1)}, False),
+    ("stack of P", aten.stack.default, ([T((4, 6)), T((4, 6))], 0), [P, P], 2, P, {}, False),
+    ("stack of P and S gathers", aten.stack.default, ([T((4, 6)), T((4, 6))], 0), [P, S(1)], 2, R,
+     {(0, 0): R, (0, 1): R}, True),
     ("unbind elsewhere", aten.unbind.int, (T((3, 4)), 0), [S(1)], 2, (S(0),) * 3, {}, False),
     ("unbind of it gathers", aten.unbind.int, (T((3, 4)), 1), [S(1)], 2, (R,) * 4, {(0,): R}, True),
     ("cat of shards on it", aten.cat.default, ([T((4, 6)), T((4, 6))], 1), [S(1), S(1)], 2, S(1, 2), {}, False),
@@ -233,6 +292,13 @@ def test_split_rewrite_makes_sizes_local():
     node, dec = decide(aten.split.Tensor, (T((2, 12)), 4, 1), [S(1, 3)])
     dec.rewrite(node)
     assert node.args[1] == 2
+
+
+def test_slice_rewrite_keeps_the_local_block():
+    """k = qkv[:, 32:48] of blocks 32+16+16 on tp=2: locally q|k|v are 16+8+8, so k is [16:24]."""
+    node, dec = decide(aten.slice.Tensor, (T((2, 64)), 1, 32, 48), [S(1, (32, 16, 16))])
+    dec.rewrite(node)
+    assert node.args[2:4] == (16, 24)
 
 
 def test_vocab_parallel_embedding_rewrite():

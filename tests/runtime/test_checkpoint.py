@@ -50,8 +50,12 @@ def test_pieces_match_local_shard_and_writers_tile_the_whole():
         shape = [rng.randint(1, 5) for _ in range(rng.choice([0, 1, 2, 3]))]
         placements = {"dp": FlatShard() if rng.random() < 0.6 else Replicate(), "tp": Replicate()}
         if shape and rng.random() < 0.7:
-            d, chunks = rng.randrange(len(shape)), rng.choice([1, 3])
-            shape[d] = chunks * sizes["tp"] * rng.randint(1, 3)
+            d, chunks = rng.randrange(len(shape)), rng.choice([1, 3, "unequal"])
+            if chunks == "unequal":  # q|k|v blocks of their own sizes (grouped-query attention)
+                chunks = tuple(sizes["tp"] * rng.randint(1, 3) for _ in range(3))
+                shape[d] = sum(chunks)
+            else:
+                shape[d] = chunks * sizes["tp"] * rng.randint(1, 3)
             placements["tp"] = Shard(d, chunks)
         full = torch.arange(1, math.prod(shape) + 1, dtype=torch.float32).reshape(shape)
         spec = ParamSpec("w", tuple(shape), torch.float32, placements)
@@ -65,6 +69,15 @@ def test_pieces_match_local_shard_and_writers_tile_the_whole():
                 if writes("w", placements, sizes, coords, 0):
                     cover[box] += 1
         assert bool((cover == 1).all()), (shape, placements, sizes)
+
+
+def test_unequal_blocks_give_each_rank_its_part_of_every_block():
+    """S(0)x(4+2+2) over tp=2: rank 0 holds rows 0-1 of q, 4 of k and 6 of v; rank 1 the others."""
+    full = torch.arange(8.0)
+    spec = ParamSpec("w", (8,), torch.float32, {"dp": Replicate(), "tp": Shard(0, (4, 2, 2))})
+    mesh = _Sizes({"pp": 1, "dp": 1, "tp": 2})
+    assert local_shard(full, spec, mesh, 0).tolist() == [0, 1, 4, 6]
+    assert local_shard(full, spec, mesh, 1).tolist() == [2, 3, 5, 7]
 
 
 # ---------------------------------------------------------------------------------------- reshard matrix

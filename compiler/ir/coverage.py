@@ -1,0 +1,67 @@
+"""Coverage: how much of the blocks' weight bytes a plan holds sharded on each mesh axis, and why the rest is not.
+
+A block weight is a parameter of two or more dims inside a block, the innermost module path ending in a list
+index ("model.layers.3.self_attn.q_proj.weight"); norms' scales and biases are left out (Megatron replicates
+them too). A model with no indexed module counts every parameter of two or more dims. Parity alone does not
+show coverage: a run that shards nothing matches the single process too.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .placement import FlatShard, Shard
+
+_INDEXED = re.compile(r"(^|\.)\d+(\.|$)")
+
+
+@dataclass
+class Coverage:
+    """Per mesh axis (size > 1), the fraction of the block weights' bytes sharded on it; `replicated` lists the
+    block modules whose weights stay whole on tp, with the plan's reason."""
+
+    fractions: dict[str, float]
+    total_bytes: int
+    replicated: list[tuple[str, str]] = field(default_factory=list)  # (module, reason)
+
+    def lines(self) -> list[str]:
+        if not self.fractions:
+            return []
+        mib = self.total_bytes / 2**20
+        out = [f"block weights {mib:.2f} MiB; sharded: " +
+               (", ".join(f"{axis} {frac:.2f}" for axis, frac in self.fractions.items()) or "(no axis > 1)")]
+        out += [f"replicated on tp: {module}: {reason}" for module, reason in self.replicated]
+        return out
+
+
+def block_weights(params: dict) -> list:
+    """The ParamSpecs that coverage counts (see the module docstring)."""
+    weights = [s for s in params.values() if len(s.shape) >= 2 and s.kind == "param"]
+    inside = [s for s in weights if _INDEXED.search(s.fqn)]
+    return inside or weights
+
+
+def coverage(params: dict, sizes: dict[str, int], reasons: dict[str, str] | None = None) -> Coverage:
+    """Coverage of `params` (FQN -> ParamSpec) over a mesh of `sizes`; `reasons` maps a module to why the plan
+    replicated it on tp (the plan pass's Program.tp_why)."""
+    weights = block_weights(params)
+    total = sum(_bytes(s) for s in weights)
+    fractions = {}
+    for axis, n in sizes.items():
+        if n > 1:
+            held = sum(_bytes(s) for s in weights if isinstance(s.placements.get(axis), (Shard, FlatShard)))
+            fractions[axis] = held / total if total else 1.0
+    replicated: dict[str, str] = {}
+    if sizes.get("tp", 1) > 1:
+        for s in weights:
+            if not isinstance(s.placements.get("tp"), Shard):
+                module = s.fqn.rsplit(".", 1)[0]
+                replicated.setdefault(module, (reasons or {}).get(module, "no rule of the plan tried it"))
+    return Coverage(fractions, total, sorted(replicated.items()))
+
+
+def _bytes(spec) -> int:
+    n = spec.dtype.itemsize
+    for d in spec.shape:
+        n *= int(d)
+    return n

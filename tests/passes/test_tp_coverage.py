@@ -1,0 +1,120 @@
+"""Coverage of the tensor-parallel plan: explain() reports the share of the blocks' weight bytes held sharded
+and why each replicated module stays whole; compile warns below one half and Plan(min_tp_coverage=...) refuses."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import meshc
+from meshc.compiler.compile import compile_rank
+from meshc.compiler.explain import explain
+from meshc.compiler.ir.coverage import coverage
+from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning
+from meshc.compiler.ir.mesh_spec import MeshSpec
+from tests import zoo
+from tests.parity import block_coverage
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.softmax(self.proj(x), dim=-1)  # a softmax over the features: no column split survives it
+
+
+class Unshardable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _compile(model, **plan):
+    torch.manual_seed(0)
+    plan = meshc.Plan(trace="non-strict", check_trace=False, **plan)
+    result, _ = compile_rank(model, (torch.randn(2, 4, 16),), {}, mesh=MeshSpec({"tp": 2}), plan=plan, rank=0)
+    return result.program
+
+
+def test_nothing_sharded_warns_with_modules_and_reasons():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        program = _compile(Unshardable())
+    texts = [str(w.message) for w in caught if issubclass(w.category, MeshcWarning) and "shards 0.00" in str(w.message)]
+    assert len(texts) == 1, [str(w.message) for w in caught]
+    assert "blocks.0.proj: " in texts[0] and "blocks.1.proj: " in texts[0] and "softmax" in texts[0]
+    report = str(explain(program))
+    assert "sharded: tp 0.00" in report and "replicated on tp: blocks.0.proj: " in report
+
+
+def test_min_tp_coverage_makes_it_an_error():
+    with pytest.raises(MeshcValueError, match=r"min_tp_coverage: expected at least 0.90 .* got 0.00; "
+                                              r"replicated: blocks.0.proj: .*softmax"):
+        _compile(Unshardable(), min_tp_coverage=0.9)
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, True, "0.9"])
+def test_min_tp_coverage_is_validated(bad):
+    with pytest.raises(MeshcValueError, match="Plan.min_tp_coverage: expected a fraction"):
+        meshc.Plan(min_tp_coverage=bad)
+
+
+def test_sharded_model_reports_full_coverage_and_does_not_warn():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traced = zoo.build("llama")
+        plan = meshc.Plan(trace="non-strict", check_trace=False, min_tp_coverage=0.99)
+        result, _ = compile_rank(traced, (zoo.batches(1, 2)[0][0],), {}, mesh=MeshSpec({"tp": 2}), plan=plan, rank=0)
+    assert not [w for w in caught if "blocks' weight bytes" in str(w.message)]
+    program = result.program
+    assert coverage(program.params, {"tp": 2}).fractions == {"tp": 1.0}
+    assert "block weights" in str(explain(program)) and "sharded: tp 1.00" in str(explain(program))
+
+
+class _HandLinears(torch.nn.Module):
+    """An MLP block whose linears are written by hand, as Falcon's are: x @ weight.T, torch.matmul(h, weight.t())."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Parameter(torch.randn(32, 16))  # (out, in), as nn.Linear stores it
+        self.down = torch.nn.Parameter(torch.randn(16, 32))
+
+    def forward(self, x):
+        return x + torch.matmul(torch.relu(x @ self.up.T), self.down.t())
+
+
+class HandLinears(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_HandLinears() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_matmul_by_a_transposed_weight_is_a_linear_layer():
+    program = _compile(HandLinears(), min_tp_coverage=1.0)
+    for i in range(2):
+        assert str(program.params[f"blocks.{i}.up"].placements["tp"]) == "S(0)"  # column-parallel
+        assert str(program.params[f"blocks.{i}.down"].placements["tp"]) == "S(1)"  # row-parallel
+
+
+@pytest.mark.parametrize("name", ["falcon_mha", "gpt_neox", "gptj"])
+def test_fused_and_interleaved_projections_shard_at_tp4(name):
+    """tp=4 (parity at tp=2 is tests/models/test_tp_parity.py's): >= 90% of the blocks' weight bytes held in
+    parts, read from the local shapes the plan gives each parameter."""
+    model = zoo.build(name)
+    plan = meshc.Plan(trace="non-strict", check_trace=False)
+    result, _ = compile_rank(model, (zoo.batches(1, 2)[0][0],), {}, mesh=MeshSpec({"tp": 4}), plan=plan, rank=0)
+    local = {fqn: spec.local_shape({"tp": 4}) for fqn, spec in result.program.params.items()}
+    assert block_coverage(local, model) >= 0.9
