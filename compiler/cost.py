@@ -343,6 +343,17 @@ def compiled_formulas(hw: Hardware, flags):
     return sympy.lambdify(ARGS, [exprs[key] for key in OUT_KEYS], modules="math", cse=True)
 
 
+MEMORY_OUT = OUT_KEYS[:9]  # the memory parts of the first and the last pp rank, then the buffers
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_memory(hw: Hardware, flags):
+    """The memory formulas alone (MEMORY_OUT) as one Python function of ARGS: a few times cheaper than
+    compiled_formulas, for the planner to set aside plans that cannot fit before timing them."""
+    exprs = formulas(hw, flags)
+    return sympy.lambdify(ARGS, [exprs[key] for key in MEMORY_OUT], modules="math", cse=True)
+
+
 def schedule_terms(schedule: str, pp: int, m: int, virtual: int = 1) -> tuple[float, float, float]:
     """(I_f, I_l, β) of a schedule: closed forms where they hold exactly, the simulator otherwise."""
     if pp == 1:
@@ -361,10 +372,10 @@ def schedule_terms(schedule: str, pp: int, m: int, virtual: int = 1) -> tuple[fl
 
 @functools.lru_cache(maxsize=4096)
 def _simulated_terms(schedule: str, pp: int, m: int, virtual: int) -> tuple[float, float, float]:
-    from meshc.compiler.ir.named_schedule import schedule as make
+    from meshc.compiler.ir.named_schedule import unchecked
     from meshc.compiler.ir.schedule_sim import simulate
 
-    result = simulate(make(schedule, pp, m, virtual))
+    result = simulate(unchecked(schedule, pp, m, virtual))  # simulate proves the schedule as it runs it
     return float(result.peak_in_flight[0]), float(result.peak_in_flight[-1]), float(result.bubble)
 
 
@@ -376,34 +387,65 @@ def plan_indicators(plan) -> tuple[int, ...]:
 
 def precision_of(plan) -> Precision:
     """meshc's bytes per element for a Plan: fp32 masters, or mixed precision with fp32 master shards."""
-    if plan.param_dtype is None:
+    return precision_for(plan.param_dtype, plan.reduce_dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def precision_for(param_dtype, reduce_dtype=None) -> Precision:
+    """precision_of a Plan with these dtypes."""
+    if param_dtype is None:
         return FP32
-    size = plan.param_dtype.itemsize
-    return Precision(param=size, grad=(plan.reduce_dtype or plan.param_dtype).itemsize, optimizer=12,
-                     activation=size)
+    size = param_dtype.itemsize
+    return Precision(param=size, grad=(reduce_dtype or param_dtype).itemsize, optimizer=12, activation=size)
+
+
+def formula_values(shape: ModelShape, sizes: tuple[int, int, int], choice: tuple, batch: int, hw: Hardware,
+                   precision: Precision) -> tuple:
+    """The numbers for ARGS. `sizes` (dp, tp, pp); `choice` (microbatches, schedule, virtual, zero, remat,
+    sequence_parallel, vocab_parallel), a Plan's fields the formulas read."""
+    n, tp, pp = sizes
+    mb, schedule, virtual, zero, remat, sp_, vp_ = choice
+    if batch % (n * mb):
+        raise MeshcValueError(f"cost: expected the global batch divisible by dp × microbatches = {n * mb}, got {batch}")
+    i_f, i_l, bub = schedule_terms(schedule, pp, mb, virtual)
+    return (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.ffn, shape.vocab, shape.seq,
+            shape.experts, shape.top_k, shape.positions, batch, n, tp, pp, mb, virtual, i_f, i_l, bub,
+            int(zero == 1), int(zero == 2), int(zero == 3), int(remat == "selective"), int(remat == "full"),
+            int(sp_), int(vp_), precision.param, precision.grad, precision.optimizer, precision.activation,
+            int(pp == 1), int(tp > 1), int(n > 1), int(pp > 1), int(pp > 1 or mb > 1),
+            tp if shape.kv_heads >= tp else 1, int(hw.spans_nodes(1, tp)), int(hw.spans_nodes(tp, n)),
+            int(hw.spans_nodes(1, n * tp * pp) and pp > 1))
+
+
+def plan_choice(plan) -> tuple:
+    """The fields of a Plan that formula_values reads, in its order."""
+    return (plan.microbatches, plan.schedule, plan.virtual, plan.zero, plan.remat, plan.sequence_parallel,
+            plan.vocab_parallel)
+
+
+def _pick_rank(out) -> list[float]:
+    """The memory parts (PARTS) of the fuller of the first and the last pp rank."""
+    firsts, lasts = [float(x) for x in out[0:4]], [float(x) for x in out[4:8]]
+    return firsts if sum(firsts) >= sum(lasts) else lasts
+
+
+def formula_memory(shape: ModelShape, sizes: tuple[int, int, int], choice: tuple, batch: int, hw: Hardware,
+                   precision: Precision) -> float:
+    """formula_estimate(...).total_memory from the memory formulas alone (the same sum, in the same order)."""
+    out = compiled_memory(hw, shape.flags())(*formula_values(shape, sizes, choice, batch, hw, precision))
+    return float(sum(_pick_rank(out) + [float(out[8])]))
 
 
 def formula_estimate(shape: ModelShape, sizes: dict[str, int], plan, batch: int, hw: Hardware,
                      precision: Precision | None = None) -> Estimate:
     """Evaluate the formulas for one plan: `sizes` {"dp", "tp", "pp"}, `batch` global sequences. Memory is
     that of the fuller of the first and the last pp rank."""
-    n, tp, pp = (int(sizes.get(x, 1)) for x in ("dp", "tp", "pp"))
-    mb = plan.microbatches
-    if batch % (n * mb):
-        raise MeshcValueError(f"cost: expected the global batch divisible by dp × microbatches = {n * mb}, got {batch}")
-    prec = precision or precision_of(plan)
-    i_f, i_l, bub = schedule_terms(plan.schedule, pp, mb, plan.virtual)
-    ind = plan_indicators(plan)
-    values = (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.ffn, shape.vocab, shape.seq,
-              shape.experts, shape.top_k, shape.positions, batch, n, tp, pp, mb, plan.virtual, i_f, i_l, bub,
-              *ind, prec.param, prec.grad, prec.optimizer, prec.activation,
-              int(pp == 1), int(tp > 1), int(n > 1), int(pp > 1), int(pp > 1 or mb > 1),
-              tp if shape.kv_heads >= tp else 1, int(hw.spans_nodes(1, tp)), int(hw.spans_nodes(tp, n)),
-              int(hw.spans_nodes(1, n * tp * pp) and pp > 1))
-    out = dict(zip(OUT_KEYS, compiled_formulas(hw, shape.flags())(*values)))
-    firsts, lasts = ([float(out[f"{x}_{r}"]) for x in PARTS] for r in ("first", "last"))
-    memory = dict(zip(PARTS, firsts if sum(firsts) >= sum(lasts) else lasts))
-    memory["buffers"] = float(out["buffers"])
-    time = {key: float(out["optimizer_time" if key == "optimizer" else key]) for key in TIME_KEYS}
-    return Estimate(source="formula", memory=memory, time=time, flops=float(out["flops"]),
-                    comm_bytes={"dp": float(out["dp_bytes"]), "tp": float(out["tp_bytes"])})
+    mesh = tuple(int(sizes.get(x, 1)) for x in ("dp", "tp", "pp"))
+    values = formula_values(shape, mesh, plan_choice(plan), batch, hw, precision or precision_of(plan))
+    out = compiled_formulas(hw, shape.flags())(*values)
+    memory = dict(zip(PARTS, _pick_rank(out)))
+    named = dict(zip(OUT_KEYS[8:], out[8:]))
+    memory["buffers"] = float(named["buffers"])
+    time = {key: float(named["optimizer_time" if key == "optimizer" else key]) for key in TIME_KEYS}
+    return Estimate(source="formula", memory=memory, time=time, flops=float(named["flops"]),
+                    comm_bytes={"dp": float(named["dp_bytes"]), "tp": float(named["tp_bytes"])})

@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from .cost import Estimate, ModelShape, formula_estimate
+from .cost import Estimate, ModelShape, formula_estimate, formula_memory, precision_for
 from .hardware import Hardware
 from .ir.errors import MeshcValueError
 from .ir.plan import Plan
@@ -155,6 +155,13 @@ def meshes(world: int, *, heads: int | None = None, layers: int | None = None, b
 
 def plans_for(sizes: tuple[int, int, int], batch: int, search: Search, layers: int | None = None) -> Iterator[Plan]:
     """Every Plan the search allows on one mesh for a global batch of `batch` sequences."""
+    for choice in choices_for(sizes, batch, search, layers):
+        yield plan_of(choice, search)
+
+
+def choices_for(sizes: tuple[int, int, int], batch: int, search: Search, layers: int | None = None) -> Iterator[tuple]:
+    """plans_for's plans as (microbatches, schedule, virtual, zero, remat, sequence_parallel, vocab_parallel),
+    in the same order, without building them (cost.formula_values reads this tuple)."""
     dp, tp, pp = sizes
     local = batch // dp
     ms = search.microbatches or tuple(2**i for i in range(8) if 2**i <= search.max_microbatches)
@@ -166,9 +173,14 @@ def plans_for(sizes: tuple[int, int, int], batch: int, search: Search, layers: i
         for schedule, virtual in _schedules(pp, m, search, layers):
             if remat == "selective" and schedule == "zb-h1":  # Plan refuses it: two backward halves per block
                 continue
-            yield dataclasses.replace(search.base, zero=zero, microbatches=m, schedule=schedule, virtual=virtual,
-                                      remat=remat, sequence_parallel=sp, vocab_parallel=vp,
-                                      param_dtype=search.param_dtype)
+            yield (m, schedule, virtual, zero, remat, sp, vp)
+
+
+def plan_of(choice: tuple, search: Search) -> Plan:
+    """The Plan of one of choices_for's tuples."""
+    m, schedule, virtual, zero, remat, sp, vp = choice
+    return dataclasses.replace(search.base, zero=zero, microbatches=m, schedule=schedule, virtual=virtual,
+                               remat=remat, sequence_parallel=sp, vocab_parallel=vp, param_dtype=search.param_dtype)
 
 
 def _schedules(pp: int, m: int, search: Search, layers: int | None) -> list[tuple[str, int]]:
@@ -183,8 +195,9 @@ def _schedules(pp: int, m: int, search: Search, layers: int | None) -> list[tupl
     return out
 
 
-def rank(scored: list[tuple[Candidate, Estimate]], memory: float, hw: Hardware) -> PlanResult:
-    """Keep what fits, order by step time (then memory), and say why each plan is where it is."""
+def rank(scored: list[tuple[Candidate, Estimate]], memory: float, hw: Hardware, unscored: int = 0) -> PlanResult:
+    """Keep what fits, order by step time (then memory), and say why each plan is where it is. `unscored`:
+    plans the caller set aside without scoring because they cannot fit (counted as not fitting)."""
     fitting = [(c, e) for c, e in scored if e.total_memory <= memory]
     rejected = [(c, e) for c, e in scored if e.total_memory > memory]
     fitting.sort(key=lambda ce: (round(ce[1].step_time, 12), ce[1].total_memory, ce[0].describe()))
@@ -193,7 +206,7 @@ def rank(scored: list[tuple[Candidate, Estimate]], memory: float, hw: Hardware) 
         reason = _best_reason(e, len(fitting)) if i == 0 else _reason(c, e, fitting[0][1], hw)
         ranked.append(Ranked(candidate=c, estimate=e, fits=True, rank=i + 1, reason=reason))
     smallest = min(rejected, key=lambda ce: ce[1].total_memory, default=None)
-    return PlanResult(ranked=tuple(ranked), rejected=len(rejected), memory=memory, hardware=hw,
+    return PlanResult(ranked=tuple(ranked), rejected=len(rejected) + unscored, memory=memory, hardware=hw,
                       smallest_rejected=Ranked(candidate=smallest[0], estimate=smallest[1], fits=False)
                       if smallest else None)
 
@@ -223,15 +236,53 @@ def usable_memory(hardware: Hardware, memory: float | None) -> float:
 
 
 def plan_model(shape: ModelShape, world: int, batch: int, hardware: Hardware, memory: float | None = None,
-               search: Search = Search()) -> PlanResult:
-    """The formula path: every plan for `world` ranks of a model of this shape, scored from its sizes."""
+               search: Search = Search(), prune: bool = True) -> PlanResult:
+    """The formula path: every plan for `world` ranks of a model of this shape, scored from its sizes.
+
+    `prune` (the result is the same either way): each plan's memory, from the memory formulas alone (a few
+    times cheaper), is checked before its step time is estimated; a plan that cannot fit is counted as not
+    fitting without being scored, unless it may be the leanest that did not fit (which the table names).
+    """
     memory = usable_memory(hardware, memory)
-    scored = []
-    for sizes in meshes(world, heads=shape.heads, layers=shape.layers, batch=batch, search=search):
-        for plan in plans_for(sizes, batch, search, shape.layers):
-            cand = Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan)
-            scored.append((cand, formula_estimate(shape, cand.sizes, plan, batch, hardware)))
-    return rank(scored, memory, hardware)
+    all_meshes = meshes(world, heads=shape.heads, layers=shape.layers, batch=batch, search=search)
+    if not prune:
+        scored = []
+        for sizes in all_meshes:
+            for plan in plans_for(sizes, batch, search, shape.layers):
+                cand = Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan)
+                scored.append((cand, formula_estimate(shape, cand.sizes, plan, batch, hardware)))
+        return rank(scored, memory, hardware)
+    precision = precision_for(search.param_dtype, search.base.reduce_dtype)
+    over = memory * (1 + 1e-9)  # the memory formulas alone may round apart from the full estimate: a margin
+    kept: list[tuple[int, Candidate, Estimate]] = []  # (position in the enumeration, candidate, estimate)
+    cannot_fit: list[tuple[float, int, tuple, tuple]] = []  # (memory, position, sizes, choice)
+
+    def score(i: int, sizes: tuple, choice: tuple) -> Estimate:
+        cand = Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan_of(choice, search))
+        estimate = formula_estimate(shape, cand.sizes, cand.plan, batch, hardware, precision)
+        kept.append((i, cand, estimate))
+        return estimate
+
+    i = 0
+    for sizes in all_meshes:
+        for choice in choices_for(sizes, batch, search, shape.layers):
+            need = formula_memory(shape, sizes, choice, batch, hardware, precision)
+            if need > over:
+                cannot_fit.append((need, i, sizes, choice))
+            else:
+                score(i, sizes, choice)
+            i += 1
+    # score the plans set aside that may be the leanest that did not fit, least memory first, until none may
+    leanest = min((e.total_memory for _, _, e in kept if e.total_memory > memory), default=float("inf"))
+    cannot_fit.sort(key=lambda x: (x[0], x[1]))
+    rescored = 0
+    for need, j, sizes, choice in cannot_fit:
+        if need > leanest * (1 + 1e-9):
+            break
+        leanest = min(leanest, score(j, sizes, choice).total_memory)
+        rescored += 1
+    kept.sort(key=lambda x: x[0])  # enumeration order, as rank() breaks ties by it
+    return rank([(c, e) for _, c, e in kept], memory, hardware, unscored=len(cannot_fit) - rescored)
 
 
 # ---------------------------------------------------------------------------------------------- compiled

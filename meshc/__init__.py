@@ -5,16 +5,72 @@
     opt = job.optimizer(torch.optim.AdamW, lr=3e-4)
     loss = job.step(x, y, loss_fn); opt.step(); opt.zero_grad()
     print(job.explain())
+
+The facade's names are imported on first use (PEP 562), so `import meshc` (and `meshc plan`, which needs
+only the cost model) does not pay for the runtime, Dynamo and torch.distributed.pipelining.
 """
-from meshc.api import compile
-from meshc.backend import backend, last_compiled
+import sys
+import types
+from typing import TYPE_CHECKING
+
 from meshc.compiler.ir.errors import MeshcError, MeshcInternalError, MeshcWarning, TraceError
-from meshc.compiler.ir.plan import Plan
-from meshc.compiler.show import show
-from meshc.job import Job
-from meshc.runtime.mesh import Mesh, mesh
-from torch.distributed.pipelining import pipe_split  # a cut marker for model code: meshc.pipe_split()
+
+if TYPE_CHECKING:
+    from meshc.api import compile
+    from meshc.backend import backend, last_compiled
+    from meshc.compiler.ir.plan import Plan
+    from meshc.compiler.show import show
+    from meshc.job import Job
+    from meshc.runtime.mesh import Mesh, mesh
+    from torch.distributed.pipelining import pipe_split  # a cut marker for model code: meshc.pipe_split()
 
 __all__ = ["compile", "backend", "last_compiled", "mesh", "Plan", "Job", "Mesh", "show", "MeshcError", "TraceError",
            "MeshcInternalError", "MeshcWarning", "pipe_split"]
 __version__ = "0.1.0"
+
+
+def _load(name: str):  # noqa: C901 - one branch per lazy name
+    if name == "compile":
+        from meshc.api import compile as value
+    elif name == "backend":
+        from meshc.backend import backend as value
+    elif name == "last_compiled":
+        from meshc.backend import last_compiled as value
+    elif name == "Plan":
+        from meshc.compiler.ir.plan import Plan as value
+    elif name == "show":
+        from meshc.compiler.show import show as value
+    elif name == "Job":
+        from meshc.job import Job as value
+    elif name == "Mesh":
+        from meshc.runtime.mesh import Mesh as value
+    elif name == "mesh":
+        from meshc.runtime.mesh import mesh as value
+    elif name == "pipe_split":
+        from torch.distributed.pipelining import pipe_split as value
+    else:
+        raise AttributeError(f"module 'meshc' has no attribute {name!r}")
+    return value
+
+
+def __getattr__(name: str):
+    value = _load(name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Facade(types.ModuleType):
+    """Keeps `meshc.backend` the function: importing the submodule meshc.backend (the torch.compile entry
+    point `meshc.backend:default_backend` does) would otherwise bind the module over it."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "backend" and isinstance(value, types.ModuleType):
+            value = value.backend
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Facade

@@ -12,24 +12,43 @@ import argparse
 import sys
 
 
+COMMANDS = {  # name: (help, module, add_arguments, run); a command's module is imported only when it is chosen
+    "demo": ("train a small GPT over local CPU processes", "demo", "add_arguments", "run"),
+    "explain": ("explain the plan of a built-in model on a mesh", "explain_cli", "add_arguments", "run"),
+    "checkpoint": ("work with checkpoints saved by job.save", "checkpoint_cli", "add_arguments", "run"),
+    "plan": ("choose the plan with the least predicted step time", "plan_cli", "add_plan_arguments", "run_plan"),
+    "calibrate": ("measure this machine for the cost model", "plan_cli", "add_calibrate_arguments", "run_calibrate"),
+}
+
+
+def _module(name: str):
+    if name == "demo":
+        from meshc import demo as module
+    elif name == "explain_cli":
+        from meshc import explain_cli as module
+    elif name == "checkpoint_cli":
+        from meshc import checkpoint_cli as module
+    else:
+        from meshc import plan_cli as module
+    return module
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="meshc", description="meshc: a compiler for distributed training")
     sub = parser.add_subparsers(dest="command", required=True)
-    from meshc import checkpoint_cli, demo, explain_cli, plan_cli
-
-    demo.add_arguments(sub.add_parser("demo", help="train a small GPT over local CPU processes"))
-    explain_cli.add_arguments(sub.add_parser("explain", help="explain the plan of a built-in model on a mesh"))
-    checkpoint_cli.add_arguments(sub.add_parser("checkpoint", help="work with checkpoints saved by job.save"))
-    plan_cli.add_plan_arguments(sub.add_parser("plan", help="choose the plan with the least predicted step time"))
-    plan_cli.add_calibrate_arguments(sub.add_parser("calibrate", help="measure this machine for the cost model"))
+    subparsers = {name: sub.add_parser(name, help=info[0]) for name, info in COMMANDS.items()}
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None  # the parser has no options before the command
+    if chosen is not None:
+        _help, module_name, add, _run = COMMANDS[chosen]
+        getattr(_module(module_name), add)(subparsers[chosen])
     args = parser.parse_args(argv)
+    _help, module_name, _add, run = COMMANDS[args.command]
     try:
-        return {"demo": demo.run, "explain": explain_cli.run, "checkpoint": checkpoint_cli.run,
-                "plan": plan_cli.run_plan, "calibrate": plan_cli.run_calibrate}[args.command](args)
+        return getattr(_module(module_name), run)(args)
     except (ValueError, TypeError) as e:
         print(f"meshc {args.command}: error: {e}", file=sys.stderr)
         return 2
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,6 +8,7 @@ MLP, LM head tied to the token embedding) written with nn.Linear, so that tracin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -194,7 +195,11 @@ def shape(name: str, seq: int | None = None):
         c = CONFIGS[name]
         return ModelShape(name=name, layers=c.layers, hidden=c.dim, heads=c.heads, ffn=4 * c.dim, vocab=c.vocab_size,
                           seq=seq or c.seq_len, tied=True, positions=c.seq_len, bias=True, norm="layer")
-    return ModelShape.from_hf_config(hf_config(name), seq=seq or seq_len(name), name=ALIASES.get(name, name))
+    # a built-in config sets every field the shape reads: read them as they are, without importing transformers
+    # (seconds); a config file may rely on transformers' defaults for the fields it leaves out
+    builtin = ALIASES.get(name, name) in HF_CONFIGS
+    cfg = SimpleNamespace(**_config_fields(name)) if builtin else hf_config(name)
+    return ModelShape.from_hf_config(cfg, seq=seq or seq_len(name), name=ALIASES.get(name, name))
 
 
 def vocab_size(model: nn.Module) -> int:

@@ -15,13 +15,18 @@ def schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedul
     name: "gpipe", "1f1b", "interleaved" (alias "interleaved_1f1b"; needs virtual >= 2 and microbatches
     a multiple of pp) or "zb-h1" (alias "zbh1"). Other sizes raise ValueError naming the rule.
     """
+    out = unchecked(name, pp, microbatches, virtual)
+    check(out)
+    return out
+
+
+def unchecked(name: str, pp: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """`schedule` without the proof, for a caller that runs `schedule_sim.simulate` on it next (which proves
+    it on the way, raising as `check` does): the cost model's schedule terms, proved and timed in one run."""
     canonical = ALIASES.get(str(name).lower())
     if canonical is None:
         raise MeshcValueError(f"unknown schedule: expected one of {', '.join(NAMES)}, got {name!r}")
     if canonical == "interleaved":
-        out = interleaved_1f1b(pp, microbatches, virtual)
-    else:
-        check_sizes(canonical, pp, microbatches, virtual)
-        out = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}[canonical](pp, microbatches)
-    check(out)
-    return out
+        return interleaved_1f1b(pp, microbatches, virtual)
+    check_sizes(canonical, pp, microbatches, virtual)
+    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}[canonical](pp, microbatches)

@@ -97,3 +97,18 @@ def test_chosen_plan_is_the_fastest_measured_on_two_ranks():
     load, cores = runs[0]["load"], os.cpu_count() or 1
     slack = 1.1 if load <= cores + 1 else 1.35
     assert chosen <= slack * min(measured.values()), (best.describe(), load, measured)
+
+
+@pytest.mark.parametrize("dtype,memory", [(torch.bfloat16, 40e9), (torch.bfloat16, 1e9), (None, 20e9)])
+def test_pruning_by_memory_changes_no_result(dtype, memory):
+    """plan_model sets aside the plans whose memory alone exceeds the budget before timing them: the best plan,
+    the ranked list (estimates, ranks, reasons), the count that did not fit and the leanest of them are those
+    of scoring every plan."""
+    shape, search = models.shape("llama-8b"), Search(param_dtype=dtype)
+    pruned = plan_model(shape, 64, 64, H100, memory, search)
+    full = plan_model(shape, 64, 64, H100, memory, search, prune=False)
+    assert pruned.ranked == full.ranked and pruned.rejected == full.rejected
+    assert pruned.smallest_rejected == full.smallest_rejected and pruned.rejected
+    assert pruned.table(10) == full.table(10)
+    if full.ranked:
+        assert pruned.best == full.best and len(full.ranked) > 100
