@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError
+from meshc.compiler.ir.errors import MeshcInternalError, MeshcRuntimeError, MeshcValueError
 from meshc.runtime.global_param import ShardedParam, local
 from meshc.runtime.mesh import Mesh, last_mesh
 from meshc.runtime.sharding import full_tensor, local_shard
@@ -244,7 +244,7 @@ class MeshcBackend:
         eager = sorted(fqn for t, fqn in self._fqn_of.values() if fqn not in self.placements
                        and not isinstance(t, ShardedParam) and t.grad is not None)
         if eager:
-            raise RuntimeError(f"meshc.backend: parameters {eager[:4]}{' ...' if len(eager) > 4 else ''} were used "
+            raise MeshcRuntimeError(f"meshc.backend: parameters {eager[:4]}{' ...' if len(eager) > 4 else ''} were used "
                                "outside the compiled graphs (TorchDynamo ran that code eagerly: a graph break in "
                                "a loop skips its whole frame), so their gradients were not synchronised; move the "
                                "break out of the loop, or use meshc.compile(model, mesh, ...)")

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir.errors import MeshcRuntimeError
 from meshc.compiler.hardware import Hardware, Link, fit_alpha_beta, latency_steps, wire_bytes
 
 SIZES = {True: (2**12, 2**16, 2**19, 2**21), False: (2**12, 2**16, 2**19, 2**21, 2**23)}  # payload bytes
@@ -272,7 +273,7 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False, timeout: float = 30
                "-m", "meshc", "calibrate", "--worker"] + (["--quick"] if quick else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
-            raise RuntimeError(f"meshc calibrate: the measurement failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+            raise MeshcRuntimeError(f"meshc calibrate: the measurement failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
         with open(result) as f:
             hw = Hardware.from_dict(json.load(f))
     hw.save(out)

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshc.compiler.ir.errors import MeshcValueError
+from meshc.compiler.ir.errors import MeshcRuntimeError, MeshcValueError
 from meshc.compiler.ir.placement import FlatShard, Replicate
 
 from . import failures
@@ -489,7 +489,7 @@ def _on_rank0(fn: Callable[[], None]) -> None:
     if status[0] is not None:
         if dist.get_rank() == 0:
             raise error
-        raise RuntimeError(f"checkpoint: rank 0 failed: {status[0]}")
+        raise MeshcRuntimeError(f"checkpoint: rank 0 failed: {status[0]}")
 
 
 def _agreed(mesh, fn: Callable[[], Any]) -> Any:

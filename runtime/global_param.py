@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir.errors import MeshcRuntimeError
 from meshc.compiler.ir.program import ParamSpec
 
 aten = torch.ops.aten
@@ -62,7 +63,7 @@ class ShardedParam(torch.Tensor):
             swapped = compat.tree_map(lambda a: whole[id(a)] if isinstance(a, ShardedParam) else a, (args, kwargs))
             return func(*swapped[0], **swapped[1])
         if not _elementwise(func):
-            raise RuntimeError(f"{func}: {params[0]._spec.fqn} is sharded by meshc (only its local shard is here); "
+            raise MeshcRuntimeError(f"{func}: {params[0]._spec.fqn} is sharded by meshc (only its local shard is here); "
                                "run the model through the module torch.compile returned, not eagerly")
         spec = params[0]._spec
         unwrapped = compat.tree_map(lambda a: a._local if isinstance(a, ShardedParam) else a, (args, kwargs))

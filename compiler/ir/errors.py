@@ -23,6 +23,11 @@ class MeshcTypeError(MeshcError, TypeError):
     """Input of the wrong type: the message names what was expected and what came."""
 
 
+class MeshcRuntimeError(MeshcError, RuntimeError):
+    """Something went wrong while running (not a bug in meshc, not bad input to a constructor): an op used
+    outside its job, a sharded parameter used eagerly, a failed measurement, a failed peer in a save."""
+
+
 class MeshcInternalError(MeshcError, RuntimeError):
     """An invariant that meshc itself should have kept was found broken: a bug in meshc."""
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir.errors import MeshcRuntimeError
 
 # The ZeRO context of the step being run (runtime/zero_context.ZeroContext), if any: the gather registers
 # its buckets with it and the ZeRO-2 reduce finds the master shards through it. Set by that context alone.
@@ -208,7 +209,7 @@ def zero_reduce(*params: torch.Tensor, bucket: int, fqns: tuple, group: str, siz
     if context is None:
         if compat.is_fake(params[0]):  # shapes being propagated at compile time: nothing to reduce
             return tuple(p.view_as(p) for p in params)
-        raise RuntimeError("zero_reduce: expected to run inside a meshc job (its master shards receive the gradients)")
+        raise MeshcRuntimeError("zero_reduce: expected to run inside a meshc job (its master shards receive the gradients)")
     numels = [p.numel() for p in params]
     meta = BucketMeta(bucket, [shard_size(k, size) for k in numels], numels, [tuple(p.shape) for p in params], size,
                       group, tuple(partial), reduce_dtype, torch.float32, params[0].dtype, fused)
