@@ -238,6 +238,23 @@ def select_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
 
 @handles(aten.split.Tensor, aten.split_with_sizes.default)
 def split_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    cut = _cut_blocks(node, ctx, "split")
+    if isinstance(cut, Decision):
+        return cut
+    dim, parts, groups = cut
+
+    def rewrite(nd: fx.Node) -> None:
+        if nd.target == aten.split.Tensor:
+            nd.update_arg(1, node.args[1] // ctx.n)
+        else:
+            nd.update_arg(1, [s // ctx.n for s in parts])
+    return Decision({}, tuple(Shard(dim, as_chunks(g)) for g in groups), rewrite=rewrite)
+
+
+def _cut_blocks(node: fx.Node, ctx: RuleCtx, what: str, equal: bool = False):
+    """split/chunk of `node.args[0]` along its dim arg: (dim, part sizes, the blocks each part holds) when the
+    cut dim is sharded in blocks and every part is whole blocks (all parts equal, with `equal`); otherwise
+    the Decision itself (parts keep the input's placement off the sharded dim, else are replicated)."""
     x = node.args[0]
     p = ctx.pl(x)
     src = _ints(x)
@@ -246,16 +263,9 @@ def split_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     if not isinstance(p, Shard) or p.dim != dim:
         return Decision({}, tuple(p for _ in parts))
     groups = _whole_blocks(block_sizes(p.chunks, src[dim]), parts)
-    if groups is None:
-        return Decision({(0,): R}, tuple(R for _ in parts), note="split across the blocks of a shard")
-    outs = tuple(Shard(dim, as_chunks(g)) for g in groups)
-
-    def rewrite(nd: fx.Node) -> None:
-        if nd.target == aten.split.Tensor:
-            nd.update_arg(1, node.args[1] // ctx.n)
-        else:
-            nd.update_arg(1, [s // ctx.n for s in parts])
-    return Decision({}, outs, rewrite=rewrite)
+    if groups is None or (equal and len(set(parts)) != 1):
+        return Decision({(0,): R}, tuple(R for _ in parts), note=f"{what} across the blocks of a shard")
+    return dim, parts, groups
 
 
 def _whole_blocks(blocks: tuple[int, ...], parts: list[int]) -> list[tuple[int, ...]] | None:
@@ -277,16 +287,10 @@ def _whole_blocks(blocks: tuple[int, ...], parts: list[int]) -> list[tuple[int, 
 def chunk_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     """chunk(c, dim) of a fused projection (gate|up): each part is whole blocks, so the local tensor chunked
     the same way gives every part's local share (nothing to rewrite)."""
-    x = node.args[0]
-    p = ctx.pl(x)
-    src = _ints(x)
-    dim = (node.args[2] if len(node.args) > 2 else 0) % len(src)
-    parts = [int(s[dim]) for s in node.meta["meshc.shape"]]
-    if not isinstance(p, Shard) or p.dim != dim:
-        return Decision({}, tuple(p for _ in parts))
-    groups = _whole_blocks(block_sizes(p.chunks, src[dim]), parts)
-    if groups is None or len(set(parts)) != 1:
-        return Decision({(0,): R}, tuple(R for _ in parts), note="chunk across the blocks of a shard")
+    cut = _cut_blocks(node, ctx, "chunk", equal=True)
+    if isinstance(cut, Decision):
+        return cut
+    dim, _, groups = cut
     return Decision({}, tuple(Shard(dim, as_chunks(g)) for g in groups))
 
 

@@ -199,44 +199,34 @@ def bloom(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return BloomForCausalLM(cfg)
 
 
-def falcon(seed: int = 0, layers: int = 2) -> torch.nn.Module:
-    """Hugging Face Falcon (the 7B architecture): bias-free fused QKV projection with multi-query attention,
-    attention and MLP in parallel from one LayerNorm, rotary embeddings."""
+def _falcon(seed: int, layers: int, **layout) -> torch.nn.Module:
+    """Hugging Face Falcon at the zoo's sizes (4 query heads, rotary, no dropout) in the given layout."""
     from transformers import FalconConfig, FalconForCausalLM
 
     torch.manual_seed(seed)
     cfg = FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                       new_decoder_architecture=False, parallel_attn=True, multi_query=True, bias=False,
                        alibi=False, hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=SEQ,
-                       use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                       use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, **layout)
     return FalconForCausalLM(cfg)
+
+
+def falcon(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face Falcon (the 7B architecture): bias-free fused QKV projection with multi-query attention,
+    attention and MLP in parallel from one LayerNorm, rotary embeddings."""
+    return _falcon(seed, layers, new_decoder_architecture=False, parallel_attn=True, multi_query=True, bias=False)
 
 
 def falcon_new(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     """Hugging Face Falcon, the 40B layout (new_decoder_architecture): two LayerNorms, the fused QKV grouped by
     kv head (each group: its query heads, one key, one value; `x @ weight.T` linears), 2 kv heads for 4 query
     heads."""
-    from transformers import FalconConfig, FalconForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                       num_kv_heads=2, new_decoder_architecture=True, bias=False, alibi=False, hidden_dropout=0.0,
-                       attention_dropout=0.0, max_position_embeddings=SEQ, use_cache=False, bos_token_id=0,
-                       eos_token_id=0, pad_token_id=0)
-    return FalconForCausalLM(cfg)
+    return _falcon(seed, layers, num_kv_heads=2, new_decoder_architecture=True, bias=False)
 
 
 def falcon_mha(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     """Hugging Face Falcon, the old layout without multi-query: the fused QKV interleaved per head (q, k, v of
     head 0, then of head 1...), attention and MLP in parallel from one LayerNorm, biases on the linears."""
-    from transformers import FalconConfig, FalconForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                       new_decoder_architecture=False, parallel_attn=True, multi_query=False, bias=True,
-                       alibi=False, hidden_dropout=0.0, attention_dropout=0.0, max_position_embeddings=SEQ,
-                       use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return FalconForCausalLM(cfg)
+    return _falcon(seed, layers, new_decoder_architecture=False, parallel_attn=True, multi_query=False, bias=True)
 
 
 def phi3(seed: int = 0, layers: int = 2) -> torch.nn.Module:

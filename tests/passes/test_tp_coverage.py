@@ -26,10 +26,12 @@ class _Block(torch.nn.Module):
         return x + torch.softmax(self.proj(x), dim=-1)  # a softmax over the features: no column split survives it
 
 
-class Unshardable(torch.nn.Module):
-    def __init__(self):
+class Blocks(torch.nn.Module):
+    """Two blocks of `block_cls` applied in turn, under `blocks.0` and `blocks.1` as the plan expects."""
+
+    def __init__(self, block_cls):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(_Block() for _ in range(2))
+        self.blocks = torch.nn.ModuleList(block_cls() for _ in range(2))
 
     def forward(self, x):
         for block in self.blocks:
@@ -47,7 +49,7 @@ def _compile(model, **plan):
 def test_nothing_sharded_warns_with_modules_and_reasons():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        program = _compile(Unshardable())
+        program = _compile(Blocks(_Block))
     texts = [str(w.message) for w in caught if issubclass(w.category, MeshcWarning) and "shards 0.00" in str(w.message)]
     assert len(texts) == 1, [str(w.message) for w in caught]
     assert "blocks.0.proj: " in texts[0] and "blocks.1.proj: " in texts[0] and "softmax" in texts[0]
@@ -58,7 +60,7 @@ def test_nothing_sharded_warns_with_modules_and_reasons():
 def test_min_tp_coverage_makes_it_an_error():
     with pytest.raises(MeshcValueError, match=r"min_tp_coverage: expected at least 0.90 .* got 0.00; "
                                               r"replicated: blocks.0.proj: .*softmax"):
-        _compile(Unshardable(), min_tp_coverage=0.9)
+        _compile(Blocks(_Block), min_tp_coverage=0.9)
 
 
 @pytest.mark.parametrize("bad", [0, 1.5, True, "0.9"])
@@ -91,19 +93,8 @@ class _HandLinears(torch.nn.Module):
         return x + torch.matmul(torch.relu(x @ self.up.T), self.down.t())
 
 
-class HandLinears(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(_HandLinears() for _ in range(2))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def test_matmul_by_a_transposed_weight_is_a_linear_layer():
-    program = _compile(HandLinears(), min_tp_coverage=1.0)
+    program = _compile(Blocks(_HandLinears), min_tp_coverage=1.0)
     for i in range(2):
         assert str(program.params[f"blocks.{i}.up"].placements["tp"]) == "S(0)"  # column-parallel
         assert str(program.params[f"blocks.{i}.down"].placements["tp"]) == "S(1)"  # row-parallel
