@@ -26,13 +26,14 @@ import time
 from typing import Any, Callable
 
 
-def launch(script: str, nproc: int, config: dict, timeout: float = 900.0) -> dict:
-    """Run `script --worker` on `nproc` local ranks under torchrun; return rank 0's JSON result."""
+def launch(script: str, nproc: int, config: dict, timeout: float = 900.0, python: str | None = None) -> dict:
+    """Run `script --worker` on `nproc` local ranks under torchrun (of `python`, default this interpreter);
+    return rank 0's JSON result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
                "MESHC_BENCH_OUT": out, "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        cmd = [python or sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                script, "--worker", json.dumps(config)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:

@@ -172,3 +172,9 @@ def storage_key(t: torch.Tensor):
     from torch.multiprocessing.reductions import StorageWeakRef
 
     return StorageWeakRef(t.untyped_storage())
+
+
+def version(t: torch.Tensor) -> int:
+    """`t`'s version counter (bumped by every in-place write, shared with its views): `t._version`. No public
+    alternative; meshc reads it to tell whether an initializer wrote a tensor."""
+    return t._version

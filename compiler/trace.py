@@ -71,14 +71,23 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, me
         rank = getattr(mesh, "rank", None)
         if rank is None:
             raise MeshcValueError("trace: expected a rank to compile for with a MeshSpec, got none; pass rank=")
+    device = getattr(mesh, "device", None)
     mesh = as_spec(mesh)
+    device = device or torch.device(mesh.device_type)
     kwargs = dict(kwargs or {})
+    on_meta = _on_meta(model)
     t0 = time.perf_counter()
     with _in_dtype(model, plan.param_dtype):
         if plan.param_dtype is not None:
             args, kwargs = _cast_floating((tuple(args), kwargs), plan.param_dtype)
+        if on_meta:  # values never matter to the trace: inputs join the parameters on meta
+            args, kwargs = _to_meta((tuple(args), kwargs))
         ep, mode = export(model, tuple(args), kwargs, plan.trace)
+    if on_meta:
+        _devices_from_meta(ep.graph_module, device)
     program, tensors = _program_from_export(ep, model, mesh, plan, rank, mode, prefix)
+    if on_meta:
+        _refuse_meta_constants(model, tensors)
     program.notes.append(f"trace: torch.export ({mode}) in {time.perf_counter() - t0:.2f} s, "
                          f"{len(program.gm.graph.nodes)} nodes")
     return program, tensors
@@ -155,6 +164,66 @@ class _in_dtype:
         for p, data in self.saved:
             p.data = data
         return False
+
+
+def _on_meta(model: torch.nn.Module) -> bool:
+    """Was the model built on the meta device (any parameter or buffer without storage)?"""
+    return any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+
+
+def _to_meta(tree):
+    from ._torch_compat import tree_map
+
+    return tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _devices_from_meta(gm: fx.GraphModule, device: torch.device) -> None:
+    """A model traced on meta: every `device=meta` the graph recorded (arange, to, new tensors) becomes the
+    device the rank runs on, so that the program creates its tensors where its parameters live."""
+    meta = torch.device("meta")
+
+    def fix(value):
+        if isinstance(value, torch.device) and value == meta:
+            return device
+        if isinstance(value, (list, tuple)):
+            return type(value)(fix(v) for v in value)
+        return value
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.args = fix(node.args)
+            node.kwargs = {k: fix(v) for k, v in node.kwargs.items()}
+    gm.recompile()
+    _refresh_vals(gm, device)
+
+
+def _refresh_vals(gm: fx.GraphModule, device: torch.device) -> None:
+    """Every node's "val" again (fake tensors), with the placeholders on `device` instead of meta."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from ._torch_compat import fake_tensor_mode
+
+    mode = fake_tensor_mode()
+    args = []
+    with mode:
+        for node in gm.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                val = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=device)
+            args.append(val)
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
+
+
+def _refuse_meta_constants(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """A tensor the forward creates on the model's device becomes a constant of the graph: built on meta it
+    has no value, and no initializer can give it one."""
+    own = {id(t) for t in [*model.parameters(), *model.buffers()]}
+    lost = [fqn for fqn, t in tensors.items() if t.device.type == "meta" and id(t) not in own]
+    if lost:
+        raise TraceError(f"trace: expected every tensor the model's forward creates to have a value, got "
+                         f"{', '.join(lost)} on the meta device (a tensor made in forward with the parameters' "
+                         "device); register it as a buffer in the module's __init__, or build the model on cpu")
 
 
 def _cast_floating(tree, dtype):

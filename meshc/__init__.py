@@ -21,11 +21,12 @@ if TYPE_CHECKING:
     from meshc.compiler.ir.plan import Plan
     from meshc.compiler.show import show
     from meshc.job import Job
+    from meshc.runtime.init_weights import init_weights
     from meshc.runtime.mesh import Mesh, mesh
     from torch.distributed.pipelining import pipe_split  # a cut marker for model code: meshc.pipe_split()
 
 __all__ = ["compile", "backend", "last_compiled", "mesh", "Plan", "Job", "Mesh", "show", "MeshcError", "TraceError",
-           "MeshcInternalError", "MeshcWarning", "pipe_split"]
+           "MeshcInternalError", "MeshcWarning", "pipe_split", "init_weights"]
 __version__ = "0.1.0"
 
 
@@ -46,6 +47,8 @@ def _load(name: str):  # noqa: C901 - one branch per lazy name
         from meshc.runtime.mesh import Mesh as value
     elif name == "mesh":
         from meshc.runtime.mesh import mesh as value
+    elif name == "init_weights":
+        from meshc.runtime.init_weights import init_weights as value
     elif name == "pipe_split":
         from torch.distributed.pipelining import pipe_split as value
     else:

@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from meshc.compiler._torch_compat import tree_flatten
 from meshc.compiler.ir.errors import MeshcTypeError
 from meshc.job import Job
 from meshc.runtime.mesh import Mesh
@@ -27,6 +28,10 @@ def compile(model: torch.nn.Module, mesh: Mesh, *, example_inputs: Any, example_
         raise MeshcTypeError(f"meshc.compile: expected a meshc Mesh (from meshc.mesh(...)), got {type(mesh).__name__}")
     plan = Plan() if plan is None else plan
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if not any(isinstance(x, torch.Tensor) for x in tree_flatten((args, example_kwargs or {}))[0]):
+        raise MeshcTypeError("meshc.compile: expected example_inputs holding this rank's input tensors (their shapes "
+                             f"and dtypes are what is compiled), got {type(example_inputs).__name__}; pass a batch "
+                             "as the job will be called, e.g. example_inputs=(tokens,)")
     if isinstance(plan, str) and plan == "auto":  # the planner chooses, for this model on this mesh
         from meshc.compiler.planner import auto_plan
 

@@ -8,9 +8,15 @@
 Conventions (DESIGN.md §1): each rank passes its own dp-local batch; `loss_fn(outputs, targets)`
 returns the mean over that batch; gradients come out averaged over dp, so training matches one process
 running the global batch. A call with new input shapes compiles again and keeps the same parameters.
+
+Big models: the model may be built on the meta device; each rank then allocates only its own shards, and
+`job.init_weights(seed)` or `job.load_pretrained(path)` (or `job.load(checkpoint)`) gives them values. The job
+keeps no full tensor: after compiling it holds a meta copy of the model (for retracing new input shapes and
+for initialization), never the user's weights.
 """
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -29,7 +35,7 @@ from meshc.runtime import failures
 from meshc.runtime import trace as tracing
 from meshc.runtime.param_store import ParamStore
 from meshc.runtime.pipelined import Pipelined
-from meshc.runtime.sharding import LocalShard, full_tensor, local_shard
+from meshc.runtime.sharding import LocalShard, full_tensor, local_shard, read_local, take
 from meshc.runtime.zero_context import ZeroContext, ZeroStats
 
 
@@ -37,7 +43,6 @@ class Job:
     def __init__(self, model: torch.nn.Module, mesh, plan, example_args: tuple, example_kwargs: dict):
         self.mesh = mesh
         self.plan = plan
-        self._model = model
         self._traced: dict[Any, Program] = {}
         self._programs: dict[Any, Program] = {}
         self._optimizers: list[weakref.ref] = []
@@ -52,9 +57,16 @@ class Job:
         self._params = self._store.masters
         self.zero_stats = ZeroStats()
         self._buffers: dict[str, torch.Tensor] = {}
+        self._pending_buffers: set[str] = set()
         for fqn, spec in program.buffers.items():
             if self._layout is None or fqn in self._layout.buffers:
-                self._buffers[fqn] = local_shard(tensors[fqn], spec, mesh).to(mesh.device)
+                part = local_shard(tensors[fqn], spec, mesh)
+                if part.device.type == "meta":
+                    self._pending_buffers.add(fqn)
+                    part = torch.empty(part.shape, dtype=part.dtype)
+                self._buffers[fqn] = part.to(mesh.device)
+        del tensors
+        self._model = _meta_twin(model)  # shapes and structure only: no full tensor stays with the job
         self._state_keys = _state_dict_keys(model, program)
         self._placements = {fqn: dict(spec.placements) for fqn, spec in program.params.items()}
         _share_rng_state(mesh)
@@ -65,6 +77,7 @@ class Job:
         if self.mesh.size("pp") > 1:
             raise MeshcValueError("job(x): a plan with pipeline stages has no plain forward on one rank; train with "
                                   "job.step(inputs, targets, loss_fn), which runs the schedule")
+        self._require_values("job(x)")
         return self._run(self._program_for(args, kwargs), args, kwargs)
 
     def _run(self, program: Program, args: tuple, kwargs: dict) -> Any:
@@ -98,6 +111,7 @@ class Job:
         Returns the loss averaged over dp (detached): the single-process loss of the global batch. The first
         step checks that every rank runs the same plan; a dead or stalled peer raises failures.RankFailure.
         """
+        self._require_values("job.step")
         failures.preflight(self)
         with failures.watching(self.mesh, "job.step"), tracing.region("step", "step"):
             return self._step(inputs, targets, loss_fn)
@@ -142,6 +156,73 @@ class Job:
         if n == 1:
             return value
         return compat.all_reduce_sum(value.clone(), self.mesh.group_name(axis)) / n
+
+    # ------------------------------------------------------------------------------ weights
+    def init_weights(self, seed: int = 0) -> None:
+        """Give this rank's shards their initial values with the model's own initialization (runtime/init_weights.py:
+        each tensor alone, seeded by (seed, name), then sliced): the assembled weights are bitwise the same under
+        every plan and equal meshc.init_weights(model, seed) in one process. Re-initializes every parameter; of
+        the buffers, those the model left on the meta device. One full tensor at a time; no collective."""
+        from meshc.runtime.init_weights import Initializer
+
+        init = Initializer(self._model, seed)
+        try:
+            for fqn in self._params:
+                self._store.load_full(fqn, init.tensor(fqn))
+        finally:
+            init.restore()
+        self.init_buffers(sorted(self._pending_buffers), seed)
+
+    def init_buffers(self, fqns: list[str], seed: int = 0) -> None:
+        """Compute buffers the model left on the meta device as its initialization computes them."""
+        from meshc.runtime.init_weights import Initializer
+
+        init = Initializer(self._model, seed)
+        try:
+            for fqn in fqns:
+                full = init.tensor(fqn)
+                self.load_buffer_part(fqn, lambda indices, full=full: take(full, indices))
+        finally:
+            init.restore()
+
+    def load_pretrained(self, path, *, strict: bool = True):
+        """Read weights into this rank's shards from a Hugging Face folder (model.safetensors, or the sharded
+        model.safetensors.index.json), a .safetensors file, a torch state-dict file or a meshc checkpoint;
+        each rank reads only the slices it holds (runtime/pretrained.py). Buffers absent from the files and
+        left on meta are computed as init_weights computes them. `strict`: missing or unexpected keys are
+        an error that lists them. Returns what this rank read (LoadStats: tensors, bytes)."""
+        from meshc.runtime.pretrained import load_pretrained
+
+        return load_pretrained(self, path, strict=strict)
+
+    def load_part(self, fqn: str, read) -> None:
+        """Write parameter `fqn`'s shards on this rank from `read` (per-dim global indices -> that part of the
+        whole tensor; runtime/sharding.read_local)."""
+        self._store.load_part(fqn, read)
+
+    def load_buffer_part(self, fqn: str, read) -> None:
+        """As load_part, for a buffer this rank holds."""
+        with torch.no_grad():
+            self._buffers[fqn].copy_(read_local(read, self.program.buffers[fqn], self.mesh))
+        self._pending_buffers.discard(fqn)
+
+    @property
+    def model_meta(self) -> torch.nn.Module:
+        """The model as the job keeps it: its structure on the meta device, no values."""
+        return self._model
+
+    def pending(self) -> list[str]:
+        """The FQNs this rank holds that have no values yet (a model built on meta, before init_weights,
+        load_pretrained or load)."""
+        return sorted(self._store.pending | self._pending_buffers)
+
+    def _require_values(self, what: str) -> None:
+        missing = self.pending()
+        if missing:
+            raise MeshcValueError(
+                f"{what}: expected every parameter to have a value, got {len(missing)} without one ({missing[0]}, ...): "
+                "the model was built on the meta device; call job.init_weights(seed), job.load_pretrained(path) "
+                "or job.load(checkpoint) first")
 
     # ------------------------------------------------------------------------------ parameters
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -210,7 +291,10 @@ class Job:
         """Read a checkpoint saved under any plan (a collective); returns (step, extra) as saved."""
         from meshc.runtime.checkpoint import load
 
-        return load(self, path, optimizers=optimizers)
+        out = load(self, path, optimizers=optimizers)
+        self._store.pending.clear()  # a checkpoint holds every parameter and buffer (load is strict)
+        self._pending_buffers.clear()
+        return out
 
     def whole_tensors(self, local: dict[str, torch.Tensor], fqns: list[str]) -> dict[str, torch.Tensor]:
         """Whole tensors from this rank's shards (gathered over dp and tp); with pipeline stages, each is
@@ -324,6 +408,16 @@ class Job:
                                                  prefix="model.", fixed=self._placements)
             self._traced[key], self._programs[key] = traced, program
         return self._programs[key]
+
+
+def _meta_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` whose parameters and buffers are on the meta device (ties kept): what the job retraces
+    for new input shapes and initializes from, without holding the user's full tensors."""
+    memo: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        memo[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
 
 
 class _WithLoss(torch.nn.Module):

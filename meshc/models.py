@@ -90,10 +90,11 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.head.weight = self.tok.weight  # tied, as GPT-2
-        self.apply(self._init)
+        self.apply(self._init_weights)
 
     @staticmethod
-    def _init(module: nn.Module) -> None:
+    def _init_weights(module: nn.Module) -> None:
+        """The init of every module (also what meshc.init_weights applies, one tensor at a time)."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:

@@ -6,6 +6,10 @@
               each optimizer step they are all-gathered from the updated masters. In fp32 a master is a
               view into its compute copy's padded buffer, so nothing is stored twice.
 
+A model built on the meta device gives meta tensors here: each local tensor is allocated (uninitialized)
+at its local shape and its FQN stays in `pending` until `load_full` writes it (job.init_weights,
+job.load_pretrained), so that no rank ever holds more than its own shards.
+
 The optimizer-step collectives of ZeRO-1/2 run as hooks on the user's optimizer: before the step,
 ZeRO-1 reduce-scatters the whole gradients into the masters' .grad; after it, the updated slices are
 all-gathered into the compute copies.
@@ -19,7 +23,7 @@ from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.placement import FlatShard, Replicate, Shard
 from meshc.compiler.ir.program import Program
 
-from .sharding import local_shard
+from .sharding import local_shard, read_local, take
 from .ops.zero import pack, shard_size, unpack
 
 DP = "dp"
@@ -31,15 +35,18 @@ class ParamStore:
         self.specs = program.params
         self.masters: dict[str, torch.nn.Parameter] = {}
         self.compute: dict[str, torch.Tensor] = {}
+        self.pending: set[str] = set()
         n, index = mesh.size(DP), mesh.coord(DP)
         for fqn, spec in program.params.items():
             if keep is not None and fqn not in keep:  # a pipeline stage on another rank holds it
                 continue
             full = tensors[fqn]
+            if full.device.type == "meta":
+                self.pending.add(fqn)
             if spec.zero not in (1, 2):
-                self.masters[fqn] = _parameter(local_shard(full, spec, mesh).to(mesh.device), spec.requires_grad)
+                self.masters[fqn] = _parameter(_local(full, spec, mesh), spec.requires_grad)
                 continue
-            whole = local_shard(full, _without_flat(spec), mesh).to(mesh.device)  # tp-local, whole on dp
+            whole = _local(full, _without_flat(spec), mesh)  # tp-local, whole on dp
             dtype = self.plan.param_dtype or spec.dtype
             s = shard_size(whole.numel(), n)
             if dtype == spec.dtype:  # one padded buffer: the compute copy and (a view of it) the master
@@ -49,9 +56,29 @@ class ParamStore:
                 master = buffer[index * s: (index + 1) * s]
             else:
                 compute = whole.to(dtype)
-                master = local_shard(full, spec, mesh).to(mesh.device)
+                master = _local(full, spec, mesh)
             self.compute[fqn] = compute.requires_grad_(spec.requires_grad)
             self.masters[fqn] = _parameter(master, spec.requires_grad)
+
+    def load_full(self, fqn: str, full: torch.Tensor) -> None:
+        """Write this rank's part of the whole tensor `full` into parameter `fqn` (see load_part)."""
+        spec = self.specs[fqn]
+        if tuple(full.shape) != tuple(spec.shape):
+            raise MeshcValueError(f"{fqn}: expected a tensor of shape {tuple(spec.shape)}, got {tuple(full.shape)}")
+        self.load_part(fqn, lambda indices: take(full, indices))
+
+    @torch.no_grad()
+    def load_part(self, fqn: str, read) -> None:
+        """Write parameter `fqn`'s master and, under ZeRO-1/2, its compute copy from `read` (sharding.read_local:
+        per-dim global indices -> that part of the whole tensor), cast to the stored dtypes."""
+        spec = self.specs[fqn]
+        if fqn in self.compute:
+            self.compute[fqn].copy_(read_local(read, _without_flat(spec), self.mesh))
+            if self.masters[fqn].untyped_storage().data_ptr() == self.compute[fqn].untyped_storage().data_ptr():
+                self.pending.discard(fqn)  # the master is a view of the compute copy's buffer
+                return
+        self.masters[fqn].copy_(read_local(read, spec, self.mesh))
+        self.pending.discard(fqn)
 
     def graph_inputs(self, program: Program) -> list[torch.Tensor]:
         """What each parameter placeholder receives, in order."""
@@ -152,6 +179,14 @@ class ParamStore:
         states = count([v for opt in optimizers for st in opt.state.values() for v in st.values()
                         if isinstance(v, torch.Tensor) and v.dim() > 0])
         return {"params": params, "grads": grads, "optimizer": states}
+
+
+def _local(full: torch.Tensor, spec, mesh) -> torch.Tensor:
+    """This rank's part of `full` on the mesh's device; of a meta tensor, an uninitialized one of its shape."""
+    part = local_shard(full, spec, mesh)
+    if part.device.type == "meta":
+        return torch.empty(part.shape, dtype=part.dtype, device=mesh.device)
+    return part.to(mesh.device)
 
 
 def _parameter(t: torch.Tensor, requires_grad: bool) -> torch.nn.Parameter:

@@ -12,7 +12,7 @@ from meshc.compiler.ir.placement import FlatShard, Partial, Shard
 from meshc.compiler.ir.program import ParamSpec
 
 from .ops.collectives import gather_shard, slice_shard
-from .ops.zero import flat_shard
+from .ops.zero import flat_shard, shard_size
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,49 @@ def local_shard(full: torch.Tensor, spec: ParamSpec, mesh, rank: int | None = No
         if isinstance(p, FlatShard):
             out = flat_shard(out, mesh.sizes[axis], coords[axis])
     return out.clone().contiguous()
+
+
+def read_local(read, spec: ParamSpec, mesh) -> torch.Tensor:
+    """What local_shard(full, spec, mesh) returns, reading only the part of `full` this rank holds: `read(indices)`
+    gets one index tensor per dim (global positions, in the order the local tensor holds them) and returns
+    full at their cross product. A ZeRO flat shard reads only the rows that its window of the flattened
+    (tp-local) tensor touches, padded with zeros as flat_shard pads."""
+    coords = mesh.coords()
+    indices = [torch.arange(n) for n in spec.shape]
+    for axis, p in spec.placements.items():
+        if isinstance(p, Partial):
+            raise MeshcValueError(f"{spec.fqn}: a stored tensor cannot be Partial on {axis}")
+        if isinstance(p, Shard) and mesh.sizes[axis] > 1:
+            indices[p.dim] = slice_shard(indices[p.dim], 0, p.chunks, mesh.sizes[axis], coords[axis])
+    flats = [axis for axis, p in spec.placements.items() if isinstance(p, FlatShard)]
+    if not flats:
+        return read(indices).contiguous()
+    if len(flats) > 1 or not indices:  # nested flat shards or a scalar: cut what the dim shards leave
+        out = read(indices)
+        for axis in flats:
+            out = flat_shard(out, mesh.sizes[axis], coords[axis])
+        return out
+    n, index = mesh.sizes[flats[0]], coords[flats[0]]
+    numel, row = math.prod(len(i) for i in indices), math.prod(len(i) for i in indices[1:])
+    s = shard_size(numel, n)
+    lo, hi = min(index * s, numel), min((index + 1) * s, numel)
+    first = None
+    if hi > lo:
+        r0, r1 = lo // row, -(-hi // row)
+        first = read([indices[0][r0:r1], *indices[1:]]).reshape(-1)[lo - r0 * row: hi - r0 * row]
+    out = torch.zeros(s, dtype=spec.dtype if first is None else first.dtype)
+    if first is not None:
+        out[: hi - lo] = first
+    return out
+
+
+def take(full: torch.Tensor, indices: list[torch.Tensor]) -> torch.Tensor:
+    """full at the cross product of per-dim `indices` (a Reader over a tensor in memory)."""
+    out = full.detach()
+    for dim, ix in enumerate(indices):
+        if len(ix) != out.shape[dim] or not torch.equal(ix, torch.arange(out.shape[dim])):
+            out = out.index_select(dim, ix.to(out.device))
+    return out
 
 
 def full_tensor(local: torch.Tensor, spec: ParamSpec, mesh) -> torch.Tensor:

@@ -52,7 +52,15 @@ def bert(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return BertForMaskedLM(cfg)
 
 
-MODELS = {"reference": reference_transformer, "gpt2": gpt2, "llama": llama, "bert": bert}
+def builtin_gpt(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """meshc's built-in GPT (meshc/models.py) at the zoo's vocabulary and length: tied head, LayerNorm, GELU."""
+    from meshc import models
+
+    torch.manual_seed(seed)
+    return models.build("gpt-tiny", vocab_size=VOCAB, seq_len=SEQ, layers=layers, dim=32)
+
+
+MODELS = {"gpt": builtin_gpt, "reference": reference_transformer, "gpt2": gpt2, "llama": llama, "bert": bert}
 
 
 def build(name: str, seed: int = 0, **kwargs) -> torch.nn.Module:

@@ -1,0 +1,281 @@
+"""job.load_pretrained: weights from files straight into each rank's shards, no full copy anywhere.
+
+Sources, by what `path` is:
+    a meshc checkpoint folder (meshc.json)      job.load, weights and buffers only
+    a folder with model.safetensors.index.json  Hugging Face's sharded layout (save_pretrained(max_shard_size=...))
+    a folder with model.safetensors             one file
+    a .safetensors file                         one file
+    any other file                              a torch state dict (torch.load, memory-mapped, weights only)
+
+Each rank asks, tensor by tensor, only for its slices (sharding.read_local): a safetensors file is read
+through `safe_open(...).get_slice`, one rectangle per run of consecutive indices, so a rank's reads are its
+shards' bytes (a ZeRO flat shard also reads the rest of the rows its window starts and ends in).
+
+Keys: the model's own state_dict keys, tied aliases included; where the file's keys carry or lack the model's
+`base_model_prefix` ("model.", "transformer."), or say gamma/beta for weight/bias (old Hugging Face files),
+they are renamed. Dtypes are cast to the job's (bf16 files into fp32 masters). Strict by default: a missing
+or unexpected key, or a shape that differs, is an error naming it and its file. Buffers absent from the
+files and left on the meta device are computed as init_weights computes them.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from meshc.compiler.ir.errors import MeshcValueError
+
+from .checkpoint_format import MANIFEST
+from .sharding import take
+
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+
+
+@dataclass
+class LoadStats:
+    """What a rank read: tensors touched and the bytes its slices hold, against the bytes of those tensors."""
+
+    tensors: int = 0
+    bytes_read: int = 0
+    bytes_whole: int = 0
+    files: list[str] = field(default_factory=list)
+
+
+def load_pretrained(job, path, *, strict: bool = True) -> LoadStats:
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, MANIFEST)):
+        job.load(path, optimizers=[])
+        return LoadStats(files=[path])
+    source = open_source(path)
+    try:
+        return _load(job, source, strict)
+    finally:
+        source.close()
+
+
+def _load(job, source, strict: bool) -> LoadStats:
+    keys = _match(job, source)
+    expected = set(job.state_dict_keys.values())
+    missing = sorted(expected - set(keys))
+    model_keys = set(job.state_dict_keys) | set(job.program.params) | set(job.program.buffers)
+    unexpected = sorted(k for k in source.keys() if k not in set(keys.values()) and k not in model_keys)
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing ({', '.join(missing[:8])}{', ...' if len(missing) > 8 else ''})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected "
+                         f"({', '.join(unexpected[:8])}{', ...' if len(unexpected) > 8 else ''})")
+        raise MeshcValueError(f"load_pretrained {source.where}: expected the model's keys, got {' and '.join(parts)}; "
+                              "load weights saved from this architecture, or pass strict=False to skip them")
+    stats = LoadStats(files=source.files())
+    specs = {**job.program.params, **job.program.buffers}
+    for fqn, key in keys.items():
+        spec = specs[fqn]
+        shape = source.shape(key)
+        if tuple(shape) != tuple(spec.shape):
+            raise MeshcValueError(f"load_pretrained {source.file_of(key)}: expected {key} of shape {tuple(spec.shape)} "
+                                  f"(the model's {fqn}), got {tuple(shape)}; the file is of another configuration")
+        held_param = fqn in dict(job.named_parameters())
+        held_buffer = fqn in dict(job.named_buffers())
+        if not (held_param or held_buffer):
+            continue  # a pipeline stage on another rank holds it
+        before = source.bytes_read
+        read = lambda indices, key=key: source.read(key, indices)  # noqa: E731
+        if held_param:
+            job.load_part(fqn, read)
+        else:
+            job.load_buffer_part(fqn, read)
+        stats.tensors += 1
+        stats.bytes_read += source.bytes_read - before
+        stats.bytes_whole += source.nbytes(key)
+    if job.pending():
+        job.init_buffers([f for f in job.pending() if f in job.program.buffers])
+    left = job.pending()
+    if left:
+        raise MeshcValueError(f"load_pretrained {source.where}: expected values for every parameter, got none for "
+                              f"{', '.join(left[:8])}; they are not in the files (strict=False skipped them): "
+                              "initialize them with job.init_weights(seed) before loading, or load complete weights")
+    return stats
+
+
+def _match(job, source) -> dict[str, str]:
+    """canonical FQN -> file key, under the renaming (prefix, gamma/beta) that matches the most keys."""
+    alias = dict(job.state_dict_keys)
+    alias.update({f: f for f in job.program.params})
+    alias.update({f: f for f in job.program.buffers})
+    prefix = getattr(job.model_meta, "base_model_prefix", "") or ""
+    renames = [lambda k: k]
+    if prefix:
+        renames += [lambda k: f"{prefix}.{k}", lambda k: k[len(prefix) + 1:] if k.startswith(prefix + ".") else k]
+    best: dict[str, str] = {}
+    for rename in renames:
+        found: dict[str, str] = {}
+        for key in source.keys():
+            name = _legacy(rename(key), alias)
+            if name in alias:
+                found.setdefault(alias[name], key)
+        if len(found) > len(best):
+            best = found
+    return best
+
+
+def _legacy(name: str, alias: dict) -> str:
+    if name in alias:
+        return name
+    for old, new in ((".gamma", ".weight"), (".beta", ".bias")):
+        if name.endswith(old) and name[: -len(old)] + new in alias:
+            return name[: -len(old)] + new
+    return name
+
+
+# ---------------------------------------------------------------------------------------- sources
+def open_source(path: str):
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, INDEX)):
+            return _Safetensors.from_index(path)
+        if os.path.exists(os.path.join(path, SINGLE)):
+            return _Safetensors(path, {None: os.path.join(path, SINGLE)})
+        raise MeshcValueError(f"load_pretrained {path}: expected a meshc checkpoint ({MANIFEST}) or a Hugging Face folder "
+                              f"({INDEX} or {SINGLE}), got a folder with neither; point at the folder save_pretrained "
+                              "wrote, or at one weights file")
+    if not os.path.exists(path):
+        raise MeshcValueError(f"load_pretrained {path}: expected a weights file or folder, got nothing at that path")
+    if path.endswith(".safetensors"):
+        return _Safetensors(path, {None: path})
+    return _StateDict(path)
+
+
+class _Safetensors:
+    def __init__(self, where: str, files: dict):
+        from safetensors import safe_open
+
+        self.where, self.bytes_read = where, 0
+        self.handles, self.key_file = {}, {}
+        for key, file in files.items():
+            if file not in self.handles:
+                try:
+                    self.handles[file] = safe_open(file, framework="pt")
+                except Exception as error:  # noqa: BLE001 - safetensors' errors become one that names the file
+                    raise MeshcValueError(f"load_pretrained {file}: expected a safetensors file, got one that cannot "
+                                          f"be opened ({str(error).strip()[:200]}): truncated or not safetensors; "
+                                          "write it again (save_pretrained / safetensors.torch.save_file)") from None
+            if key is None:
+                self.key_file.update({k: file for k in self.handles[file].keys()})
+            else:
+                self.key_file[key] = file
+
+    @classmethod
+    def from_index(cls, folder: str) -> "_Safetensors":
+        index_path = os.path.join(folder, INDEX)
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError) as error:
+            raise MeshcValueError(f"load_pretrained {index_path}: expected a JSON index with a weight_map, got "
+                                  f"{type(error).__name__}: {error}") from None
+        files = {k: os.path.join(folder, v) for k, v in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not os.path.exists(file):
+                raise MeshcValueError(f"load_pretrained {index_path}: expected the file {os.path.basename(file)} it "
+                                      "lists, got none; copy every shard of the checkpoint")
+        return cls(folder, files)
+
+    def keys(self) -> list[str]:
+        return list(self.key_file)
+
+    def files(self) -> list[str]:
+        return sorted(set(self.key_file.values()))
+
+    def file_of(self, key: str) -> str:
+        return self.key_file[key]
+
+    def shape(self, key: str) -> tuple:
+        return tuple(self._slice(key).get_shape())
+
+    def nbytes(self, key: str) -> int:
+        sl = self._slice(key)
+        numel = 1
+        for n in sl.get_shape():
+            numel *= n
+        return numel * _DTYPE_BYTES.get(sl.get_dtype(), 4)
+
+    def _slice(self, key: str):
+        return self.handles[self.key_file[key]].get_slice(key)
+
+    def read(self, key: str, indices: list[torch.Tensor]) -> torch.Tensor:
+        sl = self._slice(key)
+        runs = [_runs(ix) for ix in indices]
+        try:
+            out = _assemble(sl, runs, 0, ())
+        except Exception as error:  # noqa: BLE001 - a short read names the file
+            raise MeshcValueError(f"load_pretrained {self.file_of(key)}: expected to read {key}, got "
+                                  f"{type(error).__name__}: {str(error).strip()[:200]}; the file is truncated or "
+                                  "corrupt: write it again") from None
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def close(self) -> None:
+        self.handles.clear()
+
+
+class _StateDict:
+    def __init__(self, path: str):
+        self.where, self.bytes_read = path, 0
+        try:
+            self.tensors = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as error:  # noqa: BLE001 - torch.load's errors become one that names the file
+            raise MeshcValueError(f"load_pretrained {path}: expected a safetensors file or a torch state dict, got "
+                                  f"one torch.load cannot read ({str(error).strip().splitlines()[0][:200]})") from None
+        if not isinstance(self.tensors, dict):
+            raise MeshcValueError(f"load_pretrained {path}: expected a state dict (name -> tensor), got a "
+                                  f"{type(self.tensors).__name__}")
+
+    def keys(self) -> list[str]:
+        return [k for k, v in self.tensors.items() if isinstance(v, torch.Tensor)]
+
+    def files(self) -> list[str]:
+        return [self.where]
+
+    def file_of(self, key: str) -> str:
+        return self.where
+
+    def shape(self, key: str) -> tuple:
+        return tuple(self.tensors[key].shape)
+
+    def nbytes(self, key: str) -> int:
+        t = self.tensors[key]
+        return t.numel() * t.element_size()
+
+    def read(self, key: str, indices: list[torch.Tensor]) -> torch.Tensor:
+        out = take(self.tensors[key], indices)
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def close(self) -> None:
+        self.tensors = {}
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _runs(ix: torch.Tensor) -> list[tuple[int, int]]:
+    """Consecutive runs of an index tensor, as (start, stop) pairs, in its order."""
+    values = ix.tolist()
+    runs: list[tuple[int, int]] = []
+    for v in values:
+        if runs and runs[-1][1] == v:
+            runs[-1] = (runs[-1][0], v + 1)
+        else:
+            runs.append((v, v + 1))
+    return runs
+
+
+def _assemble(sl, runs: list, dim: int, box: tuple) -> torch.Tensor:
+    """The cross product of per-dim runs, read one rectangle at a time and joined in order."""
+    if dim == len(runs):
+        return sl[box] if box else sl[:]
+    parts = [_assemble(sl, runs, dim + 1, box + (slice(a, b),)) for a, b in runs[dim]]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
