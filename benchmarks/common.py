@@ -26,9 +26,11 @@ import time
 from typing import Any, Callable
 
 
-def launch(script: str, nproc: int, config: dict, timeout: float = 900.0, python: str | None = None) -> dict:
+def launch(script: str, nproc: int, config: dict, timeout: float = 900.0, python: str | None = None,
+           exit_code_ok: bool = False) -> dict:
     """Run `script --worker` on `nproc` local ranks under torchrun (of `python`, default this interpreter);
-    return rank 0's JSON result."""
+    return rank 0's JSON result. `exit_code_ok`: a run that wrote its result and then failed (a rank lost at
+    exit) returns the result with its "exit_code" instead of raising."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
@@ -36,10 +38,10 @@ def launch(script: str, nproc: int, config: dict, timeout: float = 900.0, python
         cmd = [python or sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                script, "--worker", json.dumps(config)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0:
+        if proc.returncode != 0 and not (exit_code_ok and os.path.exists(out)):
             raise RuntimeError(f"{config} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         with open(out) as f:
-            return json.load(f)
+            return {**json.load(f), "exit_code": proc.returncode}
 
 
 def report(result: dict) -> None:

@@ -83,14 +83,14 @@ def _meshc(cfg: dict, base: float) -> tuple[list, float, int]:
         job.init_weights(seed=0)
     elif cfg["mode"] == "meta-load":
         job.load_pretrained(cfg["folder"])
-    ready = _rss_mib() - base
+    ready = (_rss_mib() - base, _rss_mib("VmHWM") - base)  # held, and peak so far, once weights are ready
     opt = job.optimizer(torch.optim.AdamW, lr=1e-4)
     losses = []
     for _ in range(STEPS):
         losses.append(job.step(x, y, _loss).item())
         opt.step()
         opt.zero_grad()
-    return losses, ready, params
+    return losses, ready, params, sum(job.held_bytes().values()) / 2**20
 
 
 def _fsdp2(cfg: dict, base: float) -> tuple[list, float, int]:
@@ -111,7 +111,7 @@ def _fsdp2(cfg: dict, base: float) -> tuple[list, float, int]:
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
         model.apply(model._init_weights)
-    ready = _rss_mib() - base
+    ready = (_rss_mib() - base, _rss_mib("VmHWM") - base)  # held, and peak so far, once weights are ready
     x, y = _batch(50257, dist.get_rank())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     losses = []
@@ -121,7 +121,7 @@ def _fsdp2(cfg: dict, base: float) -> tuple[list, float, int]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, ready, params
+    return losses, ready, params, _held(model.parameters(), opt)
 
 
 def _deepspeed(cfg: dict, base: float) -> tuple[list, float, int]:
@@ -139,7 +139,7 @@ def _deepspeed(cfg: dict, base: float) -> tuple[list, float, int]:
     params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    ready = _rss_mib() - base
+    ready = (_rss_mib() - base, _rss_mib("VmHWM") - base)  # held, and peak so far, once weights are ready
     x, y = _batch(50257, dist.get_rank())
     losses = []
     for _ in range(STEPS):
@@ -147,7 +147,17 @@ def _deepspeed(cfg: dict, base: float) -> tuple[list, float, int]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return losses, ready, params
+    return losses, ready, params, float("nan")  # DeepSpeed's flat partitions live inside its engine
+
+
+def _held(parameters, opt) -> float:
+    """MiB of the local parameter shards, gradients and optimizer states (DTensors: their local parts)."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+    tensors = [local(p) for p in parameters] + [local(p.grad) for p in opt.param_groups[0]["params"]
+                                                  if p.grad is not None]
+    tensors += [local(v) for st in opt.state.values() for v in st.values() if hasattr(v, "dim") and v.dim() > 0]
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**20
 
 
 def worker(cfg: dict) -> None:
@@ -157,8 +167,8 @@ def worker(cfg: dict) -> None:
     torch.set_num_threads(1)
     base = _rss_mib()
     run = {"fsdp2": _fsdp2, "deepspeed": _deepspeed}.get(cfg["mode"], _meshc)
-    losses, ready, params = run(cfg, base)
-    mine = {"peak": _rss_mib("VmHWM") - base, "steady": _rss_mib() - base, "ready": ready}
+    losses, ready, params, held = run(cfg, base)
+    mine = {"peak": _rss_mib("VmHWM") - base, "steady": _rss_mib() - base, "ready": ready, "held": held}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     report({"ranks": everyone, "losses": losses, "params": params})
@@ -194,6 +204,8 @@ def main() -> None:
     p = arg_parser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--only", default="", help="comma-separated rows to run (meta-init, meta-load, materialized, "
+                                               "fsdp2, deepspeed, before); default all")
     p.add_argument("--before-python", default=None, help="an interpreter whose meshc predates meta-device support")
     args = p.parse_args()
     if run_worker(args, worker):
@@ -209,23 +221,30 @@ def main() -> None:
                  ("DeepSpeed, zero.Init", {"mode": "deepspeed"}, None)]
         if args.before_python:
             modes.append(("meshc before (materialized)", {"mode": "materialized"}, args.before_python))
+        wanted = set(filter(None, args.only.split(",")))
         for label, cfg, python in modes:
+            name = "before" if python else cfg["mode"]
+            if wanted and name not in wanted:
+                continue
             if cfg["mode"] == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
                 rows.append({"run": label, "losses": "not installed: pip install -e '.[bench]'"})
                 continue
             out = launch(os.path.abspath(__file__), args.nproc, {**cfg, "layers": args.layers}, timeout=1800,
-                         **({"python": python} if python else {}))
+                         python=python, exit_code_ok=True)
             psi = out["params"]
             formula = (16 * psi / args.nproc + 1024 * 50257 * 4) / 2**20
-            rows.append({"run": label, "peak MiB (max rank)": max(r["peak"] for r in out["ranks"]),
+            rows.append({"run": label, "init peak MiB": max(r["ready"][1] for r in out["ranks"]),
+                         "peak MiB (max rank)": max(r["peak"] for r in out["ranks"]),
                          "steady MiB (max rank)": max(r["steady"] for r in out["ranks"]),
+                         "held MiB": max(r["held"] for r in out["ranks"]),
                          "formula MiB": formula,
                          "peak / formula": max(r["peak"] for r in out["ranks"]) / formula,
-                         "losses": " ".join(f"{v:.4f}" for v in out["losses"])})
+                         "losses": " ".join(f"{v:.4f}" for v in out["losses"]),
+                         "exit": out["exit_code"]})
             print(rows[-1], flush=True)
     print(f"\n{psi / 1e6:.0f}M parameters ({psi * 4 / 2**30:.2f} GiB fp32), ZeRO-3 on {args.nproc} gloo ranks, AdamW")
-    print(table(rows, ["run", "peak MiB (max rank)", "steady MiB (max rank)", "formula MiB", "peak / formula",
-                       "losses"]))
+    print(table(rows, ["run", "init peak MiB", "peak MiB (max rank)", "steady MiB (max rank)", "held MiB", "formula MiB", "peak / formula",
+                       "losses", "exit"]))
 
 
 if __name__ == "__main__":

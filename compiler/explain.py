@@ -6,6 +6,8 @@ mesh axis, bytes, count, and why it exists), and every parameter's placement.
 """
 from __future__ import annotations
 
+import math
+
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -42,6 +44,7 @@ class Report:
     pipeline: list[str] = field(default_factory=list)  # stages, schedule grid, predicted bubble
     fusion: list[str] = field(default_factory=list)  # per kernel: fused k of n eligible, and why not
     coverage: list[str] = field(default_factory=list)  # share of block weight bytes sharded per axis; replicated modules
+    materialization: str = ""  # predicted peak while init_weights / load_pretrained fill this rank's shards
 
     def bytes_per_step(self) -> dict[str, int]:
         """Collective payload bytes per step, summed by mesh axis."""
@@ -59,6 +62,8 @@ class Report:
                   f"  gradients         {human_bytes(m['grads']):>12}",
                   f"  optimizer states  {human_bytes(m['optimizer']):>12}  ({self.optimizer_note})",
                   f"  total             {human_bytes(sum(m.values())):>12}"]
+        if self.materialization:
+            lines.append(f"  {self.materialization}")
         if self.coverage:
             lines += ["", "coverage:"] + [f"  {line}" for line in self.coverage]
         lines += ["", "collectives per step:"]
@@ -111,7 +116,20 @@ def explain(program: Program, optimizers: list[torch.optim.Optimizer] = (), pipe
         fusion=[f"{kernel}: fused {r.fused} of {r.eligible} eligible" + "".join(f"; left {x}" for x in r.left)
                 for kernel, r in program.fusion.items()],
         coverage=coverage(program.params, sizes, program.tp_why).lines(),
+        materialization=_materialization(held, sizes, params_bytes),
     )
+
+
+def _materialization(held: list, sizes: dict, params_bytes: int) -> str:
+    """Predicted peak of filling this rank's shards: init_weights builds one whole tensor at a time (the largest
+    it holds part of), load_pretrained reads only slices (the largest local one)."""
+    if not held:
+        return ""
+    largest = max(held, key=lambda s: math.prod(s.shape) * s.dtype.itemsize)
+    whole = math.prod(largest.shape) * largest.dtype.itemsize
+    part = max(s.local_bytes(sizes) for s in held)
+    return (f"materializing   init_weights {human_bytes(params_bytes + whole):>10} peak (shards + whole {largest.fqn}); "
+            f"load_pretrained {human_bytes(params_bytes + part)}")
 
 
 def _stage_records(program: Program, pipeline) -> list:

@@ -42,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step over all dp ranks)")
     p.add_argument("--seq", type=int, default=64, help="sequence length in characters")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--init", choices=("cpu", "meta"), default="cpu",
+                   help="cpu: every rank builds the whole model, then shards it; meta: the model is built on the meta "
+                        "device and each rank initializes only its shards (job.init_weights), for models bigger than "
+                        "one process")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage over dp (default 0)")
     p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     p.add_argument("--dim", type=int, default=None, help="override the model's width")
     p.add_argument("--out", default="meshc-out/demo", help="folder for the transformed graphs")
@@ -73,12 +78,15 @@ def run(args: argparse.Namespace) -> int:
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
     overrides = {k: v for k, v in (("layers", args.layers), ("dim", args.dim)) if v is not None}
     torch.manual_seed(0)  # every rank builds the same weights
-    model = models.build(args.model, vocab_size=len(chars), seq_len=args.seq, **overrides)
+    with torch.device("meta") if args.init == "meta" else contextlib.nullcontext():
+        model = models.build(args.model, vocab_size=len(chars), seq_len=args.seq, **overrides)
     start = resume[1] if resume else 0
     batches = _batches(data, args.batch, args.seq, seed=1234, skip=start)  # the data position: batches drawn
     x, y = next(batches)
     t0 = time.perf_counter()
-    job = meshc.compile(model, mesh, example_inputs=(mesh.shard_batch(x),))
+    job = meshc.compile(model, mesh, example_inputs=(mesh.shard_batch(x),), plan=meshc.Plan(zero=args.zero))
+    if args.init == "meta" and not resume:
+        job.init_weights(seed=0)  # each rank its own shards, one whole tensor at a time
     compile_s = time.perf_counter() - t0
     folder = _write_graphs(job, mesh, args.out)
     if lead:
