@@ -120,6 +120,33 @@ def test_single_file_torch_file_and_checkpoint_load(tmp_path):
     assert all(torch.equal(again.state_dict()[k], v) for k, v in expected.items())
 
 
+def hf_round_trip_rank(folder: str, out: str) -> None:
+    mesh = meshc.mesh(timeout_s=90, tp=2)
+    x, _ = zoo.batches(1, BATCH)[0]
+    job = meshc.compile(_meta("llama"), mesh, example_inputs=(mesh.shard_batch(x),),
+                        plan=meshc.Plan(trace="non-strict"))
+    job.load_pretrained(folder)
+    job.save(out)
+
+
+def test_hf_to_meshc_to_hf_is_bitwise(llama_folder, tmp_path):
+    """Hugging Face files -> a tp=2 job's shards -> a meshc checkpoint -> `meshc checkpoint export --to hf`:
+    every tensor of the exported file equals the original files' (safetensors, bitwise)."""
+    from safetensors.torch import load_file
+
+    from meshc.runtime import checkpoint
+
+    run_ranks(hf_round_trip_rank, 2, llama_folder, str(tmp_path / "ckpt"), timeout=240)
+    exported = load_file(checkpoint.export(str(tmp_path / "ckpt"), to="hf", out=str(tmp_path / "out.safetensors")))
+    original = {}
+    for name in os.listdir(llama_folder):
+        if name.endswith(".safetensors"):
+            original.update(load_file(os.path.join(llama_folder, name)))
+    assert set(original) <= set(exported), sorted(set(original) - set(exported))
+    for key, value in original.items():
+        assert torch.equal(exported[key], value), key
+
+
 def test_bad_weights_are_named(tmp_path):
     from safetensors.torch import save_file
 
