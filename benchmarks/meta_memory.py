@@ -9,8 +9,8 @@ vocabulary: 252M parameters, 1.0 GB in fp32 at 16 layers. ZeRO-3 (FSDP2: fully_s
 `--nproc` gloo ranks, AdamW, 2 steps of 1 sequence of 128 tokens per rank. Every rank runs with
 MALLOC_MMAP_THRESHOLD_=131072 so that freed tensors go back to the OS and RSS means what is held.
 
-Per rank: peak = VmHWM at the end minus RSS before the model is built; steady = RSS after the steps minus
-the same. The formula: 16 Psi / N (fp32 parameters, gradients and AdamW's two states, each rank its 1/N)
+Per rank: peak = VmHWM at the end minus RSS before the model is built; steady = RSS after the steps (model
+and optimizer alive) minus the same; held = bytes of the parameter shards, gradients and optimizer states. The formula: 16 Psi / N (fp32 parameters, gradients and AdamW's two states, each rank its 1/N)
 plus the largest parameter (initialization builds one whole tensor at a time). `--before-python` runs the
 `materialized` row again with another checkout's interpreter (meshc before meta-device support). DeepSpeed
 (`pip install -e ".[bench]"`) runs on CPU with DS_ACCELERATOR=cpu; its zero.Init partitions each module as
@@ -90,7 +90,7 @@ def _meshc(cfg: dict, base: float) -> tuple[list, float, int]:
         losses.append(job.step(x, y, _loss).item())
         opt.step()
         opt.zero_grad()
-    return losses, ready, params, sum(job.held_bytes().values()) / 2**20
+    return losses, ready, params, sum(job.held_bytes().values()) / 2**20, _rss_mib() - base
 
 
 def _fsdp2(cfg: dict, base: float) -> tuple[list, float, int]:
@@ -121,7 +121,7 @@ def _fsdp2(cfg: dict, base: float) -> tuple[list, float, int]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, ready, params, _held(model.parameters(), opt)
+    return losses, ready, params, _held(model.parameters(), opt), _rss_mib() - base
 
 
 def _deepspeed(cfg: dict, base: float) -> tuple[list, float, int]:
@@ -147,7 +147,7 @@ def _deepspeed(cfg: dict, base: float) -> tuple[list, float, int]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return losses, ready, params, float("nan")  # DeepSpeed's flat partitions live inside its engine
+    return losses, ready, params, float("nan"), _rss_mib() - base  # its flat partitions live inside its engine
 
 
 def _held(parameters, opt) -> float:
@@ -167,8 +167,8 @@ def worker(cfg: dict) -> None:
     torch.set_num_threads(1)
     base = _rss_mib()
     run = {"fsdp2": _fsdp2, "deepspeed": _deepspeed}.get(cfg["mode"], _meshc)
-    losses, ready, params, held = run(cfg, base)
-    mine = {"peak": _rss_mib("VmHWM") - base, "steady": _rss_mib() - base, "ready": ready, "held": held}
+    losses, ready, params, held, steady = run(cfg, base)  # steady: measured while the model and optimizer live
+    mine = {"peak": _rss_mib("VmHWM") - base, "steady": steady, "ready": ready, "held": held}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     report({"ranks": everyone, "losses": losses, "params": params})

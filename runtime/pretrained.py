@@ -9,7 +9,8 @@ Sources, by what `path` is:
 
 Each rank asks, tensor by tensor, only for its slices (sharding.read_local): a safetensors file is read
 through `safe_open(...).get_slice`, one rectangle per run of consecutive indices, so a rank's reads are its
-shards' bytes (a ZeRO flat shard also reads the rest of the rows its window starts and ends in).
+shards' bytes (a ZeRO flat shard also reads the rest of the rows its window starts and ends in). Files are
+read one after the other and each is closed when done: the pages of one file's memory map at a time.
 
 Keys: the model's own state_dict keys, tied aliases included; where the file's keys carry or lack the model's
 `base_model_prefix` ("model.", "transformer."), or say gamma/beta for weight/bias (old Hugging Face files),
@@ -72,7 +73,8 @@ def _load(job, source, strict: bool) -> LoadStats:
                               "load weights saved from this architecture, or pass strict=False to skip them")
     stats = LoadStats(files=source.files())
     specs = {**job.program.params, **job.program.buffers}
-    for fqn, key in keys.items():
+    order = sorted(keys.items(), key=lambda item: source.file_of(item[1]))  # file by file: each is let go after
+    for i, (fqn, key) in enumerate(order):
         spec = specs[fqn]
         shape = source.shape(key)
         if tuple(shape) != tuple(spec.shape):
@@ -80,8 +82,10 @@ def _load(job, source, strict: bool) -> LoadStats:
                                   f"(the model's {fqn}), got {tuple(shape)}; the file is of another configuration")
         held_param = fqn in dict(job.named_parameters())
         held_buffer = fqn in dict(job.named_buffers())
-        if not (held_param or held_buffer):
-            continue  # a pipeline stage on another rank holds it
+        if not (held_param or held_buffer):  # a pipeline stage on another rank holds it
+            if i + 1 == len(order) or source.file_of(order[i + 1][1]) != source.file_of(key):
+                source.release(source.file_of(key))
+            continue
         before = source.bytes_read
         read = lambda indices, key=key: source.read(key, indices)  # noqa: E731
         if held_param:
@@ -91,6 +95,8 @@ def _load(job, source, strict: bool) -> LoadStats:
         stats.tensors += 1
         stats.bytes_read += source.bytes_read - before
         stats.bytes_whole += source.nbytes(key)
+        if i + 1 == len(order) or source.file_of(order[i + 1][1]) != source.file_of(key):
+            source.release(source.file_of(key))  # its mapped pages go with it: one file's at a time
     if job.pending():
         job.init_buffers([f for f in job.pending() if f in job.program.buffers])
     left = job.pending()
@@ -203,7 +209,18 @@ class _Safetensors:
         return numel * _DTYPE_BYTES.get(sl.get_dtype(), 4)
 
     def _slice(self, key: str):
-        return self.handles[self.key_file[key]].get_slice(key)
+        return self._handle(self.key_file[key]).get_slice(key)
+
+    def _handle(self, file: str):
+        if file not in self.handles:
+            from safetensors import safe_open
+
+            self.handles[file] = safe_open(file, framework="pt")
+        return self.handles[file]
+
+    def release(self, file: str) -> None:
+        """Close `file` (its memory map goes with it); it is opened again if asked for."""
+        self.handles.pop(file, None)
 
     def read(self, key: str, indices: list[torch.Tensor]) -> torch.Tensor:
         sl = self._slice(key)
@@ -241,6 +258,9 @@ class _StateDict:
 
     def file_of(self, key: str) -> str:
         return self.where
+
+    def release(self, file: str) -> None:
+        """The state dict stays mapped until close(): one file."""
 
     def shape(self, key: str) -> tuple:
         return tuple(self.tensors[key].shape)
