@@ -132,3 +132,19 @@ def test_meta_model_without_values_refuses_to_run():
         job(x)
     job.init_weights(seed=0)
     assert not job.pending() and job(x).shape == (2, zoo.SEQ, zoo.VOCAB)
+
+
+def test_tensor_made_in_forward_on_meta_is_refused():
+    """A tensor literal created in forward on the parameters' device is a graph constant: built on meta it has no
+    value and no initializer can give it one, so compile refuses it by name instead of running garbage."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * torch.tensor([1.0, 2.0, 3.0, 4.0], device=self.lin.weight.device)
+    with torch.device("meta"):
+        model = Scaled()
+    with pytest.raises(meshc.TraceError, match=r"lifted_tensor_0 on the meta device.*register it as a buffer"):
+        meshc.compile(model, meshc.mesh(), example_inputs=(torch.randn(2, 4),))
