@@ -1,6 +1,6 @@
 """Tensor parallelism against one process: five real models, tp=2, tp=4 and dp=2 x tp=2, 5 AdamW steps; and
 the families whose fused or hand-written projections the plan once left whole (Falcon's two layouts, Phi-3,
-GPT-NeoX, GPT-J), at tp=2 with and without sequence parallelism, each asserted to shard >= 90% of its blocks'
+GPT-NeoX, GPT-J), at tp=2 with and without sequence parallelism (and at tp=4 those with 4 kv heads), each asserted to shard >= 90% of its blocks'
 weight bytes from the ranks' local shapes.
 
 Fusion is on (the default): the chains next to the collectives run as meshc's fused kernels (their CPU
@@ -64,13 +64,14 @@ SHARDED = [("falcon_new", {}), ("falcon_new", {"sequence_parallel": True}), ("fa
            ("falcon_mha", {"sequence_parallel": True}), ("phi3", {}), ("phi3", {"sequence_parallel": True}),
            ("gpt_neox", {}), ("gpt_neox", {"sequence_parallel": True}), ("gptj", {}),
            ("gptj", {"sequence_parallel": True})]
+SHARDED = [(m, 2, p) for m, p in SHARDED] + [(m, 4, {}) for m in ("gpt_neox", "falcon_mha", "gptj")]  # 4 heads
 
 
-@pytest.mark.parametrize("case", SHARDED, ids=[_id((m, {"tp": 2}, p)) for m, p in SHARDED])
+@pytest.mark.parametrize("case", SHARDED, ids=[_id((m, {"tp": tp}, p)) for m, tp, p in SHARDED])
 def test_tp_shards_fused_projections_and_matches(case):
-    model, plan = case
+    model, tp, plan = case
     ref = parity.reference(model, STEPS, BATCH)
-    results = run_ranks(parity.meshc_rank, 2, model, STEPS, BATCH, {"tp": 2}, {**FAST, **plan}, timeout=240)
+    results = run_ranks(parity.meshc_rank, tp, model, STEPS, BATCH, {"tp": tp}, {**FAST, **plan}, timeout=240)
     for rank, out in enumerate(results):
         assert parity.block_coverage(out["local_shapes"], zoo.build(model)) >= 0.9, out["report"]
         parity.assert_matches(rank, out, ref, STEPS)
