@@ -47,6 +47,7 @@ from meshc.compiler.ir.errors import MeshcError, MeshcValueError
 from meshc.compiler.ir.placement import format_placements
 
 INTERVAL = 0.25  # seconds between heartbeats
+STORE_TIMEOUT_S = 10  # the heartbeat's own store connection
 PROBE = 1.0  # seconds a failing rank watches the others' heartbeats
 COMM_WORDS = ("gloo", "Connection", "connection", "Timed out", "timed out", "NCCL", "Socket", "Broken pipe",
               "reset by peer", "closed by peer")
@@ -77,8 +78,8 @@ class _Monitor:
     def stop(self) -> None:
         """Stop beating and wait for the thread: nothing of it is left running when the process group goes."""
         self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5 * INTERVAL)
+        if self._thread is not threading.current_thread():  # a beat in progress ends within the store's timeout
+            self._thread.join(timeout=STORE_TIMEOUT_S + 5)
 
     def enter(self, what: str) -> str:
         """Publish the phase this rank enters now (a peer that dies in it is reported there)."""
@@ -118,7 +119,7 @@ def _monitor() -> _Monitor | None:
             old.stop()
         try:
             client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                   timeout=timedelta(seconds=10), wait_for_workers=False)
+                                   timeout=timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
         except Exception:  # noqa: BLE001 - no store to reach: failures are reported without names
             return None
         run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
