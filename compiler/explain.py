@@ -6,9 +6,8 @@ mesh axis, bytes, count, and why it exists), and every parameter's placement.
 """
 from __future__ import annotations
 
-import math
-
 import dataclasses
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 

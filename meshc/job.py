@@ -35,7 +35,7 @@ from meshc.runtime import failures
 from meshc.runtime import trace as tracing
 from meshc.runtime.param_store import ParamStore
 from meshc.runtime.pipelined import Pipelined
-from meshc.runtime.sharding import LocalShard, full_tensor, local_shard, read_local, take
+from meshc.runtime.sharding import LocalShard, allocate_local, full_tensor, read_local, take
 from meshc.runtime.zero_context import ZeroContext, ZeroStats
 
 
@@ -60,11 +60,9 @@ class Job:
         self._pending_buffers: set[str] = set()
         for fqn, spec in program.buffers.items():
             if self._layout is None or fqn in self._layout.buffers:
-                part = local_shard(tensors[fqn], spec, mesh)
-                if part.device.type == "meta":
+                if tensors[fqn].device.type == "meta":
                     self._pending_buffers.add(fqn)
-                    part = torch.empty(part.shape, dtype=part.dtype)
-                self._buffers[fqn] = part.to(mesh.device)
+                self._buffers[fqn] = allocate_local(tensors[fqn], spec, mesh)
         del tensors
         self._model = _meta_twin(model)  # shapes and structure only: no full tensor stays with the job
         self._state_keys = _state_dict_keys(model, program)
@@ -163,23 +161,20 @@ class Job:
         each tensor alone, seeded by (seed, name), then sliced): the assembled weights are bitwise the same under
         every plan and equal meshc.init_weights(model, seed) in one process. Re-initializes every parameter; of
         the buffers, those the model left on the meta device. One full tensor at a time; no collective."""
-        from meshc.runtime.init_weights import Initializer
-
-        init = Initializer(self._model, seed)
-        try:
-            for fqn in self._params:
-                self._store.load_full(fqn, init.tensor(fqn))
-        finally:
-            init.restore()
-        self.init_buffers(sorted(self._pending_buffers), seed)
+        self._initialize(list(self._params), sorted(self._pending_buffers), seed)
 
     def init_buffers(self, fqns: list[str], seed: int = 0) -> None:
         """Compute buffers the model left on the meta device as its initialization computes them."""
+        self._initialize([], fqns, seed)
+
+    def _initialize(self, params: list[str], buffers: list[str], seed: int) -> None:
         from meshc.runtime.init_weights import Initializer
 
         init = Initializer(self._model, seed)
         try:
-            for fqn in fqns:
+            for fqn in params:
+                self._store.load_full(fqn, init.tensor(fqn))
+            for fqn in buffers:
                 full = init.tensor(fqn)
                 self.load_buffer_part(fqn, lambda indices, full=full: take(full, indices))
         finally:

@@ -24,7 +24,6 @@ that no initializer writes is refused by name.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterator
 
 import torch
 
@@ -36,34 +35,30 @@ _SALT = "meshc.init_weights"
 
 class Initializer:
     """Fresh values of a model's tensors by canonical FQN; the model's tensors are put on meta while it lives
-    (`restore()` puts them back). `prefix` is stripped from every FQN, as the trace strips it."""
+    (`restore()` puts them back)."""
 
-    def __init__(self, model: torch.nn.Module, seed: int, prefix: str = ""):
+    def __init__(self, model: torch.nn.Module, seed: int):
         self.model, self.seed = model, int(seed)
         self.order = {id(m): i for i, m in enumerate(_post_order(model))}
         self.parents = _parents(model)
         self.slots: dict[str, list[tuple[torch.nn.Module, str, bool]]] = {}
-        self.saved: list[tuple[torch.nn.Module, str, bool, torch.Tensor]] = []
         first: dict[int, str] = {}
         for module_name, module in model.named_modules(remove_duplicate=False):
             for name, t, is_param in _own(module):
-                fqn = f"{module_name}.{name}" if module_name else name
-                fqn = fqn[len(prefix):] if prefix and fqn.startswith(prefix) else fqn
-                canonical = first.setdefault(id(t), fqn)
+                canonical = first.setdefault(id(t), f"{module_name}.{name}" if module_name else name)
                 slots = self.slots.setdefault(canonical, [])
                 if all(m is not module or n != name for m, n, _ in slots):
                     slots.append((module, name, is_param))
         self.tensors = {fqn: getattr(slots[0][0], slots[0][1]) for fqn, slots in self.slots.items()}
         for fqn, slots in self.slots.items():
             for module, name, is_param in slots:
-                self.saved.append((module, name, is_param, getattr(module, name)))
-                _put(module, name, is_param, _meta_like(getattr(module, name), is_param))
+                _put(module, name, is_param, _meta_like(self.tensors[fqn], is_param))
 
     def restore(self) -> None:
         """Put the model's own tensors back in their slots."""
-        for module, name, is_param, t in self.saved:
-            _put(module, name, is_param, t)
-        self.saved = []
+        for fqn, slots in self.slots.items():
+            for module, name, is_param in slots:
+                _put(module, name, is_param, self.tensors[fqn])
 
     @torch.no_grad()
     def tensor(self, fqn: str) -> torch.Tensor:
@@ -82,7 +77,7 @@ class Initializer:
         try:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(_seed_of(self.seed, fqn))
-                for module in self._chain(slots):
+                for module in self._chain(slots[0][0]):
                     _initialize(module, self._init_fn(module))
         finally:
             for module, name, p in slots:
@@ -95,36 +90,30 @@ class Initializer:
                 "or build the model on cpu and load its weights (job.load_pretrained)")
         return value.detach()
 
-    def _chain(self, slots) -> list[torch.nn.Module]:
-        """The module holding the tensor under its canonical name and all its ancestors, in Module.apply's
-        order (children first)."""
-        found = {id(m): m for m in self._ancestry(slots[0][0])}
-        return sorted(found.values(), key=lambda m: self.order[id(m)])
-
-    def _ancestry(self, module: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        seen: set[int] = set()
-        todo = [module]
-        while todo:
-            m = todo.pop()
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            yield m
-            todo.extend(self.parents.get(id(m), ()))
+    def _chain(self, module: torch.nn.Module) -> list[torch.nn.Module]:
+        """`module` (the holder of a tensor's canonical name) and all its ancestors, in Module.apply's order
+        (children first)."""
+        return sorted(self._lineage(module), key=lambda m: self.order[id(m)])
 
     def _init_fn(self, module: torch.nn.Module):
         """The model's _init_weights that governs `module`: its own or its nearest ancestor's."""
-        for m in [module, *self._ancestors_nearest_first(module)]:
+        for m in self._lineage(module):
             fn = getattr(m, "_init_weights", None)
             if callable(fn):
                 return fn
         return None
 
-    def _ancestors_nearest_first(self, module: torch.nn.Module) -> list[torch.nn.Module]:
-        out, level = [], list(self.parents.get(id(module), ()))
+    def _lineage(self, module: torch.nn.Module) -> list[torch.nn.Module]:
+        """`module`, then its ancestors nearest first (each once: a module may be registered under several)."""
+        out, seen, level = [], set(), [module]
         while level:
-            out.extend(level)
-            level = [p for m in level for p in self.parents.get(id(m), ())]
+            fresh = []
+            for m in level:
+                if id(m) not in seen:
+                    seen.add(id(m))
+                    fresh.append(m)
+            out.extend(fresh)
+            level = [p for m in fresh for p in self.parents.get(id(m), ())]
         return out
 
 

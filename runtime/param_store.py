@@ -23,7 +23,7 @@ from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.placement import FlatShard, Replicate, Shard
 from meshc.compiler.ir.program import Program
 
-from .sharding import local_shard, read_local, take
+from .sharding import allocate_local, read_local, take
 from .ops.zero import pack, shard_size, unpack
 
 DP = "dp"
@@ -44,9 +44,9 @@ class ParamStore:
             if full.device.type == "meta":
                 self.pending.add(fqn)
             if spec.zero not in (1, 2):
-                self.masters[fqn] = _parameter(_local(full, spec, mesh), spec.requires_grad)
+                self.masters[fqn] = _parameter(allocate_local(full, spec, mesh), spec.requires_grad)
                 continue
-            whole = _local(full, _without_flat(spec), mesh)  # tp-local, whole on dp
+            whole = allocate_local(full, _without_flat(spec), mesh)  # tp-local, whole on dp
             dtype = self.plan.param_dtype or spec.dtype
             s = shard_size(whole.numel(), n)
             if dtype == spec.dtype:  # one padded buffer: the compute copy and (a view of it) the master
@@ -56,7 +56,7 @@ class ParamStore:
                 master = buffer[index * s: (index + 1) * s]
             else:
                 compute = whole.to(dtype)
-                master = _local(full, spec, mesh)
+                master = allocate_local(full, spec, mesh)
             self.compute[fqn] = compute.requires_grad_(spec.requires_grad)
             self.masters[fqn] = _parameter(master, spec.requires_grad)
 
@@ -179,14 +179,6 @@ class ParamStore:
         states = count([v for opt in optimizers for st in opt.state.values() for v in st.values()
                         if isinstance(v, torch.Tensor) and v.dim() > 0])
         return {"params": params, "grads": grads, "optimizer": states}
-
-
-def _local(full: torch.Tensor, spec, mesh) -> torch.Tensor:
-    """This rank's part of `full` on the mesh's device; of a meta tensor, an uninitialized one of its shape."""
-    part = local_shard(full, spec, mesh)
-    if part.device.type == "meta":
-        return torch.empty(part.shape, dtype=part.dtype, device=mesh.device)
-    return part.to(mesh.device)
 
 
 def _parameter(t: torch.Tensor, requires_grad: bool) -> torch.nn.Parameter:

@@ -20,7 +20,9 @@ files and left on the meta device are computed as init_weights computes them.
 """
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -58,45 +60,34 @@ def load_pretrained(job, path, *, strict: bool = True) -> LoadStats:
 
 def _load(job, source, strict: bool) -> LoadStats:
     keys = _match(job, source)
-    expected = set(job.state_dict_keys.values())
-    missing = sorted(expected - set(keys))
-    model_keys = set(job.state_dict_keys) | set(job.program.params) | set(job.program.buffers)
-    unexpected = sorted(k for k in source.keys() if k not in set(keys.values()) and k not in model_keys)
+    missing = sorted(set(job.state_dict_keys.values()) - set(keys))
+    known = set(keys.values()) | set(job.state_dict_keys) | set(job.program.params) | set(job.program.buffers)
+    unexpected = sorted(k for k in source.keys() if k not in known)
     if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing ({', '.join(missing[:8])}{', ...' if len(missing) > 8 else ''})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected "
-                         f"({', '.join(unexpected[:8])}{', ...' if len(unexpected) > 8 else ''})")
+        parts = ([f"{len(missing)} missing ({_listed(missing)})"] if missing else []) + \
+                ([f"{len(unexpected)} unexpected ({_listed(unexpected)})"] if unexpected else [])
         raise MeshcValueError(f"load_pretrained {source.where}: expected the model's keys, got {' and '.join(parts)}; "
                               "load weights saved from this architecture, or pass strict=False to skip them")
     stats = LoadStats(files=source.files())
     specs = {**job.program.params, **job.program.buffers}
-    order = sorted(keys.items(), key=lambda item: source.file_of(item[1]))  # file by file: each is let go after
-    for i, (fqn, key) in enumerate(order):
-        spec = specs[fqn]
-        shape = source.shape(key)
-        if tuple(shape) != tuple(spec.shape):
-            raise MeshcValueError(f"load_pretrained {source.file_of(key)}: expected {key} of shape {tuple(spec.shape)} "
-                                  f"(the model's {fqn}), got {tuple(shape)}; the file is of another configuration")
-        held_param = fqn in dict(job.named_parameters())
-        held_buffer = fqn in dict(job.named_buffers())
-        if not (held_param or held_buffer):  # a pipeline stage on another rank holds it
-            if i + 1 == len(order) or source.file_of(order[i + 1][1]) != source.file_of(key):
-                source.release(source.file_of(key))
-            continue
-        before = source.bytes_read
-        read = lambda indices, key=key: source.read(key, indices)  # noqa: E731
-        if held_param:
-            job.load_part(fqn, read)
-        else:
-            job.load_buffer_part(fqn, read)
-        stats.tensors += 1
-        stats.bytes_read += source.bytes_read - before
-        stats.bytes_whole += source.nbytes(key)
-        if i + 1 == len(order) or source.file_of(order[i + 1][1]) != source.file_of(key):
-            source.release(source.file_of(key))  # its mapped pages go with it: one file's at a time
+    params, buffers = {f for f, _ in job.named_parameters()}, {f for f, _ in job.named_buffers()}
+    by_file = itertools.groupby(sorted(keys.items(), key=lambda item: source.file_of(item[1])),
+                                key=lambda item: source.file_of(item[1]))
+    for file, items in by_file:  # file by file, each let go when read: one file's mapped pages at a time
+        for fqn, key in items:
+            shape = source.shape(key)
+            if tuple(shape) != tuple(specs[fqn].shape):
+                raise MeshcValueError(f"load_pretrained {file}: expected {key} of shape {tuple(specs[fqn].shape)} "
+                                      f"(the model's {fqn}), got {tuple(shape)}; the file is of another configuration")
+            if fqn not in params and fqn not in buffers:
+                continue  # a pipeline stage on another rank holds it
+            before = source.bytes_read
+            read = lambda indices, key=key: source.read(key, indices)  # noqa: E731
+            (job.load_part if fqn in params else job.load_buffer_part)(fqn, read)
+            stats.tensors += 1
+            stats.bytes_read += source.bytes_read - before
+            stats.bytes_whole += source.nbytes(key)
+        source.release(file)
     if job.pending():
         job.init_buffers([f for f in job.pending() if f in job.program.buffers])
     left = job.pending()
@@ -105,6 +96,10 @@ def _load(job, source, strict: bool) -> LoadStats:
                               f"{', '.join(left[:8])}; they are not in the files (strict=False skipped them): "
                               "initialize them with job.init_weights(seed) before loading, or load complete weights")
     return stats
+
+
+def _listed(names: list[str], limit: int = 8) -> str:
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
 
 
 def _match(job, source) -> dict[str, str]:
@@ -203,10 +198,7 @@ class _Safetensors:
 
     def nbytes(self, key: str) -> int:
         sl = self._slice(key)
-        numel = 1
-        for n in sl.get_shape():
-            numel *= n
-        return numel * _DTYPE_BYTES.get(sl.get_dtype(), 4)
+        return math.prod(sl.get_shape()) * _DTYPE_BYTES.get(sl.get_dtype(), 4)
 
     def _slice(self, key: str):
         return self._handle(self.key_file[key]).get_slice(key)

@@ -39,6 +39,15 @@ def local_shard(full: torch.Tensor, spec: ParamSpec, mesh, rank: int | None = No
     return out.clone().contiguous()
 
 
+def allocate_local(full: torch.Tensor, spec: ParamSpec, mesh) -> torch.Tensor:
+    """This rank's part of `full` on the mesh's device; of a meta tensor, an uninitialized one of its shape (the
+    values come later: job.init_weights, job.load_pretrained)."""
+    part = local_shard(full, spec, mesh)
+    if part.device.type == "meta":
+        return torch.empty(part.shape, dtype=part.dtype, device=mesh.device)
+    return part.to(mesh.device)
+
+
 def read_local(read, spec: ParamSpec, mesh) -> torch.Tensor:
     """What local_shard(full, spec, mesh) returns, reading only the part of `full` this rank holds: `read(indices)`
     gets one index tensor per dim (global positions, in the order the local tensor holds them) and returns
