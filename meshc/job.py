@@ -229,11 +229,23 @@ class Job:
 
     def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
         """`cls` over this rank's trainable local parameters (any torch.optim optimizer)."""
-        opt = cls([p for p in self._params.values() if p.requires_grad], **kwargs)
+        params = [p for p in self._params.values() if p.requires_grad]
+        if self._streams_states():
+            opt = _offloaded_optimizer(cls, params, kwargs, self)
+        else:
+            opt = cls(params, **kwargs)
         self._store.attach(opt)
         failures.guard_optimizer(opt, self.mesh)
         self._optimizers.append(weakref.ref(opt))
         return opt
+
+    def _streams_states(self) -> bool:
+        """Whether the plan keeps optimizer states away from the device's memory: offload="nvme" always;
+        offload="cpu" on a GPU (on a CPU device host memory is the device's: the identity placement)."""
+        if self.plan.offload == "nvme" and self.mesh.device.type != "cpu":
+            raise MeshcValueError(f"Plan.offload: expected a CPU device for offload='nvme' (its file I/O runs on "
+                                  f"host buffers), got {self.mesh.device}; use offload='cpu' on GPUs")
+        return self.plan.offload == "nvme" or (self.plan.offload == "cpu" and self.mesh.device.type != "cpu")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every gradient so that their global norm (over all shards on all ranks) is at most
@@ -255,7 +267,7 @@ class Job:
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer states this rank really holds (measured)."""
-        return self._store.held_bytes(self.live_optimizers())
+        return self._store.held_bytes(self.live_optimizers())  # offloaded states apart (runtime/offload.py)
 
     def state_dict(self, sharded: bool = False) -> dict[str, Any]:
         """Full parameters and persistent buffers under the model's own keys (tied aliases included).
@@ -403,6 +415,19 @@ class Job:
                                                  prefix="model.", fixed=self._placements)
             self._traced[key], self._programs[key] = traced, program
         return self._programs[key]
+
+
+def _offloaded_optimizer(cls, params: list, kwargs: dict, job: Job) -> torch.optim.Optimizer:
+    """`cls` over `params` whose element-wise states live where Plan.offload says (runtime/offload.py)."""
+    from meshc.runtime.offload import StateOffload, offloaded_class, probe_states
+
+    states = probe_states(cls, kwargs)
+    opt = offloaded_class(cls)(params, **kwargs)
+    names = {id(p): f for f, p in job.named_parameters()}
+    plan = job.plan
+    opt._meshc_offload = StateOffload(opt, states, names, kind=plan.offload, folder=plan.offload_dir,
+                                      rank=job.mesh.rank, pool_mb=plan.offload_buffer_mb)
+    return opt
 
 
 def _meta_twin(model: torch.nn.Module) -> torch.nn.Module:

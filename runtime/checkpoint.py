@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from meshc.compiler.ir.errors import MeshcRuntimeError, MeshcValueError
 from meshc.compiler.ir.placement import FlatShard, Replicate
 
-from . import failures
+from . import failures, offload
 from .checkpoint_format import (FORMAT, MANIFEST, VERSION, JsonReader, JsonWriter, Piece, PieceLoadPlanner,
                                 PieceSavePlanner, check_folder, parse_dtype, pieces, read_json, scalar_writer,
                                 write_json, writes)
@@ -222,7 +222,7 @@ def _load_items(job, opts: list, manifest: dict) -> dict[str, tuple]:
                 if not saved:  # it had not stepped when saved
                     opt.state.pop(p, None)
                     continue
-                opt.state[p] = state = _fresh_state(p, saved)
+                opt.state[p] = state = _fresh_state(p, saved, offload.of(opt))
                 spec = job.program.params[fqn]
                 for name, desc in saved.items():
                     if desc["kind"] == "param":
@@ -236,10 +236,15 @@ def _load_items(job, opts: list, manifest: dict) -> dict[str, tuple]:
     return items
 
 
-def _fresh_state(p: torch.Tensor, saved: dict) -> dict:
+def _fresh_state(p: torch.Tensor, saved: dict, offloaded=None) -> dict:
+    """Destinations for a parameter's saved states: its places in the offload store where the optimizer has one
+    (the load writes there, never holding them all in memory), fresh tensors otherwise."""
     state = {}
     for name, desc in saved.items():
-        if desc["kind"] == "param":
+        place = offloaded.destination(p, name, parse_dtype(desc["dtype"])) if offloaded and desc["kind"] == "param" else None
+        if place is not None:
+            state[name] = place
+        elif desc["kind"] == "param":
             state[name] = torch.zeros_like(p, dtype=parse_dtype(desc["dtype"]), memory_format=torch.contiguous_format)
         elif desc["kind"] == "scalar":
             state[name] = torch.zeros((), dtype=parse_dtype(desc["dtype"]), device="cpu" if desc["cpu"] else p.device)

@@ -23,6 +23,7 @@ from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.placement import FlatShard, Replicate, Shard
 from meshc.compiler.ir.program import Program
 
+from . import offload
 from .sharding import allocate_local, read_local, take
 from .ops.zero import pack, shard_size, unpack
 
@@ -176,9 +177,16 @@ class ParamStore:
             return total
         params = count(list(self.compute.values()) + list(self.masters.values()))
         grads = count([t.grad for t in list(self.masters.values()) + list(self.compute.values()) if t.grad is not None])
-        states = count([v for opt in optimizers for st in opt.state.values() for v in st.values()
-                        if isinstance(v, torch.Tensor) and v.dim() > 0])
-        return {"params": params, "grads": grads, "optimizer": states}
+        states = [(opt, v) for opt in optimizers for st in opt.state.values() for v in st.values()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0]
+        offloads = {id(opt): offload.of(opt) for opt in optimizers}
+        away = [v for opt, v in states if offloads[id(opt)] is not None and offloads[id(opt)].is_offloaded(v)]
+        out = {"params": params, "grads": grads,
+               "optimizer": count([v for opt, v in states if not any(v is a for a in away)])}
+        if any(o is not None for o in offloads.values()):  # in the offload store, and the pool streaming them
+            out["offloaded"] = sum(v.numel() * v.element_size() for v in away)
+            out["offload_pool"] = sum(o.stats.pool_bytes for o in offloads.values() if o is not None)
+        return out
 
 
 def _parameter(t: torch.Tensor, requires_grad: bool) -> torch.nn.Parameter:

@@ -5,6 +5,7 @@ construction, never a silently ignored setting.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -65,6 +66,18 @@ class Plan:
         collective_matmul: overlap sequence parallelism's all-gather and reduce-scatter with the matmuls
             next to them (chunks passed around a ring of point-to-point transfers); needs
             sequence_parallel=True and fusion=True (the fusion pass inserts them).
+        offload: where the optimizer's element-wise states (and, with offload_params, ZeRO-3's parameter
+            shards) live between uses; needs zero >= 1. None: in the device's memory. "nvme" (ZeRO-Infinity):
+            in a scratch file under offload_dir, streamed through a bounded pool of buffers during the
+            optimizer step (the next bucket read while the current one updates, writes asynchronous).
+            "cpu" (ZeRO-Offload): in host memory, streamed the same way; on a CPU device host memory is the
+            device's, so it is the identity placement (explain() says so).
+        offload_dir: folder for "nvme" offload files (this run's scratch: a meshc-offload-* folder per rank,
+            removed at exit). Missing, unwritable or too full is an error before the first step.
+        offload_params: with zero=3 and offload="nvme", the parameter shards too live in the file; each
+            bucket is read before its all-gather and the updated shards are written back by the step.
+        offload_buffer_mb: the pool of offload buffers, in MiB (three buckets: one updating, one being read,
+            one being written). None: three times the largest parameter's offloaded bytes, at least 64 MiB.
         inductor: under torch.compile(model, backend=meshc.backend(...)), Inductor compiles each per-rank
             program (the regions between collectives become generated kernels; the collectives stay).
         trace: "auto" tries non-strict torch.export and falls back to strict (TorchDynamo); "strict" or
@@ -103,6 +116,10 @@ class Plan:
     require_fusion: bool = False
     collective_matmul: bool = False
     inductor: bool = False
+    offload: str | None = None
+    offload_dir: str | None = None
+    offload_params: bool = False
+    offload_buffer_mb: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
@@ -171,8 +188,31 @@ class Plan:
                                   "weight-gradient halves run backward twice over each block, and torch's selective "
                                   "checkpoint lets a block run backward once), got 'selective'; use remat='full', "
                                   "or another schedule")
+        self._check_offload()
         if self.trace not in ("auto", "strict", "non-strict"):
             raise MeshcValueError(f"Plan.trace: expected 'auto', 'strict' or 'non-strict', got {self.trace!r}")
+
+    def _check_offload(self) -> None:
+        if self.offload not in (None, "cpu", "nvme"):
+            raise MeshcValueError(f"Plan.offload: expected None, 'cpu' or 'nvme', got {self.offload!r}")
+        if self.offload is not None and self.zero == 0:
+            raise MeshcValueError(f"Plan.offload: expected zero >= 1 (offload moves ZeRO's optimizer-state shards), "
+                                  f"got zero=0 with offload={self.offload!r}; use zero=1, which communicates as much as "
+                                  "plain data parallelism")
+        if self.offload == "nvme" and not isinstance(self.offload_dir, (str, os.PathLike)):
+            raise MeshcValueError(f"Plan.offload_dir: expected a folder for offload='nvme' (a fast local disk), got "
+                                  f"{self.offload_dir!r}")
+        if self.offload_dir is not None and self.offload != "nvme":
+            raise MeshcValueError(f"Plan.offload_dir: expected offload='nvme' with it, got offload={self.offload!r}; "
+                                  "drop offload_dir or set offload='nvme'")
+        if self.offload_params and (self.zero != 3 or self.offload != "nvme"):
+            raise MeshcValueError(f"Plan.offload_params: expected zero=3 and offload='nvme' (only ZeRO-3 keeps "
+                                  f"parameters as shards), got zero={self.zero}, offload={self.offload!r}")
+        mb = self.offload_buffer_mb
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, (int, float)) or mb <= 0):
+            raise MeshcValueError(f"Plan.offload_buffer_mb: expected a positive number of MiB, got {mb!r}")
+        if mb is not None and self.offload is None:
+            raise MeshcValueError("Plan.offload_buffer_mb: expected offload='nvme' or 'cpu' with it, got offload=None")
 
     def describe(self) -> str:
         """One line with the fields that differ from their defaults."""
