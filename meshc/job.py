@@ -89,11 +89,21 @@ class Job:
                 outs = program.gm(*values, *flat)
         else:
             outs = program.gm(*values, *flat)
+        self._offload_remap()
         n = len(program.mutated_buffers)
         with torch.no_grad():
             for fqn, value in zip(program.mutated_buffers, outs[:n]):
                 self._buffers[fqn].copy_(value)
         return compat.tree_unflatten(list(outs[n:]), program.out_spec)
+
+    def _offload_remap(self) -> None:
+        """With Plan.offload_params: the parameter pages ZeRO-3's gathers faulted in leave the process."""
+        if self.plan.offload_params:
+            from meshc.runtime.offload import of as offload_of
+
+            for opt in self.live_optimizers():
+                if (off := offload_of(opt)) is not None:
+                    off.remap()
 
     def _input(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -119,7 +129,9 @@ class Job:
         if isinstance(targets, torch.Tensor):
             targets = targets.to(self.mesh.device)
         if self._pipe is not None:  # micro-batches through the stages, in the schedule's order
-            return self._average(self._pipeline_step(args, targets, loss_fn), "dp")
+            loss = self._pipeline_step(args, targets, loss_fn)
+            self._offload_remap()
+            return self._average(loss, "dp")
         if self.plan.vocab_parallel:  # the loss joins the graph: cross-entropy on vocabulary shards
             loss = self._run(self._step_program(args, targets, loss_fn), (*args, targets), {})
         else:
@@ -129,6 +141,7 @@ class Job:
             raise MeshcValueError(f"job.step: expected loss_fn to return a scalar tensor, got {shape}; "
                                   "reduce the loss to its mean over the batch")
         loss.backward()
+        self._offload_remap()
         return self._average(loss.detach(), "dp")
 
     def _pipeline_step(self, args: tuple, targets: Any, loss_fn: Callable) -> torch.Tensor:
@@ -420,13 +433,17 @@ class Job:
 def _offloaded_optimizer(cls, params: list, kwargs: dict, job: Job) -> torch.optim.Optimizer:
     """`cls` over `params` whose element-wise states live where Plan.offload says (runtime/offload.py)."""
     from meshc.runtime.offload import StateOffload, offloaded_class, probe_states
+    from meshc.runtime.offload import of as offload_of
 
     states = probe_states(cls, kwargs)
     opt = offloaded_class(cls)(params, **kwargs)
     names = {id(p): f for f, p in job.named_parameters()}
     plan = job.plan
+    if plan.offload_params and any(offload_of(o) is not None for o in job.live_optimizers()):
+        raise MeshcValueError("job.optimizer: expected one optimizer with Plan.offload_params (the parameters live in "
+                              "its offload store), got a second one; put every parameter in one optimizer's groups")
     opt._meshc_offload = StateOffload(opt, states, names, kind=plan.offload, folder=plan.offload_dir,
-                                      rank=job.mesh.rank, pool_mb=plan.offload_buffer_mb)
+                                      rank=job.mesh.rank, pool_mb=plan.offload_buffer_mb, params=plan.offload_params)
     return opt
 
 

@@ -162,6 +162,8 @@ def watching(mesh, what: str):
         raise
     except BaseException as e:
         if not is_comm_failure(e):
+            if monitor is not None and isinstance(e, MeshcError):  # peers waiting for this rank will say why
+                _publish(monitor, phase, e)
             raise
         message, dead, stalled, op = _diagnose(mesh, monitor, phase, e)
         raise RankFailure(message, dead, stalled, op) from e
@@ -220,11 +222,22 @@ def _diagnose(mesh, monitor: _Monitor | None, phase: str, error: BaseException) 
         parts.append(f"rank {r} is alive but never joined the op (stalled in {after[r].partition('|')[2]})")
     for r in sorted(set(stopped) - set(dead)):
         parts.append(f"rank {r} failed too ({failed[r]})")
-    if not dead and not stalled:
+    for r in sorted(set(failed) - set(stopped) - {me}):
+        parts.append(f"rank {r} failed ({failed[r]})")
+    if not dead and not stalled and not set(failed) - {me}:
         parts.append("no peer found dead or stalled: the op failed on its own")
     text = (f"{head}: " + "; ".join(parts) + f". Original error: {first_line}. Restart from the last checkpoint "
             "(job.load); under torchrun --max-restarts this happens by itself.")
     return text, dead, stalled, op
+
+
+def _publish(monitor: _Monitor, phase: str, error: BaseException) -> None:
+    """This rank's own error (not a peer's), for the peers that wait for it in the next collective."""
+    first = str(error).strip().splitlines()[0][:400] if str(error).strip() else type(error).__name__
+    try:
+        monitor.store.set(f"failed/{monitor.rank}", f"{phase}: {type(error).__name__}: {first}")
+    except Exception:  # noqa: BLE001 - the store is gone: the error still reaches this rank's caller
+        pass
 
 
 def _process_state(monitor: _Monitor, rank: int) -> str:

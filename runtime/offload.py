@@ -20,6 +20,11 @@ make this exact: a bucket's update reads only its own parameters, gradients and 
 bitwise the step without offload (tests/runtime/test_offload.py).
 
 Scalars (Adam's "step") and plain values stay in memory.
+
+Parameters (offload_params, ZeRO-3): each master shard takes one more place, before its states; from the
+optimizer's creation on, its .data is a view of the store's mapping (ZeRO-3's gathers read it through the
+page cache), swapped for the bucket's buffer during its update. The job remaps after forward, backward and
+the step, so the pages the gathers faulted in leave the process (job.py, _offload_remap).
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from meshc.compiler.ir.errors import MeshcValueError
 
 from .offload_store import FileStore, HostStore
 
+PARAM = "<parameter>"  # the place of an offloaded parameter's own values (offload_params)
 NBUF = 3  # buffers in the pool: one updating, one being read, one being written
 ALIGN = 64  # bytes: every state's place starts on it (any dtype's view is aligned)
 MIN_POOL_MB = 64.0
@@ -121,9 +127,11 @@ class StateOffload:
     """One optimizer's element-wise states in `store`, streamed by its step (see the module docstring)."""
 
     def __init__(self, opt: torch.optim.Optimizer, states: dict[str, torch.dtype | None], names: dict[int, str],
-                 *, kind: str, folder=None, rank: int = 0, pool_mb: float | None = None):
-        self.opt, self.names = opt, names
+                 *, kind: str, folder=None, rank: int = 0, pool_mb: float | None = None, params: bool = False):
+        self.opt, self.names, self.with_params = opt, names, params
         params = [p for g in opt.param_groups for p in g["params"]]
+        if self.with_params:  # the parameter itself is one more place, first, in its own dtype
+            states = {PARAM: None, **states}
         sizes = [_state_bytes(p, states) for p in params]
         largest = max(sizes, default=0)
         pool = int((pool_mb if pool_mb is not None else max(MIN_POOL_MB, NBUF * largest / 2**20)) * 2**20)
@@ -144,6 +152,18 @@ class StateOffload:
         self.pool = [torch.empty(biggest, dtype=torch.uint8, device=device) for _ in range(min(NBUF, len(self.buckets)))]
         self.stats = OffloadStats(pool_bytes=sum(b.numel() for b in self.pool), store_bytes=total)
         self._map = self.store.mapping()
+        if self.with_params:
+            self._move_params_in()
+
+    def _move_params_in(self) -> None:
+        """Each parameter's values into its place in the store; from now on its .data is a view of it."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                for p in bucket.params:
+                    view = self._mapped(bucket, bucket.places[id(p)][0])
+                    view.copy_(p.detach())
+                    p.data = view
+        self.remap()  # the pages the copies touched leave the process
 
     # ------------------------------------------------------------------------------ the step
     def step(self, update) -> None:
@@ -184,39 +204,47 @@ class StateOffload:
         return buf
 
     def _enter(self, bucket: _Bucket, buf: torch.Tensor) -> None:
-        """Point the bucket's state entries at `buf`; an entry that is not a view of the store (created since,
-        or loaded) is the truth: copied into `buf` first."""
+        """Point the bucket's state entries (and offloaded parameters) at `buf`; an entry that is not a view of the
+        store (created since, or loaded) is the truth: copied into `buf` first."""
         for p in bucket.params:
-            state = self.opt.state.get(p)
-            if not state:
-                continue
+            state = self.opt.state.get(p) or {}
             for place in bucket.places[id(p)]:
-                if place.name not in state:
+                if place.name == PARAM:
+                    current = p.data
+                elif place.name in state:
+                    current = state[place.name]
+                else:
                     continue
                 view = _view(buf, place.offset, place)
-                current = state[place.name]
                 if not self._is_mine(current, bucket, place):
                     view.copy_(current)
-                state[place.name] = view
+                if place.name == PARAM:
+                    p.data = view
+                else:
+                    state[place.name] = view
             self._check_known(p, state, bucket)
 
     def _leave(self, bucket: _Bucket, buf: torch.Tensor) -> None:
         """After the update: states created by it are copied into `buf`; every entry becomes a view of the store."""
         for p in bucket.params:
-            state = self.opt.state.get(p)
-            if not state:
-                continue
+            state = self.opt.state.get(p) or {}
             self._check_known(p, state, bucket)
             for place in bucket.places[id(p)]:
+                if place.name == PARAM:
+                    p.data = self._mapped(bucket, place)
+                    continue
                 if place.name not in state:
                     continue
                 view = _view(buf, place.offset, place)
                 if state[place.name].data_ptr() != view.data_ptr():
                     view.copy_(state[place.name])
-                state[place.name] = _view(self._map, bucket.start + place.offset, place)
+                state[place.name] = self._mapped(bucket, place)
+
+    def _mapped(self, bucket: _Bucket, place: _Place) -> torch.Tensor:
+        return _view(self._map, bucket.start + place.offset, place)
 
     def _check_known(self, p, state: dict, bucket: _Bucket) -> None:
-        known = {place.name for place in bucket.places[id(p)]}
+        known = {place.name for place in bucket.places[id(p)] if place.name != PARAM}
         for name, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and name not in known:
                 raise MeshcValueError(f"Plan.offload: {self.names.get(id(p), '?')}: expected the optimizer's states "
@@ -230,27 +258,30 @@ class StateOffload:
 
     # ------------------------------------------------------------------------------ between steps
     def remap(self) -> None:
-        """A fresh mapping of the store for the state entries: pages an earlier reader faulted in (a checkpoint,
-        the user) leave the process with the old mapping."""
-        old = self._map
-        self._map = self.store.mapping()
+        """A fresh mapping of the store for the state entries (and offloaded parameters): pages an earlier reader
+        faulted in (a checkpoint, ZeRO-3's gathers, the user) leave the process with the old mapping."""
         if self.store.kind == "cpu":
             return
+        old = self._map
+        self._map = self.store.mapping()
         for bucket in self.buckets:
             for p in bucket.params:
-                state = self.opt.state.get(p)
-                for place in bucket.places[id(p)] if state else ():
-                    t = state.get(place.name)
+                state = self.opt.state.get(p) or {}
+                for place in bucket.places[id(p)]:
+                    t = p.data if place.name == PARAM else state.get(place.name)
                     if (isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == old.untyped_storage().data_ptr()
                             and t.data_ptr() == old.data_ptr() + bucket.start + place.offset):
-                        state[place.name] = _view(self._map, bucket.start + place.offset, place)
+                        if place.name == PARAM:
+                            p.data = self._mapped(bucket, place)
+                        else:
+                            state[place.name] = self._mapped(bucket, place)
 
     def destination(self, p: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor | None:
         """Where a load should write state `name` of `p`: its view of the store (None if it has no place there)."""
         for bucket in self.buckets:
             for place in bucket.places.get(id(p), ()):
                 if place.name == name and place.dtype == dtype:
-                    return _view(self._map, bucket.start + place.offset, place)
+                    return self._mapped(bucket, place)
         return None
 
     def is_offloaded(self, t: torch.Tensor) -> bool:

@@ -14,9 +14,11 @@ cache, so the two paths agree. Pages of the mapping are faulted in only when rea
 such reads (offload.StateOffload.remap) so that they stop counting as resident.
 
 The scratch file: `<offload_dir>/meshc-offload-rank<R>-<random>/<what>.bin`, created and preallocated
-(posix_fallocate: a full disk fails here, before the first step) when the optimizer is made, removed when
-the store is closed or collected or the process exits. It is never a checkpoint (no manifest; job.load
-refuses the folder).
+(posix_fallocate: a full disk fails here, before the first step) when the optimizer is made, then unlinked
+at once (file and folder) while this process keeps it open: its space is the kernel's to free when the
+process ends, however it ends (a rank killed by a peer's failure or os._exit leaves nothing behind), and
+nothing on disk can be mistaken for a checkpoint. The mapping reopens it through /proc/self/fd. Messages
+name the path it was created at.
 """
 from __future__ import annotations
 
@@ -70,6 +72,8 @@ class FileStore:
         try:
             if nbytes:
                 os.posix_fallocate(self.fd, 0, nbytes)
+            os.unlink(self.path)
+            os.rmdir(self.dir)
         except OSError as e:
             free = shutil.disk_usage(folder).free
             self.close()
@@ -94,7 +98,7 @@ class FileStore:
     def mapping(self) -> torch.Tensor:
         if not self.nbytes:
             return torch.empty(0, dtype=torch.uint8)
-        return torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
+        return torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=self.nbytes, dtype=torch.uint8)
 
     def close(self) -> None:
         self._closer()

@@ -163,12 +163,18 @@ class ParamStore:
         return total.sqrt()
 
     def held_bytes(self, optimizers=()) -> dict[str, int]:
-        """Bytes of the tensors this rank really holds, each storage counted once."""
+        """Bytes of the tensors this rank really holds, each storage counted once; what an offload keeps in its
+        store (runtime/offload.py) is reported apart, as "offloaded", with the pool that streams it."""
         seen: set[int] = set()
+        offloads = [o for o in (offload.of(opt) for opt in optimizers) if o is not None]
+        away: list[torch.Tensor] = []
 
         def count(tensors) -> int:
             total = 0
             for t in tensors:
+                if any(o.is_offloaded(t) for o in offloads):
+                    away.append(t)
+                    continue
                 key = t.untyped_storage().data_ptr()
                 if key in seen:
                     continue
@@ -177,15 +183,12 @@ class ParamStore:
             return total
         params = count(list(self.compute.values()) + list(self.masters.values()))
         grads = count([t.grad for t in list(self.masters.values()) + list(self.compute.values()) if t.grad is not None])
-        states = [(opt, v) for opt in optimizers for st in opt.state.values() for v in st.values()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0]
-        offloads = {id(opt): offload.of(opt) for opt in optimizers}
-        away = [v for opt, v in states if offloads[id(opt)] is not None and offloads[id(opt)].is_offloaded(v)]
-        out = {"params": params, "grads": grads,
-               "optimizer": count([v for opt, v in states if not any(v is a for a in away)])}
-        if any(o is not None for o in offloads.values()):  # in the offload store, and the pool streaming them
-            out["offloaded"] = sum(v.numel() * v.element_size() for v in away)
-            out["offload_pool"] = sum(o.stats.pool_bytes for o in offloads.values() if o is not None)
+        states = count([v for opt in optimizers for st in opt.state.values() for v in st.values()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0])
+        out = {"params": params, "grads": grads, "optimizer": states}
+        if offloads:
+            out["offloaded"] = sum(t.numel() * t.element_size() for t in away)
+            out["offload_pool"] = sum(o.stats.pool_bytes for o in offloads)
         return out
 
 

@@ -1,0 +1,198 @@
+"""Offload (Plan.offload): bitwise the plan without it, states held off the process's memory, I/O errors named
+on every rank, checkpoints the same with and without it."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+import meshc
+from meshc.runtime import offload as offload_mod
+from meshc.runtime.offload import StateOffload, offloaded_class, probe_states
+from meshc.runtime.offload_store import FileStore, OffloadError
+from tests import zoo
+from tests.harness import run_ranks
+
+STEPS = 5
+POOL_MB = 0.25  # small enough that every model here streams in several buckets (asserted)
+
+
+def _train(job, opt, x, y, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        losses.append(job.step(x, y, zoo.lm_loss).item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _job(mesh, x, stage: int, offload_dir: str | None, params: bool = False, model: str = "llama"):
+    pool = POOL_MB / mesh.size("tp")  # tp halves every shard: so does the pool, to keep several buckets
+    extra = dict(offload="nvme", offload_dir=offload_dir, offload_buffer_mb=pool, offload_params=params) \
+        if offload_dir else {}
+    job = meshc.compile(zoo.build(model), mesh, example_inputs=(x,),
+                        plan=meshc.Plan(zero=stage, trace="non-strict", **extra))
+    return job, job.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+
+
+def _parity_rank(sizes: dict, cases: list, folder: str) -> dict:
+    mesh = meshc.mesh(**sizes, timeout_s=60)
+    x, y = (mesh.shard_batch(t) for t in zoo.batches(1, 8)[0])
+    out = {}
+    for stage, params in cases:
+        runs = {}
+        for where in (None, folder):
+            job, opt = _job(mesh, x, stage, where, params)
+            losses = _train(job, opt, x, y, STEPS)
+            state = {f"{job.pp_owner(f)}:{f}/{k}": v.clone() for p, st in opt.state.items()
+                     for f in [dict((id(q), n) for n, q in job.named_parameters())[id(p)]]
+                     for k, v in st.items() if isinstance(v, torch.Tensor)}
+            runs[where] = (losses, {f: p.detach().clone() for f, p in job.named_parameters()}, state,
+                           job.held_bytes(), offload_mod.of(opt))
+        (l0, p0, s0, _, _), (l1, p1, s1, held, off) = runs[None], runs[folder]
+        full = {f: spec.shape for f, spec in job.program.params.items()}
+        out[(stage, params)] = {
+            "losses": l0 == l1, "params": all(torch.equal(p0[f], p1[f]) for f in p0) and p0.keys() == p1.keys(),
+            "states": s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0),
+            "held": held, "buckets": off.stats.buckets, "pool": off.stats.pool_bytes,
+            "local": {f: p.numel() for f, p in p1.items()}, "full": {f: torch.Size(s).numel() for f, s in full.items()},
+            "files": sorted(os.listdir(folder))}
+    return out
+
+
+@pytest.mark.parametrize("sizes", [{"dp": 2}, {"dp": 2, "tp": 2}], ids=["dp2", "dp2xtp2"])
+def test_nvme_offload_is_bitwise_the_plan_without_it(sizes, tmp_path):
+    """ZeRO-1/2/3 with the AdamW states in the file (and, for stage 3, the parameter shards too), against the same
+    plan without offload, same weights: 5 steps, losses, parameters and optimizer states bitwise equal (offload
+    moves bytes, the arithmetic is the same element-wise update on the same values)."""
+    world = 2 * sizes.get("tp", 1)
+    cases = [(1, False), (2, False), (3, False), (3, True)]
+    results = run_ranks(_parity_rank, world, sizes, cases, str(tmp_path), timeout=300)
+    n, tp = sizes["dp"], sizes.get("tp", 1)
+    for rank, out in enumerate(results):
+        for case, r in out.items():
+            assert r["losses"] and r["params"] and r["states"], (rank, case)
+            assert r["buckets"] > 1, (rank, case)  # streamed in several buckets through the pool
+            assert r["pool"] <= POOL_MB / sizes.get("tp", 1) * 2**20, (rank, case)
+            local, full = sum(r["local"].values()), sum(r["full"].values())
+            assert local * n <= full * 1.01, (rank, case)  # masters sharded over dp (1% for the padding)
+            if tp > 1:
+                assert local * n < 0.75 * full, (rank, case)  # and tp shards most of the weights too
+            held = r["held"]
+            assert held["optimizer"] == 0, (rank, case, held)  # nothing of the states resident between steps
+            # every local element's AdamW states (2 x fp32) are in the store, and with offload_params the shard too
+            assert held["offloaded"] == (12 if case[1] else 8) * sum(r["local"].values()), (rank, case, held)
+            if case[1]:
+                assert held["params"] == 0, (rank, case, held)
+    assert not any(results[0][c]["files"] for c in cases)  # the scratch files are unlinked while open: none visible
+    assert os.listdir(tmp_path) == []
+
+
+def test_offloaded_optimizers_keep_their_arithmetic(tmp_path):
+    """Element-wise optimizers other than AdamW (Adam with amsgrad: three states; SGD with momentum: one) and a
+    closure, one process: bitwise the plain optimizer over 5 steps, in a file and in host memory."""
+    for cls, kwargs in [(torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})]:
+        for kind in ("nvme", "cpu"):
+            torch.manual_seed(0)
+            base = [torch.nn.Parameter(torch.randn(s)) for s in [(7, 5), (40,), (3, 3, 3), (11,)]]
+            mine = [torch.nn.Parameter(p.detach().clone()) for p in base]
+            plain = cls(base, **kwargs)
+            states = probe_states(cls, kwargs)
+            opt = offloaded_class(cls)(mine, **kwargs)
+            opt._meshc_offload = off = StateOffload(opt, states, {id(p): f"p{i}" for i, p in enumerate(mine)},
+                                                    kind=kind, folder=tmp_path, pool_mb=3 * 256 * len(states) / 2**20)
+            assert type(opt).__name__ == cls.__name__ and off.stats.store_bytes > 0
+            for step in range(STEPS):
+                for a, b in zip(base, mine):
+                    a.grad = torch.sin(a.detach() * (step + 1))
+                    b.grad = a.grad.clone()
+                plain.step()
+                loss = opt.step(lambda: torch.tensor(float(step)))
+                assert loss.item() == step  # the closure ran once, its value returned
+            assert off.stats.buckets > 1
+            assert all(torch.equal(a, b) for a, b in zip(base, mine)), (cls, kind)
+            for a, b in zip(base, mine):
+                assert all(torch.equal(plain.state[a][k], opt.state[b][k]) for k in plain.state[a]), (cls, kind)
+            off.close()
+
+
+def test_offload_dir_errors_come_before_the_first_step(tmp_path):
+    mesh = meshc.mesh()
+    x, _ = zoo.batches(1, 2)[0]
+    missing = tmp_path / "absent"
+    with pytest.raises(OffloadError, match="expected an existing folder.*absent.*missing"):
+        _job(mesh, x, 1, str(missing))
+    with pytest.raises(OffloadError, match="expected a folder this process can write"):
+        _job(mesh, x, 1, "/proc/1")  # root can write almost anywhere; not into /proc
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(OffloadError, match=r"offload file .*optimizer_states\.bin: expected room for .* the disk is full"):
+        FileStore(tmp_path, 0, free + 2**40, "optimizer_states")
+    assert os.listdir(tmp_path) == []  # nothing left behind by the failed store
+    with pytest.raises(meshc.MeshcError, match="offload_dir: expected a folder for offload='nvme'"):
+        meshc.Plan(zero=1, offload="nvme")
+    with pytest.raises(meshc.MeshcError, match="Plan.offload: expected zero >= 1"):
+        meshc.Plan(offload="cpu")
+    with pytest.raises(meshc.MeshcError, match="offload_params: expected zero=3"):
+        meshc.Plan(zero=2, offload="nvme", offload_dir=str(tmp_path), offload_params=True)
+    with pytest.raises(meshc.MeshcError, match="offload_buffer_mb: expected a pool of at least 3 x"):
+        job = meshc.compile(zoo.build("llama"), mesh, example_inputs=(x,),
+                            plan=meshc.Plan(zero=1, offload="nvme", offload_dir=str(tmp_path), offload_buffer_mb=0.01))
+        job.optimizer(torch.optim.AdamW)
+
+
+def _fault_rank(folder: str, which: str) -> str:
+    mesh = meshc.mesh(dp=2, timeout_s=5)
+    x, y = (mesh.shard_batch(t) for t in zoo.batches(1, 8)[0])
+    job, opt = _job(mesh, x, 2, folder)
+    _train(job, opt, x, y, 2)
+    if mesh.rank == 1:  # the disk fails under rank 1 only (this process's os module; the store calls it per I/O)
+        def broken(fd, buffers, offset):
+            raise OSError(5, "Input/output error")
+        setattr(os, {"read": "preadv", "write": "pwritev"}[which], broken)
+    try:
+        _train(job, opt, x, y, 2)
+    except meshc.MeshcError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("which", ["read", "write"])
+def test_an_io_error_is_named_on_every_rank(which, tmp_path):
+    """A failing read or write of the offload file on one rank: that rank raises an OffloadError naming the file;
+    the other, waiting for it in the next collective, raises within the mesh timeout naming rank 1 and the file."""
+    out = run_ranks(_fault_rank, 2, str(tmp_path), which, timeout=90)
+    assert out[1].startswith("OffloadError") and "optimizer_states.bin" in out[1] and f"{which} of" in out[1], out[1]
+    assert out[0].startswith("RankFailure") and "rank 1 failed" in out[0] and "optimizer_states.bin" in out[0], out[0]
+
+
+def _checkpoint_rank(folder: str, ckpt: str, save_with: bool) -> dict:
+    mesh = meshc.mesh(dp=2, timeout_s=60)
+    x, y = (mesh.shard_batch(t) for t in zoo.batches(1, 8)[0])
+    a, opt_a = _job(mesh, x, 3, folder if save_with else None)
+    _train(a, opt_a, x, y, 2)
+    a.save(ckpt, step=2)
+    b, opt_b = _job(mesh, x, 3, None if save_with else folder)
+    b.load(ckpt)
+    same_params = all(torch.equal(p, dict(b.named_parameters())[f]) for f, p in a.named_parameters())
+    ids = {id(p): f for f, p in b.named_parameters()}
+    loaded = {ids[id(p)]: {k: v.clone() for k, v in st.items()} for p, st in opt_b.state.items()}
+    ids_a = {id(p): f for f, p in a.named_parameters()}
+    same_states = all(torch.equal(v, loaded[ids_a[id(p)]][k]) for p, st in opt_a.state.items() for k, v in st.items())
+    resident = b.held_bytes()["optimizer"]
+    return {"params": same_params, "states": same_states, "next": _train(a, opt_a, x, y, 2) == _train(b, opt_b, x, y, 2),
+            "resident": resident}
+
+
+@pytest.mark.parametrize("save_with", [True, False], ids=["offload->none", "none->offload"])
+def test_checkpoints_are_the_same_with_and_without_offload(save_with, tmp_path):
+    """A ZeRO-3 checkpoint saved with the states offloaded loads into the plan without offload (and back),
+    bitwise: parameters, every optimizer state, and the next two steps' losses. Loaded into an offloading job,
+    the states go into its file (none resident)."""
+    (tmp_path / "off").mkdir()
+    out = run_ranks(_checkpoint_rank, 2, str(tmp_path / "off"), str(tmp_path / "ckpt"), save_with, timeout=180)
+    for r in out:
+        assert r["params"] and r["states"] and r["next"], r
+        if not save_with:
+            assert r["resident"] == 0, r
