@@ -85,25 +85,25 @@ class Job:
         values = self._store.graph_inputs(program) + [self._buffers[f] for f in program.buffers]
         if self.plan.zero >= 2:  # gathered parameters recomputed in backward; ZeRO-2 master gradients
             self.zero_stats = ZeroStats()
-            with ZeroContext(self._params, self.zero_stats):
+            with ZeroContext(self._params, self.zero_stats, release=self._release_pages()):
                 outs = program.gm(*values, *flat)
         else:
             outs = program.gm(*values, *flat)
-        self._offload_remap()
         n = len(program.mutated_buffers)
         with torch.no_grad():
             for fqn, value in zip(program.mutated_buffers, outs[:n]):
                 self._buffers[fqn].copy_(value)
         return compat.tree_unflatten(list(outs[n:]), program.out_spec)
 
-    def _offload_remap(self) -> None:
-        """With Plan.offload_params: the parameter pages ZeRO-3's gathers faulted in leave the process."""
+    def _release_pages(self):
+        """With Plan.offload_params: what drops the pages of parameter shards ZeRO-3's gathers read (offload.py)."""
         if self.plan.offload_params:
             from meshc.runtime.offload import of as offload_of
 
             for opt in self.live_optimizers():
                 if (off := offload_of(opt)) is not None:
-                    off.remap()
+                    return off.release
+        return None
 
     def _input(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -129,9 +129,7 @@ class Job:
         if isinstance(targets, torch.Tensor):
             targets = targets.to(self.mesh.device)
         if self._pipe is not None:  # micro-batches through the stages, in the schedule's order
-            loss = self._pipeline_step(args, targets, loss_fn)
-            self._offload_remap()
-            return self._average(loss, "dp")
+            return self._average(self._pipeline_step(args, targets, loss_fn), "dp")
         if self.plan.vocab_parallel:  # the loss joins the graph: cross-entropy on vocabulary shards
             loss = self._run(self._step_program(args, targets, loss_fn), (*args, targets), {})
         else:
@@ -141,7 +139,6 @@ class Job:
             raise MeshcValueError(f"job.step: expected loss_fn to return a scalar tensor, got {shape}; "
                                   "reduce the loss to its mean over the batch")
         loss.backward()
-        self._offload_remap()
         return self._average(loss.detach(), "dp")
 
     def _pipeline_step(self, args: tuple, targets: Any, loss_fn: Callable) -> torch.Tensor:
@@ -155,7 +152,7 @@ class Job:
                     [buffers[f] for f in stage.buffers])
 
         def zero_context():
-            return ZeroContext(self._params, self.zero_stats)
+            return ZeroContext(self._params, self.zero_stats, release=self._release_pages())
         loss = self._pipe.step(flat, targets, loss_fn, values, zero_context if self.plan.zero >= 2 else None)
         specs = program.params
         holder = (lambda f: store.compute.get(f)) if self.plan.zero == 1 else (lambda f: store.masters.get(f))

@@ -6,30 +6,35 @@ bounded pool of buffers by the optimizer's step, bucket by bucket.
 
 Layout. When the optimizer is made, its class is probed on a two-element parameter with the user's
 arguments: which states it keeps shaped like a parameter ("exp_avg", "exp_avg_sq", ...) and in which dtype.
-Each trainable parameter's states get a fixed place in the store; consecutive parameters form buckets of
-at most a third of the pool. The store is allocated then (a full disk fails before the first step).
+Each trainable parameter's states get one contiguous place each in the store, and `opt.state[p][name]` is a
+view of the store's mapping from then on, between steps and during them: checkpoints, opt.state_dict() and
+the user read the real values. The store is allocated then (a full disk fails before the first step).
 
 The step. The optimizer is the user's class (same name, so checkpoints do not change), with its step
 replaced by one that runs torch's hooks once (the ZeRO-1/2 reduce and gather among them) and the class's
-own update once per bucket, on param_groups narrowed to that bucket. Three buffers rotate: bucket k
-updates in one while bucket k+1 is read into the next and bucket k-1 is written from the third; one worker
-thread does the I/O in submission order. Between steps a state entry is a view of the store's mapping, so
-checkpoints and opt.state_dict() read real values; an entry that is anything else when the step starts
-(a state just created, or one a load put there) is taken as the truth and copied in. Element-wise updates
-make this exact: a bucket's update reads only its own parameters, gradients and states, so the result is
-bitwise the step without offload (tests/runtime/test_offload.py).
+own update once per bucket. Parameters are cut into pieces of consecutive elements, so that no piece's
+states exceed a third of the pool however large the parameter (a 50k-row embedding is most of a GPT's
+states); buckets are runs of pieces. Three buffers rotate: bucket k updates in one while bucket k+1 is
+read into the next and bucket k-1 is written from the third; one worker thread does the I/O in submission
+order. For the update, each piece is a temporary parameter viewing its slice of the master (and of its
+gradient) whose states are views of the buffer; param_groups are narrowed to the bucket's pieces. ZeRO's
+masters are flat shards, so meshc's optimizers are element-wise already; an element-wise update of a slice
+reads only that slice, which makes the result bitwise the step without offload
+(tests/runtime/test_offload.py). Scalars (Adam's "step") start each piece from the parameter's value and are
+copied back once; plain values likewise.
 
-Scalars (Adam's "step") and plain values stay in memory.
+A state entry that is not a view of the store when the step starts (one a load or the user put there) is
+the truth: it is written into the store first.
 
-Parameters (offload_params, ZeRO-3): each master shard takes one more place, before its states; from the
-optimizer's creation on, its .data is a view of the store's mapping (ZeRO-3's gathers read it through the
-page cache), swapped for the bucket's buffer during its update. The job remaps after forward, backward and
-the step, so the pages the gathers faulted in leave the process (job.py, _offload_remap).
+Parameters (offload_params, ZeRO-3): each master shard gets a place too; its .data is a view of the mapping
+from the optimizer's creation on, and its pieces update in the buffers like its states. ZeRO-3's gathers
+read the shards through the page cache; after packing a bucket the job drops those pages from the process
+(release(), through ZeroContext), as it does for every page of the mapping at the start of each step.
 """
 from __future__ import annotations
 
 import contextlib
-import math
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -40,23 +45,29 @@ from .offload_store import FileStore, HostStore
 
 PARAM = "<parameter>"  # the place of an offloaded parameter's own values (offload_params)
 NBUF = 3  # buffers in the pool: one updating, one being read, one being written
-ALIGN = 64  # bytes: every state's place starts on it (any dtype's view is aligned)
-MIN_POOL_MB = 64.0
+ALIGN = 4096  # bytes: every place starts on a page (any dtype's view is aligned; pages release cleanly)
+DEFAULT_POOL_MB = 64.0
+MADV_DONTNEED = 4
 
 
 @dataclass
 class _Place:
     name: str
-    offset: int  # in the bucket
+    offset: int  # in the store
     dtype: torch.dtype
-    shape: tuple
+
+
+@dataclass
+class _Piece:
+    param: torch.nn.Parameter
+    start: int  # elements [start, stop) of the flattened parameter
+    stop: int
+    offset: int  # in the bucket's buffer: this piece's places, one after another
 
 
 @dataclass
 class _Bucket:
-    params: list[torch.nn.Parameter]
-    places: dict[int, list[_Place]]  # id(param) -> its states' places
-    start: int  # in the store
+    pieces: list[_Piece]
     nbytes: int
 
 
@@ -124,165 +135,175 @@ _CLASSES: dict[type, type] = {}
 
 
 class StateOffload:
-    """One optimizer's element-wise states in `store`, streamed by its step (see the module docstring)."""
+    """One optimizer's element-wise states (and, with `params`, its parameters) in a store, streamed by its
+    step (see the module docstring)."""
 
     def __init__(self, opt: torch.optim.Optimizer, states: dict[str, torch.dtype | None], names: dict[int, str],
                  *, kind: str, folder=None, rank: int = 0, pool_mb: float | None = None, params: bool = False):
         self.opt, self.names, self.with_params = opt, names, params
-        params = [p for g in opt.param_groups for p in g["params"]]
-        if self.with_params:  # the parameter itself is one more place, first, in its own dtype
-            states = {PARAM: None, **states}
-        sizes = [_state_bytes(p, states) for p in params]
-        largest = max(sizes, default=0)
-        pool = int((pool_mb if pool_mb is not None else max(MIN_POOL_MB, NBUF * largest / 2**20)) * 2**20)
-        cap = pool // NBUF
-        if largest > cap:
-            big = names[id(params[sizes.index(largest)])]
-            raise MeshcValueError(f"Plan.offload_buffer_mb: expected a pool of at least {NBUF} x the largest parameter's "
-                                  f"offloaded bytes ({big}: {largest / 2**20:.3g} MiB), got {pool / 2**20:.3g} MiB; raise "
-                                  f"it to {NBUF * largest / 2**20:.3g} or leave it None")
-        self.buckets = _buckets(params, states, cap)
-        total = self.buckets[-1].start + self.buckets[-1].nbytes if self.buckets else 0
-        device = params[0].device if params else torch.device("cpu")
-        if kind == "nvme":
-            self.store = FileStore(folder, rank, total, "optimizer_states")
-        else:
-            self.store = HostStore(total, pin=device.type == "cuda")
+        self.states = {PARAM: None, **states} if params else dict(states)
+        plist = [p for g in opt.param_groups for p in g["params"]]
+        per_element = {id(p): sum((d or p.dtype).itemsize for d in self.states.values()) for p in plist}
+        largest = max((p.numel() * per_element[id(p)] for p in plist), default=0)
+        mb = pool_mb if pool_mb is not None else min(DEFAULT_POOL_MB, NBUF * (largest + 8) / 2**20)
+        cap = int(mb * 2**20) // NBUF
+        self.places: dict[int, list[_Place]] = {}
+        total = 0
+        for p in plist:  # widest dtype first: a piece's views stay aligned however long it is
+            self.places[id(p)] = []
+            for name, dtype in sorted(self.states.items(), key=lambda kv: -(kv[1] or p.dtype).itemsize):
+                self.places[id(p)].append(_Place(name, total, dtype or p.dtype))
+                total = _round(total + p.numel() * (dtype or p.dtype).itemsize)
+        self.buckets = _buckets(plist, per_element, cap, self.names)
+        device = plist[0].device if plist else torch.device("cpu")
+        self.store = FileStore(folder, rank, total, "optimizer_states") if kind == "nvme" else \
+            HostStore(total, pin=device.type == "cuda")
         biggest = max((b.nbytes for b in self.buckets), default=0)
-        self.pool = [torch.empty(biggest, dtype=torch.uint8, device=device) for _ in range(min(NBUF, len(self.buckets)))]
+        self.pool = [torch.empty(biggest, dtype=torch.uint8, device=device)
+                     for _ in range(min(NBUF, len(self.buckets)))]
         self.stats = OffloadStats(pool_bytes=sum(b.numel() for b in self.pool), store_bytes=total)
         self._map = self.store.mapping()
-        if self.with_params:
-            self._move_params_in()
-
-    def _move_params_in(self) -> None:
-        """Each parameter's values into its place in the store; from now on its .data is a view of it."""
-        with torch.no_grad():
-            for bucket in self.buckets:
-                for p in bucket.params:
-                    view = self._mapped(bucket, bucket.places[id(p)][0])
+        if params:
+            with torch.no_grad():
+                for p in plist:
+                    view = self._mapped(p, self.places[id(p)][0])
                     view.copy_(p.detach())
                     p.data = view
-        self.remap()  # the pages the copies touched leave the process
+            self.release([self._map])
 
     # ------------------------------------------------------------------------------ the step
     def step(self, update) -> None:
-        """`update()` once per bucket, with that bucket's states in a pool buffer."""
-        self.remap()
+        """`update()` once per bucket, with that bucket's pieces and their states in a pool buffer."""
+        self._absorb()
+        self.release([self._map])  # pages a reader faulted in since the last step (a checkpoint, the user)
+        # every piece of a parameter starts from its state as it was before this step: scalars and plain values
+        self._before = {id(p): {name: _copy(v) for name, v in st.items() if name not in self.states}
+                        for p, st in self.opt.state.items() if st}
         self.stats = OffloadStats(buckets=len(self.buckets), pool_bytes=self.stats.pool_bytes,
                                   store_bytes=self.stats.store_bytes)
         reads, writes = {}, []
         for k in range(min(NBUF - 1, len(self.buckets))):
-            reads[k] = self._read(k)
+            reads[k] = self._io("read", k)
         try:
             for k, bucket in enumerate(self.buckets):
                 buf = self._wait(reads.pop(k), "read", k)
                 if k + NBUF - 1 < len(self.buckets):  # into bucket k-1's buffer, after its write (one worker, in order)
-                    reads[k + NBUF - 1] = self._read(k + NBUF - 1)
-                self._enter(bucket, buf)
-                with _only(self.opt, bucket.params):
-                    update()
-                self._leave(bucket, buf)
-                writes.append((k, self.store.write(buf[: bucket.nbytes], bucket.start)))
-                self.stats.written_bytes += bucket.nbytes
+                    reads[k + NBUF - 1] = self._io("read", k + NBUF - 1)
+                self._update(bucket, buf, update)
+                writes.append((k, self._io("write", k)))
         finally:
             for k, future in writes:
                 self._wait(future, "write", k)
-            for future, _ in reads.values():
+            for future in reads.values():
                 future.exception()  # let pending reads finish before the buffers can be reused
 
-    def _read(self, k: int):
-        bucket = self.buckets[k]
+    def _io(self, what: str, k: int):
+        """Submit bucket k's transfer between its buffer and the store: one call per piece and place."""
         buf = self.pool[k % len(self.pool)]
-        self.stats.read_bytes += bucket.nbytes
-        return (self.store.read(buf[: bucket.nbytes], bucket.start), buf)
+        parts = []
+        for piece in self.buckets[k].pieces:
+            at = piece.offset
+            for place in self.places[id(piece.param)]:
+                n = (piece.stop - piece.start) * place.dtype.itemsize
+                parts.append((buf[at: at + n], place.offset + piece.start * place.dtype.itemsize))
+                at += n
+        nbytes = sum(b.numel() for b, _ in parts)
+        if what == "read":
+            self.stats.read_bytes += nbytes
+        else:
+            self.stats.written_bytes += nbytes
+        return self.store.submit(what, parts)
 
-    def _wait(self, pending, what: str, k: int) -> torch.Tensor:
-        future, buf = pending if isinstance(pending, tuple) else (pending, self.pool[k % len(self.pool)])
-        bucket = self.buckets[k]
-        self.store.wait(future, what, buf[: bucket.nbytes], bucket.start)
-        return buf
+    def _wait(self, future, what: str, k: int) -> torch.Tensor:
+        self.store.wait(future, f"{what} of bucket {k}")
+        return self.pool[k % len(self.pool)]
 
-    def _enter(self, bucket: _Bucket, buf: torch.Tensor) -> None:
-        """Point the bucket's state entries (and offloaded parameters) at `buf`; an entry that is not a view of the
-        store (created since, or loaded) is the truth: copied into `buf` first."""
-        for p in bucket.params:
-            state = self.opt.state.get(p) or {}
-            for place in bucket.places[id(p)]:
-                if place.name == PARAM:
-                    current = p.data
-                elif place.name in state:
-                    current = state[place.name]
-                else:
-                    continue
-                view = _view(buf, place.offset, place)
-                if not self._is_mine(current, bucket, place):
-                    view.copy_(current)
-                if place.name == PARAM:
-                    p.data = view
-                else:
-                    state[place.name] = view
-            self._check_known(p, state, bucket)
+    def _update(self, bucket: _Bucket, buf: torch.Tensor, update) -> None:
+        """The optimizer's own update on temporary parameters, one per piece, whose data (offloaded parameters),
+        states and gradients are the piece's slices."""
+        temps = {}
+        for piece in bucket.pieces:
+            p, a, b = piece.param, piece.start, piece.stop
+            views = dict(self._views(piece, buf))
+            data = views.pop(PARAM) if self.with_params else p.detach().view(-1)[a:b]
+            q = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+            q.grad = None if p.grad is None else p.grad.detach().view(-1)[a:b]
+            if id(p) in self._before:
+                self.opt.state[q] = {**{name: _copy(v) for name, v in self._before[id(p)].items()},
+                                     **{name: v for name, v in views.items() if name != PARAM}}
+            temps[id(p)] = temps.get(id(p), []) + [(q, piece, views)]
+        try:
+            with _only(self.opt, temps):
+                update()
+        finally:
+            for p_id, pieces in temps.items():
+                for q, piece, views in pieces:
+                    self._keep(piece.param, self.opt.state.pop(q, None), views)
 
-    def _leave(self, bucket: _Bucket, buf: torch.Tensor) -> None:
-        """After the update: states created by it are copied into `buf`; every entry becomes a view of the store."""
-        for p in bucket.params:
-            state = self.opt.state.get(p) or {}
-            self._check_known(p, state, bucket)
-            for place in bucket.places[id(p)]:
-                if place.name == PARAM:
-                    p.data = self._mapped(bucket, place)
-                    continue
-                if place.name not in state:
-                    continue
-                view = _view(buf, place.offset, place)
-                if state[place.name].data_ptr() != view.data_ptr():
-                    view.copy_(state[place.name])
-                state[place.name] = self._mapped(bucket, place)
-
-    def _mapped(self, bucket: _Bucket, place: _Place) -> torch.Tensor:
-        return _view(self._map, bucket.start + place.offset, place)
-
-    def _check_known(self, p, state: dict, bucket: _Bucket) -> None:
-        known = {place.name for place in bucket.places[id(p)] if place.name != PARAM}
+    def _keep(self, p: torch.nn.Parameter, state: dict | None, views: dict) -> None:
+        """A piece's states after its update: created ones copied into the buffer, scalars back to `p`'s state."""
+        if not state:
+            return
+        own = self.opt.state[p]
         for name, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and name not in known:
+            if name in views:
+                if value.data_ptr() != views[name].data_ptr():  # created by this update
+                    views[name].copy_(value)
+                if name not in own:
+                    own[name] = self._mapped(p, self._place(p, name))
+            elif isinstance(value, torch.Tensor) and value.dim() > 0:
                 raise MeshcValueError(f"Plan.offload: {self.names.get(id(p), '?')}: expected the optimizer's states "
-                                      f"{sorted(known)} (probed when it was made), got a new one {name!r}; make the "
-                                      "optimizer with the arguments it will step with")
+                                      f"{sorted(n for n in self.states if n != PARAM)} (probed when it was made), got "
+                                      f"a new one {name!r}; make the optimizer with the arguments it will step with")
+            else:
+                own[name] = value
 
-    def _is_mine(self, t, bucket: _Bucket, place: _Place) -> bool:
-        return (isinstance(t, torch.Tensor) and self._map.numel() > 0
-                and t.untyped_storage().data_ptr() == self._map.untyped_storage().data_ptr()
-                and t.data_ptr() == self._map.data_ptr() + bucket.start + place.offset)
+    def _views(self, piece: _Piece, buf: torch.Tensor):
+        at = piece.offset
+        n = piece.stop - piece.start
+        for place in self.places[id(piece.param)]:
+            yield place.name, buf[at: at + n * place.dtype.itemsize].view(place.dtype)
+            at += n * place.dtype.itemsize
+
+    def _absorb(self) -> None:
+        """State entries (and offloaded parameters) that are not the store's views become so, their values
+        written into the store first: what a checkpoint load, opt.load_state_dict or the user put there."""
+        with torch.no_grad():
+            for group in self.opt.param_groups:
+                for p in group["params"]:
+                    state = self.opt.state.get(p) or {}
+                    for place in self.places[id(p)]:
+                        current = p.data if place.name == PARAM else state.get(place.name)
+                        if current is None:
+                            continue
+                        view = self._mapped(p, place)
+                        if current.data_ptr() != view.data_ptr():
+                            view.copy_(current)
+                            if place.name == PARAM:
+                                p.data = view
+                            else:
+                                state[place.name] = view
 
     # ------------------------------------------------------------------------------ between steps
-    def remap(self) -> None:
-        """A fresh mapping of the store for the state entries (and offloaded parameters): pages an earlier reader
-        faulted in (a checkpoint, ZeRO-3's gathers, the user) leave the process with the old mapping."""
-        if self.store.kind == "cpu":
+    def release(self, tensors) -> None:
+        """Drop the pages of `tensors` that lie in the store's mapping from this process (they stay in the file
+        and the page cache; the next read faults them in again)."""
+        if self.store.kind != "nvme" or self._map.numel() == 0:
             return
-        old = self._map
-        self._map = self.store.mapping()
-        for bucket in self.buckets:
-            for p in bucket.params:
-                state = self.opt.state.get(p) or {}
-                for place in bucket.places[id(p)]:
-                    t = p.data if place.name == PARAM else state.get(place.name)
-                    if (isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == old.untyped_storage().data_ptr()
-                            and t.data_ptr() == old.data_ptr() + bucket.start + place.offset):
-                        if place.name == PARAM:
-                            p.data = self._mapped(bucket, place)
-                        else:
-                            state[place.name] = self._mapped(bucket, place)
+        lo, hi = self._map.data_ptr(), self._map.data_ptr() + self._map.numel()
+        for t in tensors:
+            start = t.data_ptr()
+            if not lo <= start < hi:
+                continue
+            end = min(start + t.numel() * t.element_size(), hi)
+            page = 4096
+            first = max(lo, start // page * page)
+            _madvise(first, -(-end // page) * page - first)
 
     def destination(self, p: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor | None:
         """Where a load should write state `name` of `p`: its view of the store (None if it has no place there)."""
-        for bucket in self.buckets:
-            for place in bucket.places.get(id(p), ()):
-                if place.name == name and place.dtype == dtype:
-                    return self._mapped(bucket, place)
-        return None
+        place = self._place(p, name)
+        return self._mapped(p, place) if place is not None and place.dtype == dtype else None
 
     def is_offloaded(self, t: torch.Tensor) -> bool:
         """Whether `t` lives in the store (its bytes are not resident in the process's memory)."""
@@ -292,47 +313,62 @@ class StateOffload:
     def close(self) -> None:
         self.store.close()
 
+    def _place(self, p, name: str) -> _Place | None:
+        return next((place for place in self.places.get(id(p), ()) if place.name == name), None)
+
+    def _mapped(self, p: torch.Tensor, place: _Place) -> torch.Tensor:
+        n = p.numel() * place.dtype.itemsize
+        return self._map[place.offset: place.offset + n].view(place.dtype).view(p.shape)
+
 
 @contextlib.contextmanager
-def _only(opt: torch.optim.Optimizer, params: list):
-    """The optimizer's param_groups narrowed to `params` (hyperparameters untouched), restored after."""
-    keep = {id(p) for p in params}
+def _only(opt: torch.optim.Optimizer, temps: dict):
+    """The optimizer's param_groups holding the temporary pieces of their parameters, restored after."""
     saved = [g["params"] for g in opt.param_groups]
     try:
         for g in opt.param_groups:
-            g["params"] = [p for p in g["params"] if id(p) in keep]
+            g["params"] = [q for p in g["params"] for q, _, _ in temps.get(id(p), ())]
         yield
     finally:
         for g, ps in zip(opt.param_groups, saved):
             g["params"] = ps
 
 
-def _state_bytes(p: torch.Tensor, states: dict) -> int:
-    return sum(_round(p.numel() * (dtype or p.dtype).itemsize) for dtype in states.values())
-
-
-def _buckets(params: list, states: dict, cap: int) -> list[_Bucket]:
+def _buckets(params: list, per_element: dict, cap: int, names: dict) -> list[_Bucket]:
+    """Pieces of consecutive elements, packed in order into buckets of at most `cap` bytes (each piece's
+    places one after another, starting on 8 bytes)."""
     out: list[_Bucket] = []
-    start = 0
     for p in params:
-        need = _state_bytes(p, states)
-        if not out or out[-1].nbytes + need > cap:
-            start = _round(start + (out[-1].nbytes if out else 0), 4096)
-            out.append(_Bucket([], {}, start, 0))
-        bucket, places = out[-1], []
-        for name, dtype in states.items():
-            dtype = dtype or p.dtype
-            places.append(_Place(name, bucket.nbytes, dtype, tuple(p.shape)))
-            bucket.nbytes += _round(p.numel() * dtype.itemsize)
-        bucket.params.append(p)
-        bucket.places[id(p)] = places
+        each = per_element[id(p)]
+        if each + 8 > cap:
+            raise MeshcValueError(f"Plan.offload_buffer_mb: expected room for one element's offloaded bytes of "
+                                  f"{names.get(id(p), '?')} in a third of the pool, got a pool of {NBUF * cap} bytes")
+        start, numel = 0, p.numel()
+        while start < numel:
+            if not out or out[-1].nbytes + each + 8 > cap:
+                out.append(_Bucket([], 0))
+            bucket = out[-1]
+            stop = min(numel, start + (cap - bucket.nbytes - 8) // each)
+            bucket.pieces.append(_Piece(p, start, stop, bucket.nbytes))
+            bucket.nbytes = _round(bucket.nbytes + (stop - start) * each, 8)  # the next piece starts aligned
+            start = stop
     return out
 
 
-def _view(flat: torch.Tensor, offset: int, place: _Place) -> torch.Tensor:
-    n = math.prod(place.shape) * place.dtype.itemsize
-    return flat[offset: offset + n].view(place.dtype).view(place.shape)
+def _copy(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _round(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
+
+
+_LIBC = None
+
+
+def _madvise(address: int, length: int) -> None:
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _LIBC.madvise(address, length, MADV_DONTNEED)  # advice only: a failure leaves the pages resident, nothing else

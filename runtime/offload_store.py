@@ -1,17 +1,18 @@
 """Where offloaded bytes live: a scratch file on a local disk ("nvme") or host memory ("cpu" on a GPU).
 
-Both stores have the same three verbs, each returning a future that one worker thread completes in
-submission order (so a read into a buffer submitted after a write from it never overtakes that write):
+Both stores have the same two verbs; one worker thread runs the transfers in submission order (so a read
+into a buffer submitted after a write from it never overtakes that write):
 
-    store.read(buf, offset)    bytes [offset, offset + buf.numel()) of the store into the uint8 tensor buf
-    store.write(buf, offset)   the reverse
-    store.wait(future, what)   the result, or OffloadError naming the file, the bytes and the offset
+    future = store.submit("read", [(buf, offset), ...])   bytes [offset, offset + buf.numel()) of the store
+                                                          into each uint8 tensor buf ("write": the reverse)
+    store.wait(future, what)                              done, or OffloadError naming the file, the bytes
+                                                          and the offset that failed
 
 and `mapping()`: the whole store as one uint8 tensor (the file mapped shared, or the host tensor), from
 which the optimizer's state entries are views between steps, so that anything reading them (checkpoints,
 opt.state_dict(), the user) reads the real values. A shared mapping and pread/pwrite see the same page
 cache, so the two paths agree. Pages of the mapping are faulted in only when read; the owner remaps after
-such reads (offload.StateOffload.remap) so that they stop counting as resident.
+such reads (offload.StateOffload.release: madvise(MADV_DONTNEED)) so that they stop counting as resident.
 
 The scratch file: `<offload_dir>/meshc-offload-rank<R>-<random>/<what>.bin`, created and preallocated
 (posix_fallocate: a full disk fails here, before the first step) when the optimizer is made, then unlinked
@@ -82,18 +83,17 @@ class FileStore:
                                f"got {why} ({_mib(free)} free in {folder}); free space, choose another "
                                "offload_dir, or offload less") from None
 
-    def read(self, buf: torch.Tensor, offset: int) -> Future:
-        return self._pool.submit(_transfer, os.preadv, self.fd, buf, offset)
+    def submit(self, what: str, parts: list) -> Future:
+        """Transfer each (uint8 buffer, offset) of `parts`: "read" from the file into it, "write" it to the file."""
+        return self._pool.submit(_transfer_all, what, self.fd, parts)
 
-    def write(self, buf: torch.Tensor, offset: int) -> Future:
-        return self._pool.submit(_transfer, os.pwritev, self.fd, buf, offset)
-
-    def wait(self, future: Future, what: str, buf: torch.Tensor, offset: int):
+    def wait(self, future: Future, what: str) -> None:
         try:
-            return future.result()
-        except OSError as e:
-            raise OffloadError(f"offload file {self.path}: {what} of {buf.numel()} bytes at offset {offset} failed: "
-                               f"{e.strerror or e}; check the disk (dmesg), or run without offload") from None
+            future.result()
+        except _Failed as e:
+            raise OffloadError(f"offload file {self.path}: {e.what} of {e.nbytes} bytes at offset {e.offset} failed "
+                               f"({what}): {e.error.strerror or e.error}; check the disk (dmesg), or run without "
+                               "offload") from None
 
     def mapping(self) -> torch.Tensor:
         if not self.nbytes:
@@ -115,14 +115,13 @@ class HostStore:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshc-offload")
         self._closer = weakref.finalize(self, self._pool.shutdown, wait=True)
 
-    def read(self, buf: torch.Tensor, offset: int) -> Future:
-        return self._pool.submit(_copy, buf, self.host[offset: offset + buf.numel()])
+    def submit(self, what: str, parts: list) -> Future:
+        pairs = [(buf, self.host[o: o + buf.numel()]) if what == "read" else (self.host[o: o + buf.numel()], buf)
+                 for buf, o in parts]
+        return self._pool.submit(_copy_all, pairs)
 
-    def write(self, buf: torch.Tensor, offset: int) -> Future:
-        return self._pool.submit(_copy, self.host[offset: offset + buf.numel()], buf)
-
-    def wait(self, future: Future, what: str, buf: torch.Tensor, offset: int):
-        return future.result()
+    def wait(self, future: Future, what: str) -> None:
+        future.result()
 
     def mapping(self) -> torch.Tensor:
         return self.host
@@ -131,21 +130,33 @@ class HostStore:
         self._closer()
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src)
-    if dst.device.type == "cuda" or src.device.type == "cuda":
+def _copy_all(pairs: list) -> None:
+    for dst, src in pairs:
+        dst.copy_(src, non_blocking=True)
+    if any(t.device.type == "cuda" for pair in pairs for t in pair):
         torch.cuda.current_stream().synchronize()
 
 
-def _transfer(call, fd: int, buf: torch.Tensor, offset: int) -> None:
-    """All of buf through preadv/pwritev (the GIL is released inside the call), however short each pass."""
-    view = memoryview(buf.numpy()).cast("B")
-    done = 0
-    while done < len(view):
-        n = call(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, "end of file before the offloaded bytes")
-        done += n
+class _Failed(Exception):
+    def __init__(self, what: str, nbytes: int, offset: int, error: OSError):
+        super().__init__(what)
+        self.what, self.nbytes, self.offset, self.error = what, nbytes, offset, error
+
+
+def _transfer_all(what: str, fd: int, parts: list) -> None:
+    """Each part through preadv/pwritev (the GIL is released inside the call), however short each pass."""
+    call = os.preadv if what == "read" else os.pwritev
+    for buf, offset in parts:
+        view = memoryview(buf.numpy()).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                n = call(fd, [view[done:]], offset + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, "end of file before the offloaded bytes")
+                done += n
+        except OSError as e:
+            raise _Failed(what, len(view), offset, e) from None
 
 
 def _close_file(fd: int, folder: str, pool: ThreadPoolExecutor) -> None:

@@ -42,8 +42,9 @@ class ZeroContext:
     """One step of a ZeRO program: keeps gathered parameters out of autograd's saved tensors (handles
     instead, re-gathered in backward) and tells zero_reduce where the master shards are."""
 
-    def __init__(self, masters: dict[str, torch.Tensor], stats: ZeroStats, overlap: bool = True):
+    def __init__(self, masters: dict[str, torch.Tensor], stats: ZeroStats, overlap: bool = True, release=None):
         self.masters = masters
+        self.release = release  # called with a bucket's shards once packed for its gather (offload_params)
         self.stats = stats
         # storage (weak, by identity: distinct even for empty storages) -> (bucket, index, token of the entry)
         self.storages: dict = {}
@@ -68,6 +69,10 @@ class ZeroContext:
         deactivate(self._token)
         self.stats.live_after_forward = self.stats.live_bytes
         return False
+
+    def packed(self, shards) -> None:
+        if self.release is not None:
+            self.release(shards)
 
     def register(self, meta: BucketMeta, shards: tuple, full: tuple, recompute: bool = True) -> None:
         self.buckets[meta.bucket] = (meta, shards)

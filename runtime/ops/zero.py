@@ -151,6 +151,9 @@ def zero_gather_start(*shards: torch.Tensor, group: str, size: int, dtype: torch
     with torch.no_grad():
         flat = [s.detach() for s in shards]
         local = _pack(flat, [s.numel() for s in flat], dtype, 1, fused)
+        context = active_context()
+        if context is not None:  # the shards were read: an offloading context lets their pages go (offload.py)
+            context.packed(flat)
         return compat.all_gather_start(local, size, group)
 
 
