@@ -8,8 +8,10 @@ ZeRO-3 offloading to nvme in the same run.
 Model: meshc's built-in GPT at gpt2-medium's width (dim 1024, 16 heads) with `--layers` blocks and GPT-2's
 vocabulary (152M parameters at 8 layers), AdamW, one sequence of 128 tokens per rank and step; gloo ranks, one
 thread each, MALLOC_MMAP_THRESHOLD_=131072 so that freed tensors go back to the OS and RSS means what is held.
-Per rank: peak = VmHWM at the end minus RSS before the model is built; steady = RSS after the steps minus the
-same; step = median seconds of the steps after the first (forward, backward, optimizer step). "offloaded" is
+The model is built on the meta device and each rank initializes its shards (job.init_weights; DeepSpeed:
+zero.Init). Per rank: init peak = VmHWM once the optimizer is made, minus RSS before the model is built; peak =
+VmHWM of the steps alone (reset through /proc/self/clear_refs after initialization) minus the same; steady =
+RSS after the steps minus the same; step = median seconds of the steps after the first (forward, backward, optimizer step). "offloaded" is
 what meshc's job.held_bytes() counts in the store; "RSS saved" is the no-offload row's peak minus this row's,
 as a fraction of the bytes offloaded (goal: at least 0.9). The offload files live in a temporary folder of
 `--dir` (default: the system's temporary folder); the page cache is not the process's memory, and reads of
@@ -43,13 +45,20 @@ def _rss_mib(field: str = "VmRSS") -> float:
     return float("nan")
 
 
-def _model(layers: int):
+def _model(layers: int, meta: bool = False):
     import torch
 
     from meshc import models
 
     torch.manual_seed(0)
-    return models.build("gpt2-medium", layers=layers, seq_len=SEQ)
+    with torch.device("meta" if meta else "cpu"):
+        return models.build("gpt2-medium", layers=layers, seq_len=SEQ)
+
+
+def _reset_peak() -> None:
+    """Start VmHWM again from the current RSS (Linux: clear_refs 5), so that the next peak is the steps'."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def _batch(rank: int):
@@ -76,9 +85,12 @@ def _meshc(cfg: dict, base: float) -> dict:
     extra = {}
     if cfg["mode"] != "none":
         extra = dict(offload="nvme", offload_dir=cfg["dir"], offload_params=cfg["mode"] == "states+params")
-    job = meshc.compile(_model(cfg["layers"]), mesh, example_inputs=(x,),
+    job = meshc.compile(_model(cfg["layers"], meta=True), mesh, example_inputs=(x,),
                         plan=meshc.Plan(zero=3, trace="non-strict", **extra))
+    job.init_weights(seed=0)  # each rank builds only its shards
     opt = job.optimizer(torch.optim.AdamW, lr=1e-4)
+    init_peak = _rss_mib("VmHWM") - base
+    _reset_peak()
     times, losses = [], []
     for _ in range(cfg["steps"]):
         t = time.perf_counter()
@@ -88,7 +100,7 @@ def _meshc(cfg: dict, base: float) -> dict:
         times.append(time.perf_counter() - t)
     held = job.held_bytes()
     return {"times": times, "losses": losses, "offloaded": held.get("offloaded", 0) / 2**20,
-            "pool": held.get("offload_pool", 0) / 2**20, "steady": _rss_mib() - base}
+            "pool": held.get("offload_pool", 0) / 2**20, "steady": _rss_mib() - base, "init_peak": init_peak}
 
 
 def _deepspeed(cfg: dict, base: float) -> dict:
@@ -106,9 +118,12 @@ def _deepspeed(cfg: dict, base: float) -> dict:
               "zero_force_ds_cpu_optimizer": False,
               "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
                       "overlap_events": True}}
-    model = _model(cfg["layers"])
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = _model(cfg["layers"])  # zero.Init partitions each module as it is constructed
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    init_peak = _rss_mib("VmHWM") - base
+    _reset_peak()
     x, y = _batch(dist.get_rank())
     times, losses = [], []
     for _ in range(cfg["steps"]):
@@ -119,7 +134,7 @@ def _deepspeed(cfg: dict, base: float) -> dict:
         times.append(time.perf_counter() - t)
         losses.append(loss.item())
     return {"times": times, "losses": losses, "offloaded": float("nan"), "pool": float("nan"),
-            "steady": _rss_mib() - base}
+            "steady": _rss_mib() - base, "init_peak": init_peak}
 
 
 def worker(cfg: dict) -> None:
@@ -174,9 +189,9 @@ def main() -> None:
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
             ranks = out["ranks"]
-            peak = max(r["peak"] for r in ranks)
+            peak = max(r["peak"] for r in ranks)  # of the steps (VmHWM reset after initialization)
             offloaded = max(r["offloaded"] for r in ranks)
-            row = {"ranks": nproc, "run": label, "peak MiB": peak, "steady MiB": max(r["steady"] for r in ranks),
+            row = {"ranks": nproc, "run": label, "init peak MiB": max(r["init_peak"] for r in ranks), "peak MiB": peak, "steady MiB": max(r["steady"] for r in ranks),
                    "offloaded MiB": offloaded, "pool MiB": max(r["pool"] for r in ranks),
                    "step s": max(_median(r["times"][1:]) for r in ranks),
                    "losses": " ".join(f"{v:.4f}" for v in ranks[0]["losses"])}
@@ -189,7 +204,7 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
     print(f"\nbuilt-in GPT, gpt2-medium width, {args.layers} layers, ZeRO-3, AdamW, 1x{SEQ} tokens per rank")
-    print(table(rows, ["ranks", "run", "peak MiB", "steady MiB", "offloaded MiB", "pool MiB", "RSS saved / offloaded",
+    print(table(rows, ["ranks", "run", "init peak MiB", "peak MiB", "steady MiB", "offloaded MiB", "pool MiB", "RSS saved / offloaded",
                        "step s", "step vs none", "losses"]))
 
 

@@ -46,7 +46,7 @@ from .offload_store import FileStore, HostStore
 PARAM = "<parameter>"  # the place of an offloaded parameter's own values (offload_params)
 NBUF = 3  # buffers in the pool: one updating, one being read, one being written
 ALIGN = 4096  # bytes: every place starts on a page (any dtype's view is aligned; pages release cleanly)
-DEFAULT_POOL_MB = 64.0
+MIN_POOL_MB, MAX_POOL_MB, POOL_FRACTION = 1.0, 64.0, 32  # the default pool: 1/32 of the store, 1 to 64 MiB
 MADV_DONTNEED = 4
 
 
@@ -144,9 +144,6 @@ class StateOffload:
         self.states = {PARAM: None, **states} if params else dict(states)
         plist = [p for g in opt.param_groups for p in g["params"]]
         per_element = {id(p): sum((d or p.dtype).itemsize for d in self.states.values()) for p in plist}
-        largest = max((p.numel() * per_element[id(p)] for p in plist), default=0)
-        mb = pool_mb if pool_mb is not None else min(DEFAULT_POOL_MB, NBUF * (largest + 8) / 2**20)
-        cap = int(mb * 2**20) // NBUF
         self.places: dict[int, list[_Place]] = {}
         total = 0
         for p in plist:  # widest dtype first: a piece's views stay aligned however long it is
@@ -154,7 +151,9 @@ class StateOffload:
             for name, dtype in sorted(self.states.items(), key=lambda kv: -(kv[1] or p.dtype).itemsize):
                 self.places[id(p)].append(_Place(name, total, dtype or p.dtype))
                 total = _round(total + p.numel() * (dtype or p.dtype).itemsize)
-        self.buckets = _buckets(plist, per_element, cap, self.names)
+        if pool_mb is None:  # a few percent of what it streams: buckets of MiBs keep the disk busy all the same
+            pool_mb = max(MIN_POOL_MB, min(MAX_POOL_MB, total / POOL_FRACTION / 2**20))
+        self.buckets = _buckets(plist, per_element, int(pool_mb * 2**20) // NBUF, self.names)
         device = plist[0].device if plist else torch.device("cpu")
         self.store = FileStore(folder, rank, total, "optimizer_states") if kind == "nvme" else \
             HostStore(total, pin=device.type == "cuda")

@@ -71,6 +71,7 @@ class ZeroContext:
         return False
 
     def packed(self, shards) -> None:
+        """A bucket's shards were read into its gather's buffer."""
         if self.release is not None:
             self.release(shards)
 
@@ -130,7 +131,9 @@ class ZeroContext:
 
     def _start(self, bucket: int) -> torch.Tensor:
         meta, shards = self.buckets[bucket]
-        return zero_gather_start(*shards, group=meta.group, size=meta.n, dtype=meta.dtype, fused=meta.fused)
+        raw = zero_gather_start(*shards, group=meta.group, size=meta.n, dtype=meta.dtype, fused=meta.fused)
+        self.packed(shards)  # in backward this context is no longer the active one: zero_gather_start did not
+        return raw
 
     def _prefetch_before(self, bucket: int) -> None:
         """Backward needs the buckets in reverse: issue the next one's gather now, to overlap this block."""

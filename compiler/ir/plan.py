@@ -77,7 +77,8 @@ class Plan:
         offload_params: with zero=3 and offload="nvme", the parameter shards too live in the file; each
             bucket is read before its all-gather and the updated shards are written back by the step.
         offload_buffer_mb: the pool of offload buffers, in MiB (three buckets: one updating, one being read,
-            one being written). None: three times the largest parameter's offloaded bytes, at least 64 MiB.
+            one being written; parameters are cut into pieces to fit). None: 1/32 of the bytes offloaded,
+            between 1 and 64 MiB.
         inductor: under torch.compile(model, backend=meshc.backend(...)), Inductor compiles each per-rank
             program (the regions between collectives become generated kernels; the collectives stay).
         trace: "auto" tries non-strict torch.export and falls back to strict (TorchDynamo); "strict" or
