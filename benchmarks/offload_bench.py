@@ -113,7 +113,7 @@ def _deepspeed(cfg: dict, base: float) -> dict:
     nvme = {"device": "nvme", "nvme_path": cfg["dir"], "pin_memory": False}
     zero = {"stage": 3, "offload_optimizer": dict(nvme, buffer_count=4)}
     if cfg["mode"] == "ds-states+params":
-        zero["offload_param"] = dict(nvme, buffer_count=5, buffer_size=int(1e8), max_in_cpu=0)
+        zero["offload_param"] = dict(nvme, buffer_count=5, buffer_size=int(2.6e7), max_in_cpu=0)  # > largest shard
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
               "zero_force_ds_cpu_optimizer": False,
               "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
@@ -186,6 +186,12 @@ def main() -> None:
             try:
                 out = launch(os.path.abspath(__file__), nproc, {"mode": mode, "layers": args.layers,
                                                                 "steps": args.steps, "dir": folder}, timeout=3600)
+            except RuntimeError as e:
+                if not mode.startswith("ds-"):
+                    raise
+                rows.append({"ranks": nproc, "run": label, "losses": "failed: " + _last_error(str(e))})
+                print(rows[-1], flush=True)
+                continue
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
             ranks = out["ranks"]
@@ -206,6 +212,12 @@ def main() -> None:
     print(f"\nbuilt-in GPT, gpt2-medium width, {args.layers} layers, ZeRO-3, AdamW, 1x{SEQ} tokens per rank")
     print(table(rows, ["ranks", "run", "init peak MiB", "peak MiB", "steady MiB", "offloaded MiB", "pool MiB", "RSS saved / offloaded",
                        "step s", "step vs none", "losses"]))
+
+
+def _last_error(log: str) -> str:
+    lines = [line.split("]:", 1)[-1].strip() for line in log.splitlines() if "Error" in line and ":" in line]
+    lines = [line for line in lines if not line.startswith(("torch.distributed.elastic", "raise", "RuntimeError: {"))]
+    return lines[-1][:200] if lines else "see its log"
 
 
 def _deepspeed_ready():
