@@ -44,6 +44,7 @@ class Report:
     fusion: list[str] = field(default_factory=list)  # per kernel: fused k of n eligible, and why not
     coverage: list[str] = field(default_factory=list)  # share of block weight bytes sharded per axis; replicated modules
     materialization: str = ""  # predicted peak while init_weights / load_pretrained fill this rank's shards
+    offload: list[str] = field(default_factory=list)  # where Plan.offload keeps what (the job says, from its store)
 
     def bytes_per_step(self) -> dict[str, int]:
         """Collective payload bytes per step, summed by mesh axis."""
@@ -63,6 +64,7 @@ class Report:
                   f"  total             {human_bytes(sum(m.values())):>12}"]
         if self.materialization:
             lines.append(f"  {self.materialization}")
+        lines += [f"  {line}" for line in self.offload]
         if self.coverage:
             lines += ["", "coverage:"] + [f"  {line}" for line in self.coverage]
         lines += ["", "collectives per step:"]
@@ -87,16 +89,19 @@ class Report:
         return "\n".join(lines)
 
 
-def explain(program: Program, optimizers: list[torch.optim.Optimizer] = (), pipeline=None) -> Report:
+def explain(program: Program, optimizers: list[torch.optim.Optimizer] = (), pipeline=None, *,
+            offload: list[str] = (), resident=None) -> Report:
     """The report for `program`; live optimizers, if given, give measured optimizer-state bytes; a
-    pipelined job adds its stages, schedule grid and predicted bubble (and holds only its stages' params)."""
+    pipelined job adds its stages, schedule grid and predicted bubble (and holds only its stages' params).
+    `offload`: the job's lines on where Plan.offload keeps states; `resident(t)`: whether a state tensor is in
+    this process's memory (offloaded ones are counted there, not above)."""
     mesh = program.mesh
     sizes = mesh.sizes
     held = [s for s in program.params.values() if pipeline is None or s.fqn in pipeline.params]
     trainable = [s for s in held if s.requires_grad]
     params_bytes = sum(s.local_bytes(sizes) for s in held)
     grads_bytes = sum(s.local_bytes(sizes) for s in trainable)
-    opt_bytes, note = _optimizer_bytes(optimizers, grads_bytes)
+    opt_bytes, note = _optimizer_bytes(optimizers, grads_bytes, resident, program.plan)
     records = program.comm_records() if pipeline is None else _stage_records(program, pipeline)
     collectives = [
         Collective(r.kind, r.axis, r.bytes, r.count, r.phase, r.why, node.name if node is not None else "step")
@@ -116,6 +121,7 @@ def explain(program: Program, optimizers: list[torch.optim.Optimizer] = (), pipe
                 for kernel, r in program.fusion.items()],
         coverage=coverage(program.params, sizes, program.tp_why).lines(),
         materialization=_materialization(held, sizes, params_bytes),
+        offload=list(offload),
     )
 
 
@@ -173,14 +179,19 @@ def _pipeline_lines(program: Program, pipeline) -> list[str]:
     return lines
 
 
-def _optimizer_bytes(optimizers, grads_bytes: int) -> tuple[int, str]:
-    measured = 0
+def _optimizer_bytes(optimizers, grads_bytes: int, resident=None, plan=None) -> tuple[int, str]:
+    measured, seen = 0, False
     for opt in optimizers:
         for state in opt.state.values():
-            measured += sum(v.numel() * v.element_size() for v in state.values()
-                            if isinstance(v, torch.Tensor) and v.dim() > 0)
-    if measured:
-        return measured, "measured on the live optimizer"
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    seen = True
+                    if resident is None or resident(v):
+                        measured += v.numel() * v.element_size()
+    if seen:
+        return measured, "measured on the live optimizer" + (", in memory" if resident is not None else "")
+    if plan is not None and plan.offload == "nvme":
+        return 0, "offloaded: see below"
     return 2 * grads_bytes, "estimate for Adam: 2 states per trainable element, before its first step"
 
 

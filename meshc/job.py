@@ -370,7 +370,31 @@ class Job:
     def explain(self) -> Report:
         """The plan, per-rank memory, every collective and why (of the program run last): print it."""
         live = self.live_optimizers()
-        return explain(getattr(self, "_last", self.program), live, self._layout)
+        lines, resident = self._offload_lines(live)
+        return explain(getattr(self, "_last", self.program), live, self._layout, offload=lines, resident=resident)
+
+    def _offload_lines(self, live: list) -> tuple[list[str], Any]:
+        """explain()'s lines on Plan.offload, and what tells a resident state from an offloaded one."""
+        from meshc.compiler.show import human_bytes
+        from meshc.runtime.offload import of as offload_of
+
+        plan = self.plan
+        if plan.offload is None:
+            return [], None
+        if not self._streams_states():
+            return [f"offload: '{plan.offload}' is the identity placement on a {self.mesh.device.type} device: host "
+                    "memory is the device's memory, so the optimizer states stay where they are"], None
+        offs = [o for o in map(offload_of, live) if o is not None]
+        if not offs:
+            return [f"offload: '{plan.offload}' streams the optimizer states once job.optimizer() has made one"], None
+        held = self.held_bytes()
+        where = f"a scratch file under {plan.offload_dir} (unlinked while open)" if plan.offload == "nvme" else \
+            "host memory"
+        what = "optimizer states and parameter shards" if plan.offload_params else "optimizer states"
+        lines = [f"offload: {what}, {human_bytes(held['offloaded'])} on this rank, in {where}; streamed through a "
+                 f"pool of {human_bytes(held['offload_pool'])} ({sum(len(o.buckets) for o in offs)} buckets) by "
+                 "the optimizer step, next bucket read while one updates"]
+        return lines, (lambda t: not any(o.is_offloaded(t) for o in offs))
 
     def report(self, path, *, hardware=None, trace=None) -> str:
         """Write the plan as one self-contained HTML page (compiler/report_html.py: mesh, sharding map, graphs,
