@@ -24,6 +24,10 @@ Terms:
     adam_rate      elements per second an AdamW update processes (0: mem_bandwidth / 32 bytes).
     step_overhead  seconds meshc's runtime adds to each training step beyond the graph (calibrated).
     action_overhead seconds the pipeline executor adds per scheduled forward or backward (calibrated).
+    host_bandwidth bytes/s one rank moves between its device and host memory (PCIe; Plan.offload="cpu").
+    disk_read, disk_write
+                   bytes/s one rank reads and writes its offload files (Plan.offload="nvme"); `meshc
+                   calibrate` measures them on this machine; 0: unknown (the planner offers no nvme offload).
     compute_scale  a real training step's compute time over the roofline's from the figures above: what
                    microbenchmarks on reused tensors miss (fresh allocations, caches, dispatch); fitted by
                    `meshc calibrate` on a small transformer's step; 1 for the GPU profiles.
@@ -117,13 +121,17 @@ class Hardware:
     step_overhead: float = 0.0
     action_overhead: float = 0.0
     compute_scale: float = 1.0
+    host_bandwidth: float = 0.0
+    disk_read: float = 0.0
+    disk_write: float = 0.0
     description: str = ""
 
     def __post_init__(self) -> None:
         for name in ("flops", "mem_bandwidth", "memory", "compute_scale"):
             if not getattr(self, name) > 0:
                 raise MeshcValueError(f"Hardware.{name}: expected a positive number, got {getattr(self, name)!r}")
-        for name in ("op_overhead", "adam_rate", "step_overhead", "action_overhead"):
+        for name in ("op_overhead", "adam_rate", "step_overhead", "action_overhead", "host_bandwidth", "disk_read",
+                     "disk_write"):
             if not getattr(self, name) >= 0:
                 raise MeshcValueError(f"Hardware.{name}: expected a number >= 0, got {getattr(self, name)!r}")
         if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
@@ -168,28 +176,31 @@ class Hardware:
             json.dump(self.to_dict(), f, indent=2)
 
 
-def _gpu(name, *, peak, hbm, memory, nvlink, ib, description) -> Hardware:
-    # Large GEMMs reach about 70% of the dense peak; NCCL's bus bandwidth about 80% of the link's.
+def _gpu(name, *, peak, hbm, memory, nvlink, ib, pcie, description) -> Hardware:
+    # Large GEMMs reach about 70% of the dense peak; NCCL's bus bandwidth about 80% of the link's; copies about
+    # 80% of PCIe's. Disks: a node's NVMe array shared by its 8 GPUs, about 6 GB/s read and 3 GB/s written each
+    # (vendor figures for 8 data-center drives; `meshc calibrate` measures a real one).
     return Hardware(name=name, flops=0.7 * peak, mem_bandwidth=0.8 * hbm, op_overhead=1.5e-5, memory=memory,
                     ranks_per_node=8, intra=Link(bandwidth=0.8 * nvlink, latency=1e-5),
-                    inter=Link(bandwidth=0.8 * ib, latency=2e-5), overlap=1.0, description=description)
+                    inter=Link(bandwidth=0.8 * ib, latency=2e-5), overlap=1.0, host_bandwidth=0.8 * pcie,
+                    disk_read=6e9, disk_write=3e9, description=description)
 
 
 PROFILES: dict[str, Hardware] = {
-    "h100": _gpu("h100", peak=989e12, hbm=3.35e12, memory=80 * GiB, nvlink=450e9, ib=50e9,
+    "h100": _gpu("h100", peak=989e12, hbm=3.35e12, memory=80 * GiB, nvlink=450e9, ib=50e9, pcie=64e9,
                  description="8x H100 SXM per node: bf16 989 TFLOP/s dense, HBM3 3.35 TB/s, NVLink4 450 GB/s "
                              "per direction, one 400 Gb/s InfiniBand NIC per GPU"),
-    "h200": _gpu("h200", peak=989e12, hbm=4.8e12, memory=140 * GiB, nvlink=450e9, ib=50e9,
+    "h200": _gpu("h200", peak=989e12, hbm=4.8e12, memory=140 * GiB, nvlink=450e9, ib=50e9, pcie=64e9,
                  description="8x H200 SXM per node: bf16 989 TFLOP/s dense, HBM3e 4.8 TB/s, NVLink4 450 GB/s "
                              "per direction, one 400 Gb/s InfiniBand NIC per GPU"),
-    "a100": _gpu("a100", peak=312e12, hbm=2.04e12, memory=80 * GiB, nvlink=300e9, ib=25e9,
+    "a100": _gpu("a100", peak=312e12, hbm=2.04e12, memory=80 * GiB, nvlink=300e9, ib=25e9, pcie=32e9,
                  description="8x A100 80GB SXM per node: bf16 312 TFLOP/s dense, HBM2e 2.04 TB/s, NVLink3 "
                              "300 GB/s per direction, one 200 Gb/s InfiniBand NIC per GPU"),
     # Uncalibrated defaults for a small CPU box (this project's machine, FACTS.md); `meshc calibrate` measures.
     "cpu-default": Hardware(
         name="cpu-default", flops=4e10, mem_bandwidth=5e9, op_overhead=3e-5, memory=8 * GiB, ranks_per_node=2,
         intra=Link(bandwidth=1.1e9, latency=5e-5, kinds={"all_gather": (0.25e9, 5e-5), "reduce_scatter": (0.27e9, 5e-5)}),
-        inter=Link(bandwidth=1.2e8, latency=1e-4), overlap=0.0,
+        inter=Link(bandwidth=1.2e8, latency=1e-4), overlap=0.0, disk_read=1e9, disk_write=5e8,
         description="uncalibrated guesses for 2 CPU processes over gloo on loopback; run `meshc calibrate`"),
 }
 

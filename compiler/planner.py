@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 from .cost import Estimate, ModelShape, formula_estimate, formula_memory, precision_for
 from .hardware import Hardware
+from .offload_cost import KINDS, with_offload
 from .ir.errors import MeshcValueError
 from .ir.plan import Plan
 from .show import human_bytes
@@ -33,7 +34,7 @@ WHY = {"compute": "compute per rank", "recompute": "recomputation ({remat} remat
        "bubble": "pipeline bubble (pp={pp}, m={m}, {schedule})", "tp": "tensor-parallel collectives{tp_nodes}",
        "dp": "data-parallel traffic not hidden (ZeRO-{zero}){dp_nodes}", "pp": "pipeline messages",
        "step": "optimizer-step collectives", "optimizer": "optimizer update",
-       "overhead": "runtime overhead (m={m} micro-batches)"}
+       "overhead": "runtime overhead (m={m} micro-batches)", "offload": "offload I/O ({offload})"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +57,8 @@ class Candidate:
             parts.append(p.schedule + (f"x{p.virtual}" if p.virtual > 1 else ""))
         parts.append(f"remat={p.remat}")
         parts += [x for x, on in (("sp", p.sequence_parallel), ("vocab", p.vocab_parallel)) if on]
+        if p.offload:
+            parts.append(f"offload={p.offload}" + ("+params" if p.offload_params else ""))
         return " ".join(parts)
 
 
@@ -83,6 +86,7 @@ class Search:
     virtual: int = 2
     param_dtype: Any = None
     base: Plan = field(default_factory=lambda: Plan(trace="non-strict"))
+    offload: bool = True  # when no plan fits, try them again with Plan.offload (compiler/offload_cost.py)
 
     def __post_init__(self) -> None:
         if self.param_dtype is not None and 0 in self.zero:
@@ -195,11 +199,16 @@ def _schedules(pp: int, m: int, search: Search, layers: int | None) -> list[tupl
     return out
 
 
-def rank(scored: list[tuple[Candidate, Estimate]], memory: float, hw: Hardware, unscored: int = 0) -> PlanResult:
+def rank(scored: list[tuple[Candidate, Estimate]], memory: float, hw: Hardware, unscored: int = 0,
+         offload: bool = True) -> PlanResult:
     """Keep what fits, order by step time (then memory), and say why each plan is where it is. `unscored`:
-    plans the caller set aside without scoring because they cannot fit (counted as not fitting)."""
+    plans the caller set aside without scoring because they cannot fit (counted as not fitting). When none
+    fits and `offload`, each is tried again with its states offloaded (to host memory on GPUs, to disk)."""
     fitting = [(c, e) for c, e in scored if e.total_memory <= memory]
     rejected = [(c, e) for c, e in scored if e.total_memory > memory]
+    if not fitting and offload:
+        fitting = [(dataclasses.replace(c, plan=v[0]), v[1]) for c, e in rejected for kind in KINDS
+                   if (v := with_offload(c.plan, e, hw, kind)) is not None and v[1].total_memory <= memory]
     fitting.sort(key=lambda ce: (round(ce[1].step_time, 12), ce[1].total_memory, ce[0].describe()))
     ranked = []
     for i, (c, e) in enumerate(fitting):
@@ -220,7 +229,7 @@ def _reason(c: Candidate, e: Estimate, best: Estimate, hw: Hardware) -> str:
     deltas = {k: e.time.get(k, 0.0) - best.time.get(k, 0.0) for k in e.time}
     key = max(deltas, key=deltas.get)
     p = c.plan
-    what = WHY[key].format(remat=p.remat, pp=c.pp, m=p.microbatches, schedule=p.schedule, zero=p.zero,
+    what = WHY[key].format(remat=p.remat, pp=c.pp, m=p.microbatches, schedule=p.schedule, zero=p.zero, offload=p.offload,
                            tp_nodes=" across nodes" if hw.spans_nodes(1, c.tp) else "",
                            dp_nodes=" across nodes" if hw.spans_nodes(c.tp, c.dp) else "")
     slower = e.step_time / best.step_time - 1 if best.step_time else 0.0
@@ -251,7 +260,7 @@ def plan_model(shape: ModelShape, world: int, batch: int, hardware: Hardware, me
             for plan in plans_for(sizes, batch, search, shape.layers):
                 cand = Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan)
                 scored.append((cand, formula_estimate(shape, cand.sizes, plan, batch, hardware)))
-        return rank(scored, memory, hardware)
+        return rank(scored, memory, hardware, offload=search.offload)
     precision = precision_for(search.param_dtype, search.base.reduce_dtype)
     over = memory * (1 + 1e-9)  # the memory formulas alone may round apart from the full estimate: a margin
     kept: list[tuple[int, Candidate, Estimate]] = []  # (position in the enumeration, candidate, estimate)
@@ -272,6 +281,10 @@ def plan_model(shape: ModelShape, world: int, batch: int, hardware: Hardware, me
             else:
                 score(i, sizes, choice)
             i += 1
+    if search.offload and not any(e.total_memory <= memory for _, _, e in kept):
+        for _, j, sizes, choice in cannot_fit:  # nothing fits: every plan is scored, to be tried with offload
+            score(j, sizes, choice)
+        cannot_fit = []
     # score the plans set aside that may be the leanest that did not fit, least memory first, until none may
     leanest = min((e.total_memory for _, _, e in kept if e.total_memory > memory), default=float("inf"))
     cannot_fit.sort(key=lambda x: (x[0], x[1]))
@@ -282,7 +295,8 @@ def plan_model(shape: ModelShape, world: int, batch: int, hardware: Hardware, me
         leanest = min(leanest, score(j, sizes, choice).total_memory)
         rescored += 1
     kept.sort(key=lambda x: x[0])  # enumeration order, as rank() breaks ties by it
-    return rank([(c, e) for _, c, e in kept], memory, hardware, unscored=len(cannot_fit) - rescored)
+    return rank([(c, e) for _, c, e in kept], memory, hardware, unscored=len(cannot_fit) - rescored,
+                offload=search.offload)
 
 
 # ---------------------------------------------------------------------------------------------- compiled
@@ -352,7 +366,7 @@ def plan_compiled(build: Callable[[], Any], inputs: Callable[[int], tuple], worl
             return estimate_plan(_traced(model, mesh, 0, args, {}, plan, cache), plan, hardware)
         for plan, est in _score_pruned(plans_for(sizes, batch, search, layers), score, memory, sizes[2]):
             scored.append((Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan), est))
-    return rank(scored, memory, hardware)
+    return rank(scored, memory, hardware, offload=search.offload)
 
 
 def auto_plan(model, mesh, args: tuple, kwargs: dict, *, hardware: Hardware | str | None = None,
@@ -374,5 +388,5 @@ def auto_plan(model, mesh, args: tuple, kwargs: dict, *, hardware: Hardware | st
         return estimate_plan(_traced(model, mesh, mesh.rank, args, kwargs, plan, cache), plan, hw)
     scored = [(Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan), est)
               for plan, est in _score_pruned(plans_for(sizes, batch, search), score, memory, sizes[2])]
-    result = rank(scored, memory, hw)
+    result = rank(scored, memory, hw, offload=False)  # a job's plan="auto" has no offload_dir to offer
     return result.best.candidate.plan, result

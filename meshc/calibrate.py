@@ -5,11 +5,15 @@ CPU jobs run): FLOP/s of linear layers forward and backward, memory bandwidth of
 and backward, through torch.ops as the compiled graphs call them), and each collective's latency and
 bandwidth (all-reduce, all-gather, reduce-scatter through the functional collectives the graphs use;
 send as a ping-pong of isend/irecv), fitted to hardware.Link's α-β model. Every process measures at once,
-so shared memory bandwidth and cores are accounted as a job sees them. The profile is written as JSON
-where `load("cpu")` reads it (hardware.default_cpu_path()).
+so shared memory bandwidth and cores are accounted as a job sees them. The disk that Plan.offload="nvme"
+would use (`disk_dir`) is measured from the launcher: a file written and fsynced, dropped from the page
+cache (posix_fadvise DONTNEED), read back; each rank's share is the measured rate over the rank count, as
+every rank streams at once. The profile is written as JSON where `load("cpu")` reads it
+(hardware.default_cpu_path()).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -264,7 +268,30 @@ def profile(compute: dict[str, float], samples: dict, ranks: int, name: str = "c
     return hw.to_dict()
 
 
-def calibrate(out: str, nproc: int = 2, quick: bool = False, timeout: float = 300.0) -> Hardware:
+def measure_disk(folder: str, nbytes: int) -> tuple[float, float]:
+    """(read, write) bytes/s of one file of `nbytes` in `folder`, the write fsynced, the read from the disk."""
+    block = torch.ones(8 * 2**20, dtype=torch.uint8).numpy()
+    fd, path = tempfile.mkstemp(prefix="meshc-calibrate-", dir=folder)
+    try:
+        t = time.perf_counter()
+        for _ in range(nbytes // block.size):
+            os.write(fd, block)
+        os.fsync(fd)
+        write = nbytes / (time.perf_counter() - t)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the read below comes from the disk
+        buf = bytearray(block.size)
+        t = time.perf_counter()
+        for i in range(nbytes // block.size):
+            os.preadv(fd, [buf], i * block.size)
+        read = nbytes / (time.perf_counter() - t)
+    finally:
+        os.close(fd)
+        os.remove(path)
+    return read, write
+
+
+def calibrate(out: str, nproc: int = 2, quick: bool = False, timeout: float = 300.0,
+              disk_dir: str | None = None) -> Hardware:
     """Launch the measurement on `nproc` local processes under torchrun; write and return the profile."""
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "profile.json")
@@ -276,6 +303,8 @@ def calibrate(out: str, nproc: int = 2, quick: bool = False, timeout: float = 30
             raise MeshcRuntimeError(f"meshc calibrate: the measurement failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
         with open(result) as f:
             hw = Hardware.from_dict(json.load(f))
+    read, write = measure_disk(disk_dir or tempfile.gettempdir(), (64 if quick else 512) * 2**20)
+    hw = dataclasses.replace(hw, disk_read=read / nproc, disk_write=write / nproc)
     hw.save(out)
     return hw
 

@@ -52,6 +52,8 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help=f"profile file to write (default {default_cpu_path()})")
     p.add_argument("--nproc", type=int, default=2, help="local processes to measure (default 2)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (a few seconds)")
+    p.add_argument("--disk-dir", default=None, help="folder on the disk Plan.offload='nvme' would use (default: "
+                                                    "the system's temporary folder)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -75,16 +77,41 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         shape = models.shape(args.model, seq=args.seq)
         result = plan_model(shape, args.gpus, batch, hw, memory, search)
+    shape = None if args.compiled else shape
     print(f"meshc plan: {args.model} on {args.gpus} x {hw.name}, global batch {batch} sequences "
           f"({'compiled graphs' if args.compiled else 'formulas'}, {time.perf_counter() - t0:.1f} s)")
     print(result.table(args.top))
     best = result.best
     p = best.candidate.plan
+    offload = ""
+    if p.offload:
+        offload = f", offload={p.offload!r}" + (f", offload_dir={p.offload_dir!r}" if p.offload_dir else "") + \
+            (", offload_params=True" if p.offload_params else "")
     print(f"\nbest: meshc.mesh(dp={best.candidate.dp}, tp={best.candidate.tp}, pp={best.candidate.pp}) with "
           f"meshc.Plan(zero={p.zero}, microbatches={p.microbatches}, schedule={p.schedule!r}, virtual={p.virtual}, "
           f"remat={p.remat!r}, sequence_parallel={p.sequence_parallel}, vocab_parallel={p.vocab_parallel}"
-          + (f", param_dtype=torch.{str(dtype).split('.')[-1]}" if dtype is not None else "") + ")")
+          + (f", param_dtype=torch.{str(dtype).split('.')[-1]}" if dtype is not None else "") + offload + ")")
+    if p.offload and not args.compiled:
+        print(_offload_trade(best, shape, args.gpus, batch, hw, memory, search))
     return 0
+
+
+def _offload_trade(best, shape, gpus: int, batch: int, hw, memory, search) -> str:
+    """The trade of the offloaded best plan: the fewest devices (doubling) on which a plan fits without offload."""
+    import dataclasses
+
+    from meshc.compiler.show import human_bytes
+
+    plain = dataclasses.replace(search, offload=False)
+    step = best.estimate.step_time
+    fit = f"fits on {gpus} x {hw.name} with offload={best.candidate.plan.offload}, step {step:.3g} s"
+    for world in (gpus * 2**k for k in range(1, 11)):
+        found = plan_model(shape, world, max(batch, world), hw, memory, plain)
+        if found.ranked:
+            other = found.ranked[0].estimate.step_time
+            return (f"trade: {fit} ({step / other:.2g}x the step of the best plan without offload, which needs "
+                    f"{world} devices: {other:.3g} s at a global batch of {max(batch, world)})")
+    return f"trade: {fit}; without offload no plan fits even on {gpus * 2**10} devices of {human_bytes(memory or 0)}"
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -94,7 +121,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         return calibrate.worker(args.quick)
     out = args.out or default_cpu_path()
     t0 = time.perf_counter()
-    hw = calibrate.calibrate(out, nproc=args.nproc, quick=args.quick)
+    hw = calibrate.calibrate(out, nproc=args.nproc, quick=args.quick, disk_dir=args.disk_dir)
     print(f"meshc calibrate: {args.nproc} processes, {time.perf_counter() - t0:.1f} s; wrote {out}")
     print(f"  linear layers (forward + backward) {hw.flops / 1e9:.1f} GFLOP/s per process, memory {hw.mem_bandwidth / 1e9:.2f} GB/s, "
           f"{hw.op_overhead * 1e6:.1f} us per graph op (forward + backward); a training step's compute "
@@ -102,4 +129,5 @@ def run_calibrate(args: argparse.Namespace) -> int:
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "send"):
         lat, bw = hw.intra.alpha_beta(kind)
         print(f"  {kind:<15} latency {lat * 1e6:8.1f} us, bandwidth {bw / 1e9:6.2f} GB/s")
+    print(f"  disk (offload)  read {hw.disk_read / 1e9:.2f} GB/s, write {hw.disk_write / 1e9:.2f} GB/s per process")
     return 0

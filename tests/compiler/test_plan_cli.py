@@ -16,8 +16,12 @@ def test_plan_prints_the_best_plans_with_reasons(capsys):
     assert "fastest of" in text and "best: meshc.mesh(dp=" in text
     rows = [line for line in text.splitlines() if re.match(r"\s+[2-5]\s+dp=", line)]
     assert len(rows) == 4 and all(re.search(r"\+\d+%: ", row) for row in rows), text  # why each lost
-    assert cli.main(["plan", "--model", "llama-70b", "--gpus", "8", "--memory", "80GB"]) == 2
+    assert cli.main(["plan", "--model", "llama-70b", "--gpus", "8", "--memory", "10GB"]) == 2
     assert "expected a plan that fits" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "llama-70b", "--gpus", "8", "--memory", "80GB"]) == 0  # with offload only
+    text = capsys.readouterr().out
+    assert "offload='cpu'" in text and re.search(r"trade: fits on 8 x h100 with offload=cpu, step [\d.]+ s \([\d.]+x the "
+                                                  r"step of the best plan without offload, which needs 16 devices", text), text
     assert cli.main(["plan", "--model", "llama-8b", "--gpus", "8", "--memory", "lots"]) == 2
     assert "--memory: expected a size such as 80GB" in capsys.readouterr().err
 
@@ -43,3 +47,16 @@ def test_explain_a_transformers_config_with_predictions(tmp_path, capsys):
     assert "predicted on a100 (this rank's compiled graphs):" in text
     assert re.search(r"memory per rank [\d.]+ [KM]iB \(params", text) and "step time" in text
     assert "predicted by the formulas" in text
+
+
+def test_calibrate_measures_the_offload_disk(tmp_path):
+    """meshc calibrate's disk figures (Plan.offload="nvme"): a written, fsynced file read back from the disk, nothing
+    left behind; a profile written before these fields existed still loads (0: unknown, no nvme offload offered)."""
+    from meshc.calibrate import measure_disk
+
+    read, write = measure_disk(str(tmp_path), 16 * 2**20)
+    assert read > 0 and write > 0 and list(tmp_path.iterdir()) == []
+    old = hardware.load("cpu-default").to_dict()
+    for key in ("disk_read", "disk_write", "host_bandwidth"):
+        del old[key]
+    assert hardware.Hardware.from_dict(old).disk_read == 0.0
