@@ -305,9 +305,9 @@ class StateOffload:
         return self._mapped(p, place) if place is not None and place.dtype == dtype else None
 
     def is_offloaded(self, t: torch.Tensor) -> bool:
-        """Whether `t` lives in the store (its bytes are not resident in the process's memory)."""
-        return self.store.kind == "nvme" and self._map.numel() > 0 and \
-            t.untyped_storage().data_ptr() == self._map.untyped_storage().data_ptr()
+        """Whether `t` lives in the store (its bytes are not in the device's memory: in the file, or in host memory
+        for "cpu" on a GPU)."""
+        return self._map.numel() > 0 and t.untyped_storage().data_ptr() == self._map.untyped_storage().data_ptr()
 
     def close(self) -> None:
         self.store.close()

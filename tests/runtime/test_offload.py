@@ -171,6 +171,8 @@ def test_an_io_error_is_named_on_every_rank(which, tmp_path):
 
 
 def _checkpoint_rank(folder: str, ckpt: str, save_with: bool) -> dict:
+    from meshc.runtime.checkpoint import full_optimizer_state
+
     mesh = meshc.mesh(dp=2, timeout_s=60)
     x, y = (mesh.shard_batch(t) for t in zoo.batches(1, 8)[0])
     a, opt_a = _job(mesh, x, 3, folder if save_with else None)
@@ -184,18 +186,28 @@ def _checkpoint_rank(folder: str, ckpt: str, save_with: bool) -> dict:
     ids_a = {id(p): f for f, p in a.named_parameters()}
     same_states = all(torch.equal(v, loaded[ids_a[id(p)]][k]) for p, st in opt_a.state.items() for k, v in st.items())
     resident = b.held_bytes()["optimizer"]
+    # resharded: into ZeRO-1 (whole tp-local compute copies, flat masters of other extents) with the other
+    # offload setting; compared whole, gathered from every rank's shards
+    c, opt_c = _job(mesh, x, 1, None if save_with else folder)
+    c.load(ckpt)
+    whole_a, whole_c = full_optimizer_state(a, opt_a), full_optimizer_state(c, opt_c)
+    resharded = whole_a.keys() == whole_c.keys() and all(
+        torch.equal(v, whole_c[f][k]) if isinstance(v, torch.Tensor) else v == whole_c[f][k]
+        for f, st in whole_a.items() for k, v in st.items())
+    resharded = resharded and all(torch.equal(v, c.state_dict()[k]) for k, v in a.state_dict().items())
     return {"params": same_params, "states": same_states, "next": _train(a, opt_a, x, y, 2) == _train(b, opt_b, x, y, 2),
-            "resident": resident}
+            "resident": resident, "resharded": resharded}
 
 
 @pytest.mark.parametrize("save_with", [True, False], ids=["offload->none", "none->offload"])
 def test_checkpoints_are_the_same_with_and_without_offload(save_with, tmp_path):
     """A ZeRO-3 checkpoint saved with the states offloaded loads into the plan without offload (and back),
-    bitwise: parameters, every optimizer state, and the next two steps' losses. Loaded into an offloading job,
-    the states go into its file (none resident)."""
+    bitwise: parameters, every optimizer state, and the next two steps' losses; and resharded into ZeRO-1 with
+    the other offload setting, the whole parameters and states are bitwise the saved ones. Loaded into an
+    offloading job, the states go into its file (none resident)."""
     (tmp_path / "off").mkdir()
     out = run_ranks(_checkpoint_rank, 2, str(tmp_path / "off"), str(tmp_path / "ckpt"), save_with, timeout=180)
     for r in out:
-        assert r["params"] and r["states"] and r["next"], r
+        assert r["params"] and r["states"] and r["next"] and r["resharded"], r
         if not save_with:
             assert r["resident"] == 0, r
