@@ -8,7 +8,7 @@ STAMP := $(VENV)/.meshc-installed
 # The CPU build of PyTorch; a GPU user installs the CUDA build of the same version first (see README).
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test install clean browser
+.PHONY: demo test install clean browser bench-deps
 
 install: $(STAMP)
 
@@ -28,6 +28,13 @@ demo: $(STAMP)
 browser:
 	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 		chromium >/dev/null) || echo "make browser: could not install chromium; the browser tests will be skipped"
+
+# The peers the benchmarks measure side by side (not needed by the tests): DeepSpeed, and Debian's libaio for its
+# nvme offload's async_io op (benchmarks/offload_bench.py).
+bench-deps: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[bench]"
+	@test -e /usr/include/libaio.h || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		libaio-dev >/dev/null) || echo "make bench-deps: could not install libaio-dev; DeepSpeed's nvme rows will say why"
 
 test: $(STAMP) browser
 	$(BIN)/ruff check .

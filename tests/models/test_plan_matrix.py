@@ -13,6 +13,7 @@ any two factors appears in some case, not the full product of 13,824) over
     fusion            on, off
     collective_matmul off, on
     microbatches      1, 2, 4
+    offload           none, nvme (optimizer states), nvme+params (and ZeRO-3's parameter shards)
 
 generated here by a deterministic greedy all-pairs search (`covering_array`). A pair counts as covered
 only by a case where both values take effect (`in_effect`: sequence and vocab parallelism and collective
@@ -23,9 +24,9 @@ gets one case of its own, which must be refused by Plan(...) or meshc.compile wi
 message names the option. Anything else raised (in job.step, the optimizer step, or a non-meshc error
 at construction) is a failure.
 
-The array has 42 cases: 37 that must train (13 on dp2xpp2, where alone ZeRO stages meet pipeline
-schedules on a real dp axis; 6 on dp2xtp2, 6 on tp2xpp2, 5 on pp2, 4 on dp2, 3 on tp2) and 5 refusals
-(one per rule in RULES). They run on the reference Transformer (2 layers, dim 32, vocab 64) for 2 AdamW
+The array has 46 cases: 39 that must train (13 on dp2xpp2, where alone ZeRO stages meet pipeline
+schedules on a real dp axis; 7 on dp2xtp2, 6 on tp2xpp2, 5 on pp2, 5 on dp2, 3 on tp2; 15 of them with
+offload) and 7 refusals (one per rule in RULES). They run on the reference Transformer (2 layers, dim 32, vocab 64) for 2 AdamW
 steps on a global batch of 8: one run_ranks spawn per mesh, whose ranks compile and train each of that
 mesh's cases in turn, so six process start-ups in all. About 80 s on 2 CPU cores (up to 2.5 min when the
 machine is busy with other work).
@@ -42,6 +43,7 @@ AdamW's first step).
 from __future__ import annotations
 
 import itertools
+import tempfile
 import traceback
 
 import pytest
@@ -66,6 +68,7 @@ FACTORS = {
     "fusion": (True, False),
     "collective_matmul": (False, True),
     "microbatches": (1, 2, 4),
+    "offload": ("none", "nvme", "nvme+params"),
 }
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -83,6 +86,8 @@ def in_effect(case: dict, factor: str) -> bool:
         return not value or _size(case, "tp") > 1
     if factor == "schedule":
         return _size(case, "pp") > 1
+    if factor == "offload":  # streams the optimizer's states whenever ZeRO is on, whatever the dp size
+        return value == "none" or case["zero"] >= 1
     return True
 
 
@@ -98,6 +103,10 @@ RULES = {
         "collective_matmul", lambda c: c["collective_matmul"] and not c["fusion"]),
     "zb-h1 runs backward twice per block, torch's selective checkpoint once": (
         "remat", lambda c: c["remat"] == "selective" and c["schedule"] == "zb-h1"),
+    "offload moves ZeRO's optimizer-state shards: zero >= 1": (
+        "offload", lambda c: c["offload"] != "none" and c["zero"] == 0),
+    "offload_params moves ZeRO-3's parameter shards: zero = 3": (
+        "offload_params", lambda c: c["offload"] == "nvme+params" and c["zero"] not in (0, 3)),
 }
 
 
@@ -151,6 +160,9 @@ def plan_kwargs(case: dict) -> dict:
                                    "collective_matmul", "microbatches")}
     kwargs["virtual"] = 2 if case["schedule"] == "interleaved" else 1
     kwargs["param_dtype"] = DTYPES[case["param_dtype"]]
+    if case["offload"] != "none":  # each rank's scratch file is unlinked at once: nothing is left in the folder
+        kwargs.update(offload="nvme", offload_dir=tempfile.gettempdir(), offload_params=case["offload"] == "nvme+params",
+                      offload_buffer_mb=0.05)  # several buckets, parameters cut into pieces
     return {**kwargs, "trace": "non-strict", "verify": True}
 
 
@@ -159,6 +171,7 @@ def case_id(case: dict) -> str:
              f"m{case['microbatches']}"]
     parts += [name for name, flag in (("sp", case["sequence_parallel"]), ("vocab", case["vocab_parallel"]),
                                       ("nofusion", not case["fusion"]), ("cm", case["collective_matmul"])) if flag]
+    parts += [] if case["offload"] == "none" else [case["offload"]]
     return "-".join(parts)
 
 
@@ -214,7 +227,7 @@ def test_the_array_covers_every_pair():
         if expected_refusal(c) is None:
             reachable |= _pairs(c)
     assert covered == reachable
-    assert len(CASES) == len({case_id(c) for c in CASES}) == 42, [case_id(c) for c in CASES]
+    assert len(CASES) == len({case_id(c) for c in CASES}) == 46, [case_id(c) for c in CASES]
     assert [expected_refusal(c) for c in CASES[-len(RULES):]] == [option for option, _ in RULES.values()]
 
 
