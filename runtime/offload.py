@@ -235,7 +235,7 @@ class StateOffload:
             with _only(self.opt, temps):
                 update()
         finally:
-            for p_id, pieces in temps.items():
+            for pieces in temps.values():
                 for q, piece, views in pieces:
                     self._keep(piece.param, self.opt.state.pop(q, None), views)
 
