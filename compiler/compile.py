@@ -42,6 +42,10 @@ def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, 
         traced.notes.append(check_trace.check_trace(model, traced, tensors, args, kwargs))
     if fixed is not None:
         traced = traced.replace(fixed_placements=fixed)
+    if traced.mesh.size("pp") > 1:  # the stages are balanced in time on this device (pipeline_split)
+        from .hardware import detect
+
+        traced = traced.replace(stage_rates=detect().stage_rates(traced.mesh.sizes))
     return traced, run_passes(traced), tensors
 
 

@@ -150,6 +150,11 @@ class Hardware:
     def link(self, stride: int, n: int) -> Link:
         return self.inter if self.spans_nodes(stride, n) else self.intra
 
+    def stage_rates(self, sizes: dict) -> tuple[float, float]:
+        """(FLOP/s, bytes/s of a pipeline send) for balancing the stages of a mesh of these sizes."""
+        dp, tp, pp = sizes.get("dp", 1), sizes.get("tp", 1), sizes.get("pp", 1)
+        return self.flops, self.link(dp * tp, pp).alpha_beta("send")[1]
+
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         for key in ("intra", "inter"):

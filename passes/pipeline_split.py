@@ -1,9 +1,13 @@
 """pipeline_split: decide which pipeline stage computes each activation (the decision, not the cut).
 
-Purpose: cut the forward graph into pp x virtual stages. Cuts may only fall where few activation bytes
-cross (between blocks, or between attention and MLP, where only the residual stream is live); among
-those, the pass balances the stages' cost (forward FLOPs, counted by torch's FlopCounterMode on fake
-tensors) by minimizing the costliest stage. `Plan(split_points=[module, ...])` cuts before each named
+Purpose: cut the forward graph into pp x virtual stages. Cuts may only fall where no more activation
+bytes cross than between two of the model's repeated blocks (the residual stream: between blocks, between
+attention and MLP, or after a pooling that leaves less); among those, the pass minimizes the slowest
+stage's predicted time, 3 x its forward FLOPs (counted by torch's FlopCounterMode on fake tensors; forward
+and backward) at the device's FLOP/s plus 2 x the bytes it sends (activations forward, their gradients
+back) at the pp link's bandwidth (Program.stage_rates, set by the compiler from the hardware profile;
+without them, FLOPs alone); crossing bytes only break ties. Where the blocks are too coarse for every
+stage to come within 10% of the mean, Program.warnings says so and why. `Plan(split_points=[module, ...])` cuts before each named
 module instead, and a `meshc.pipe_split()` call in model code cuts where it stands. compiler/stages.py
 is the mechanism that turns the decision into stage GraphModules.
 
@@ -156,7 +160,12 @@ def _chosen_cuts(program: Program, order, cost, crossing, stages: int) -> list[i
         raise MeshcValueError(f"pipeline split: expected at least {stages - 1} places to cut for pp×virtual = {stages} "
                               f"stages, got {len(candidates)} (boundaries between blocks); use fewer stages "
                               f"(pp or virtual), or a model with more layers")
-    return _balance(cost, candidates, stages)
+    flops, bandwidth = program.stage_rates or (1.0, float("inf"))
+    times = [3 * c / flops for c in cost]
+    sends = [2 * b / bandwidth for b in crossing]
+    cuts = _balance(times, sends, crossing, candidates, stages)
+    _say_balance(program, times, sends, cuts, len(candidates))
+    return cuts
 
 
 def _is_marker(node: fx.Node) -> bool:
@@ -189,7 +198,9 @@ def _in_module(node: fx.Node, name: str) -> bool:
 
 
 def _candidates(order, cost, crossing) -> list[int]:
-    """Cut positions (stage starts) where the fewest activation bytes cross, with compute on both sides."""
+    """Cut positions (stage starts) with compute on both sides where no more activation bytes cross than
+    between two repeated blocks ("layers.3" -> "layers.4"; the global least where there are none); of a run of
+    adjacent positions with equal crossing (views between blocks), the first."""
     total = sum(cost)
     prefix = 0.0
     spots = []
@@ -199,32 +210,72 @@ def _candidates(order, cost, crossing) -> list[int]:
             spots.append((i, crossing[i - 1]))
     if not spots:
         return []
-    least = min(b for _, b in spots)
-    chosen = [i for i, b in spots if b <= least * 1.01]
-    # of a run of adjacent positions with equal crossing (views between blocks), keep the first
-    return [i for k, i in enumerate(chosen) if k == 0 or i != chosen[k - 1] + 1]
+    blocks = [block_of(n) for n in order]
+    before, after = _filled(blocks), _filled(blocks[::-1])[::-1]  # nearest block on each side (adds may be in none)
+    between = [b for i, b in spots if _repeated(before[i - 1], after[i])]
+    limit = max(min(b for _, b in spots), max(between, default=0))
+    chosen = [i for i, b in spots if b <= limit * 1.01]
+    return [i for k, i in enumerate(chosen) if k == 0 or i != chosen[k - 1] + 1 or crossing[i - 1] != crossing[i - 2]]
 
 
-def _balance(cost: list[float], candidates: list[int], stages: int) -> list[int]:
-    """Choose stages-1 cuts among candidates minimizing the costliest stage (dynamic programming)."""
+def _filled(blocks: list[str]) -> list[str]:
+    """Each position's block, or the last one before it where it has none."""
+    out, last = [], ""
+    for b in blocks:
+        last = b or last
+        out.append(last)
+    return out
+
+
+def _repeated(a: str, b: str) -> bool:
+    """Whether a cut between blocks `a` and `b` falls between two blocks of a repeated list ("h.2" -> "h.3")."""
+    return a != b and a[-1:].isdigit() and b[-1:].isdigit() and a.rsplit(".", 1)[0] == b.rsplit(".", 1)[0]
+
+
+def _balance(times: list[float], sends: list[float], crossing: list[int], candidates: list[int],
+             stages: int) -> list[int]:
+    """Choose stages-1 cuts among candidates minimizing the slowest stage (its compute, plus its send when it has
+    a next stage), then the bytes crossing the cuts (dynamic programming)."""
     prefix = [0.0]
-    for c in cost:
+    for c in times:
         prefix.append(prefix[-1] + c)
-    points = [0] + candidates + [len(cost)]
+    scale = prefix[-1] + sum(sends) or 1.0
+    points = [0] + candidates + [len(times)]
     k = len(points)
-    # best[j][s]: (max stage cost, cuts) covering points[0]..points[j] with s stages
-    best: list[dict[int, tuple[float, tuple]]] = [dict() for _ in range(k)]
-    best[0][0] = (0.0, ())
+    # best[j][s]: ((slowest stage, bytes crossing), cuts) covering points[0]..points[j] with s stages
+    best: list[dict[int, tuple[tuple[float, int], tuple]]] = [dict() for _ in range(k)]
+    best[0][0] = ((0.0, 0), ())
     for j in range(1, k):
+        last = j == k - 1
         for i in range(j):
-            seg = prefix[points[j]] - prefix[points[i]]
-            for s, (worst, cuts) in best[i].items():
+            seg = prefix[points[j]] - prefix[points[i]] + (0.0 if last else sends[points[j] - 1])
+            sent = 0 if last else crossing[points[j] - 1]
+            for s, ((worst, nbytes), cuts) in best[i].items():
                 if s + 1 > stages:
                     continue
-                cand = (max(worst, seg), cuts + ((points[j],) if j < k - 1 else ()))
-                if s + 1 not in best[j] or cand[0] < best[j][s + 1][0]:
+                # stage times equal to 1e-9 of the step are a tie: the fewer bytes win
+                key = (round(max(worst, seg) / scale, 9), nbytes + sent)
+                cand = ((max(worst, seg), nbytes + sent), cuts + (() if last else (points[j],)))
+                old = best[j].get(s + 1)
+                if old is None or key < (round(old[0][0] / scale, 9), old[0][1]):
                     best[j][s + 1] = cand
     return list(best[k - 1][stages][1])
+
+
+def _say_balance(program: Program, times: list[float], sends: list[float], cuts: list[int], places: int) -> None:
+    """A warning when the slowest stage is more than 10% above the mean: the cut places are too few or too coarse."""
+    bounds = [0] + cuts + [len(times)]
+    stage = [sum(times[bounds[s]: bounds[s + 1]]) + (sends[bounds[s + 1] - 1] if s < len(cuts) else 0.0)
+             for s in range(len(bounds) - 1)]
+    mean = sum(stage) / len(stage)
+    slowest = max(range(len(stage)), key=stage.__getitem__)
+    if mean > 0 and stage[slowest] > 1.10 * mean:
+        program.warnings.append(
+            f"pipeline split: stage {slowest} is predicted {stage[slowest] / mean - 1:.0%} slower than the mean of the "
+            f"{len(stage)} stages (each stage's compute and send: "
+            f"{', '.join(f'{t / mean:.2f}' for t in stage)} of the mean): cuts fall only where no more than the "
+            f"residual stream crosses, and the {places} such places allow no better; fewer stages, or a model with "
+            "more (smaller) blocks, balance better")
 
 
 def _describe(program, order, cost, crossing, cuts, stages) -> list[StageInfo]:

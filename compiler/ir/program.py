@@ -107,6 +107,7 @@ class Program:
     fixed_placements: dict | None = None  # FQN -> placements decided earlier (a job's other programs)
     step_comms: list = field(default_factory=list)  # CommRecords of the optimizer step (ZeRO-1/2)
     stage_info: list = field(default_factory=list)  # pipeline_split's description of the stages
+    stage_rates: tuple | None = None  # (FLOP/s, pp send bytes/s) pipeline_split balances stages by; None: FLOPs only
     fusion: dict = field(default_factory=dict)  # fuse_comm: kernel -> FusionResult (fused, eligible, left)
     notes: list[str] = field(default_factory=list)  # what passes changed, in words
     warnings: list[str] = field(default_factory=list)  # what a user should look at

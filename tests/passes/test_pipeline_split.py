@@ -100,3 +100,75 @@ def test_stage_graphs_keep_higher_order_op_bodies(fake_mesh):
         bodies = [n for n in stage.gm.graph.nodes if n.op == "get_attr"]
         assert bodies and all(hasattr(stage.gm, n.target) for n in bodies)
         stage.gm.graph.lint()
+
+
+class _ViT(torch.nn.Module):
+    """A ViT-shaped classifier: patch embedding, two pre-norm blocks, the CLS token's features to a head (the
+    cheapest place to cut, bytes-wise, is after the pooling: all compute on one side)."""
+
+    def __init__(self, dim: int = 32, patches: int = 16, classes: int = 10):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(48, dim)
+        self.cls = torch.nn.Parameter(torch.zeros(1, 1, dim))
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({
+            "norm": torch.nn.LayerNorm(dim), "qkv": torch.nn.Linear(dim, 3 * dim), "proj": torch.nn.Linear(dim, dim),
+            "norm2": torch.nn.LayerNorm(dim), "up": torch.nn.Linear(dim, 4 * dim), "down": torch.nn.Linear(4 * dim, dim)})
+            for _ in range(2))
+        self.head = torch.nn.Linear(dim, classes)
+
+    def forward(self, x):  # x: (B, patches, 48)
+        h = torch.cat([self.cls.expand(x.shape[0], -1, -1), self.embed(x)], dim=1)
+        for b in self.blocks:
+            q, k, v = b["qkv"](b["norm"](h)).chunk(3, dim=-1)
+            h = h + b["proj"](torch.nn.functional.scaled_dot_product_attention(q, k, v))
+            h = h + b["down"](torch.nn.functional.gelu(b["up"](b["norm2"](h))))
+        return self.head(h[:, 0])
+
+
+def _balanced(program, tolerance: float = 0.10) -> list[float]:
+    costs = [s.flops for s in program.stage_info]
+    mean = sum(costs) / len(costs)
+    assert max(costs) <= (1 + tolerance) * mean, costs
+    return costs
+
+
+def test_a_pooled_classifier_is_cut_between_its_blocks(fake_mesh):
+    """Issue 20's ViT: after the CLS pooling only (B, dim) crosses, but a cut there leaves stage 1 the head alone;
+    the split balances the stages' time first and counts bytes only between equally balanced cuts."""
+    traced, _ = trace(_ViT(), (torch.randn(2, 16, 48),), mesh=fake_mesh(pp=2), plan=meshc.Plan(trace="non-strict"))
+    program = run_passes(traced)
+    assert [s.blocks for s in program.stage_info] == [["embed", "blocks.0"], ["blocks.1", "head"]]
+    _balanced(program)
+    assert not [w for w in program.warnings if "pipeline split" in w]
+
+
+def _timed(fake_mesh, pp: int, layers: int):
+    """The built-in GPT split for pp stages with the CPU profile's rates; each stage's predicted time (3 x forward
+    FLOPs at its FLOP/s, 2 x its sends at the pp link's bandwidth) over the mean."""
+    from meshc.compiler.hardware import load
+
+    traced, _ = trace(zoo.builtin_gpt(layers=layers), (zoo.batches(1, 2)[0][0],), mesh=fake_mesh(pp=pp),
+                      plan=meshc.Plan(trace="non-strict"))
+    flops, bandwidth = load("cpu-default").stage_rates(traced.mesh.sizes)
+    program = run_passes(traced.replace(stage_rates=(flops, bandwidth)))
+    times = [3 * s.flops / flops + 2 * s.boundary_bytes / bandwidth for s in program.stage_info]
+    mean = sum(times) / len(times)
+    return [t / mean for t in times], [w for w in program.warnings if "pipeline split" in w]
+
+
+@pytest.mark.parametrize("pp,layers", [(2, 4), (4, 8)])
+def test_builtin_gpt_stages_are_balanced_in_time(fake_mesh, pp, layers):
+    """meshc's built-in GPT at pp=2 and pp=4: every stage's predicted time (compute and sends; the head makes
+    the last stage's blocks fewer) within 10% of the mean, and no warning."""
+    ratios, warnings = _timed(fake_mesh, pp, layers)
+    assert max(ratios) <= 1.10, ratios
+    assert not warnings, warnings
+
+
+def test_coarse_blocks_are_said_to_unbalance_the_stages(fake_mesh):
+    """4 stages from 4 blocks and a head: the best cut leaves a stage 13% above the mean, and the warning says why
+    and what to do."""
+    ratios, warnings = _timed(fake_mesh, 4, 4)
+    assert max(ratios) > 1.10
+    assert warnings and "slower than the mean" in warnings[0] and "fewer stages" in warnings[0], warnings
