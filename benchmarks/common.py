@@ -44,6 +44,15 @@ def launch(script: str, nproc: int, config: dict, timeout: float = 900.0, python
             return {**json.load(f), "exit_code": proc.returncode}
 
 
+def rss_mib(field: str = "VmRSS") -> float:
+    """This process's resident set (or, with "VmHWM", its peak since start or the last reset) in MiB (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def report(result: dict) -> None:
     """Rank 0 of a worker: hand the result back to the driver."""
     if int(os.environ.get("RANK", "0")) == 0:

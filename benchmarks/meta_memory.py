@@ -26,7 +26,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import arg_parser, launch, report, run_worker, table  # noqa: E402
+from common import arg_parser, launch, report, rss_mib, run_worker, table  # noqa: E402
 
 SEQ, STEPS = 128, 2
 
@@ -41,14 +41,6 @@ def _build(layers: int, meta: bool):
             return models.build("gpt2-medium", layers=layers, seq_len=SEQ)
     torch.manual_seed(0)
     return models.build("gpt2-medium", layers=layers, seq_len=SEQ)
-
-
-def _rss_mib(field: str = "VmRSS") -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _batch(vocab: int, rank: int):
@@ -83,14 +75,14 @@ def _meshc(cfg: dict, base: float) -> tuple[list, float, int]:
         job.init_weights(seed=0)
     elif cfg["mode"] == "meta-load":
         job.load_pretrained(cfg["folder"])
-    ready = (_rss_mib() - base, _rss_mib("VmHWM") - base)  # held, and peak so far, once weights are ready
+    ready = (rss_mib() - base, rss_mib("VmHWM") - base)  # held, and peak so far, once weights are ready
     opt = job.optimizer(torch.optim.AdamW, lr=1e-4)
     losses = []
     for _ in range(STEPS):
         losses.append(job.step(x, y, _loss).item())
         opt.step()
         opt.zero_grad()
-    return losses, ready, params, sum(job.held_bytes().values()) / 2**20, _rss_mib() - base
+    return losses, ready, params, sum(job.held_bytes().values()) / 2**20, rss_mib() - base
 
 
 def _fsdp2(cfg: dict, base: float) -> tuple[list, float, int]:
@@ -111,7 +103,7 @@ def _fsdp2(cfg: dict, base: float) -> tuple[list, float, int]:
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
         model.apply(model._init_weights)
-    ready = (_rss_mib() - base, _rss_mib("VmHWM") - base)  # held, and peak so far, once weights are ready
+    ready = (rss_mib() - base, rss_mib("VmHWM") - base)  # held, and peak so far, once weights are ready
     x, y = _batch(50257, dist.get_rank())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     losses = []
@@ -121,7 +113,7 @@ def _fsdp2(cfg: dict, base: float) -> tuple[list, float, int]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, ready, params, _held(model.parameters(), opt), _rss_mib() - base
+    return losses, ready, params, _held(model.parameters(), opt), rss_mib() - base
 
 
 def _deepspeed(cfg: dict, base: float) -> tuple[list, float, int]:
@@ -139,7 +131,7 @@ def _deepspeed(cfg: dict, base: float) -> tuple[list, float, int]:
     params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    ready = (_rss_mib() - base, _rss_mib("VmHWM") - base)  # held, and peak so far, once weights are ready
+    ready = (rss_mib() - base, rss_mib("VmHWM") - base)  # held, and peak so far, once weights are ready
     x, y = _batch(50257, dist.get_rank())
     losses = []
     for _ in range(STEPS):
@@ -147,7 +139,7 @@ def _deepspeed(cfg: dict, base: float) -> tuple[list, float, int]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return losses, ready, params, float("nan"), _rss_mib() - base  # its flat partitions live inside its engine
+    return losses, ready, params, float("nan"), rss_mib() - base  # its flat partitions live inside its engine
 
 
 def _held(parameters, opt) -> float:
@@ -165,10 +157,10 @@ def worker(cfg: dict) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    base = _rss_mib()
+    base = rss_mib()
     run = {"fsdp2": _fsdp2, "deepspeed": _deepspeed}.get(cfg["mode"], _meshc)
     losses, ready, params, held, steady = run(cfg, base)  # steady: measured while the model and optimizer live
-    mine = {"peak": _rss_mib("VmHWM") - base, "steady": steady, "ready": ready, "held": held}
+    mine = {"peak": rss_mib("VmHWM") - base, "steady": steady, "ready": ready, "held": held}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     report({"ranks": everyone, "losses": losses, "params": params})

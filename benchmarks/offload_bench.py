@@ -34,17 +34,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import arg_parser, launch, report, run_worker, table  # noqa: E402
+from common import arg_parser, launch, report, rss_mib, run_worker, table  # noqa: E402
 
 SEQ = 128
-
-
-def _rss_mib(field: str = "VmRSS") -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _model(layers: int, meta: bool = False):
@@ -91,7 +83,7 @@ def _meshc(cfg: dict, base: float) -> dict:
                         plan=meshc.Plan(zero=3, trace="non-strict", **extra))
     job.init_weights(seed=0)  # each rank builds only its shards
     opt = job.optimizer(torch.optim.AdamW, lr=1e-4)
-    init_peak = _rss_mib("VmHWM") - base
+    init_peak = rss_mib("VmHWM") - base
     _reset_peak()
     times, losses = [], []
     for _ in range(cfg["steps"]):
@@ -102,7 +94,7 @@ def _meshc(cfg: dict, base: float) -> dict:
         times.append(time.perf_counter() - t)
     held = job.held_bytes()
     return {"times": times, "losses": losses, "offloaded": held.get("offloaded", 0) / 2**20,
-            "pool": held.get("offload_pool", 0) / 2**20, "steady": _rss_mib() - base, "init_peak": init_peak}
+            "pool": held.get("offload_pool", 0) / 2**20, "steady": rss_mib() - base, "init_peak": init_peak}
 
 
 def _deepspeed(cfg: dict, base: float) -> dict:
@@ -124,7 +116,7 @@ def _deepspeed(cfg: dict, base: float) -> dict:
         model = _model(cfg["layers"])  # zero.Init partitions each module as it is constructed
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    init_peak = _rss_mib("VmHWM") - base
+    init_peak = rss_mib("VmHWM") - base
     _reset_peak()
     x, y = _batch(dist.get_rank())
     times, losses = [], []
@@ -139,7 +131,7 @@ def _deepspeed(cfg: dict, base: float) -> dict:
     n = dist.get_world_size()  # what it offloads, from the formula (its swapper keeps no count we can read)
     offloaded = 0 if cfg["mode"] == "ds-none" else (8 + (4 if cfg["mode"] == "ds-states+params" else 0)) * psi / n
     return {"times": times, "losses": losses, "offloaded": offloaded / 2**20, "pool": float("nan"),
-            "steady": _rss_mib() - base, "init_peak": init_peak}
+            "steady": rss_mib() - base, "init_peak": init_peak}
 
 
 def worker(cfg: dict) -> None:
@@ -147,9 +139,9 @@ def worker(cfg: dict) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    base = _rss_mib()
+    base = rss_mib()
     out = (_deepspeed if cfg["mode"].startswith("ds-") else _meshc)(cfg, base)
-    out["peak"] = _rss_mib("VmHWM") - base
+    out["peak"] = rss_mib("VmHWM") - base
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, out)
     report({"ranks": everyone})
