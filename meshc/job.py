@@ -456,7 +456,7 @@ def _offloaded_optimizer(cls, params: list, kwargs: dict, job: Job) -> torch.opt
     from meshc.runtime.offload import StateOffload, offloaded_class, probe_states
     from meshc.runtime.offload import of as offload_of
 
-    states = probe_states(cls, kwargs)
+    states = probe_states(cls, kwargs, job.mesh.device)
     opt = offloaded_class(cls)(params, **kwargs)
     names = {id(p): f for f, p in job.named_parameters()}
     plan = job.plan

@@ -82,17 +82,18 @@ class OffloadStats:
     store_bytes: int = 0
 
 
-def probe_states(cls: type, kwargs: dict) -> dict[str, torch.dtype | None]:
+def probe_states(cls: type, kwargs: dict, device="cpu") -> dict[str, torch.dtype | None]:
     """The states `cls(**kwargs)` keeps shaped like a parameter, by name: their dtype, or None for the
-    parameter's own dtype. An optimizer whose states are not element-wise cannot be offloaded."""
-    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float32))
+    parameter's own dtype (probed on the parameters' device: options such as capturable need theirs). An
+    optimizer whose states are not element-wise cannot be offloaded."""
+    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float32, device=device))
     try:
         opt = cls([p], **kwargs)
         p.grad = torch.zeros_like(p)
         opt.step()
     except Exception as e:  # noqa: BLE001 - any failure of the user's class is reported with its name
-        raise MeshcValueError(f"Plan.offload: expected {cls.__name__}(**{kwargs}) to step a float32 parameter on the "
-                              f"CPU (meshc probes its states to lay them out), got {type(e).__name__}: {e}") from None
+        raise MeshcValueError(f"Plan.offload: expected {cls.__name__}(**{kwargs}) to step a float32 parameter on "
+                              f"{device} (meshc probes its states to lay them out), got {type(e).__name__}: {e}") from None
     out: dict[str, torch.dtype | None] = {}
     for name, value in opt.state[p].items():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
