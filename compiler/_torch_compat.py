@@ -56,6 +56,13 @@ def reduce_scatter_start(t: torch.Tensor, group_size: int, group_name: str) -> t
     return c10d_functional.reduce_scatter_tensor(t.contiguous(), "sum", group_size, group_name)
 
 
+def all_to_all_single(t: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                      group_name: str) -> torch.Tensor:
+    """Rows of `t` (dim 0, `input_splits[i]` of them to rank i of the group) exchanged; waited."""
+    out = c10d_functional.all_to_all_single(t.contiguous(), output_splits, input_splits, group_name)
+    return c10d_functional.wait_tensor(out)
+
+
 def queue_backward_callback(fn) -> None:
     """Run `fn` once the current backward pass has finished (what DDP and FSDP use to wait for their
     last gradient reductions); torch has no public spelling of it."""

@@ -36,6 +36,7 @@ SAVES_NOTHING = VIEW_NAMES | {"add", "sub", "neg", "cat", "stack", "clone", "con
                               "cos", "index_put_", "index_put"}
 SAVES_OUTPUT = {"softmax", "_softmax", "log_softmax", "_log_softmax", "tanh", "sigmoid", "exp", "rsqrt", "relu"}
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul"}
+DATA_AXES = ("dp", "edp")  # gradient reductions, overlappable with backward; ep's all-to-all blocks like tp's
 
 
 def _vals(node: fx.Node) -> list[torch.Tensor]:
@@ -247,7 +248,7 @@ def _remat_block(gm: fx.GraphModule, node: fx.Node, acts: set[fx.Node], cost: Gr
     for inner in block.graph.nodes:
         _add_node(inner, cost)
         records = inner.meta.get("meshc.comm", ())
-        tp_comm = any(r.axis != "dp" for r in records)
+        tp_comm = any(r.axis not in DATA_AXES for r in records)
         kept = policy == "selective" and (op_short_name(inner.target) in MATMULS or tp_comm)
         if kept:
             saved[inner] = _nbytes(inner)
@@ -255,7 +256,7 @@ def _remat_block(gm: fx.GraphModule, node: fx.Node, acts: set[fx.Node], cost: Gr
             cost.recompute_flops += node_flops(inner)
             cost.recompute_bytes += sum(_nbytes(a) for a in inner.all_input_nodes) + _nbytes(inner)
             cost.recompute_ops += 1
-        cost.comms += [(r, policy == "full" and r.phase == "forward" and r.axis != "dp") for r in records]
+        cost.comms += [(r, policy == "full" and r.phase == "forward" and r.axis not in DATA_AXES) for r in records]
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -287,7 +288,8 @@ def model_state_bytes(specs, sizes: dict[str, int], plan) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------- time
 def comm_time(record, sizes: dict[str, int], hw: Hardware) -> float:
     """Seconds of one CommRecord (all its calls) on the link its axis uses."""
-    stride = {"tp": 1, "dp": sizes.get("tp", 1), "pp": sizes.get("tp", 1) * sizes.get("dp", 1)}.get(record.axis, 1)
+    tp, ep = sizes.get("tp", 1), sizes.get("ep", 1)  # ep: consecutive dp ranks; edp: every ep-th of them
+    stride = {"tp": 1, "dp": tp, "ep": tp, "edp": tp * ep, "pp": tp * sizes.get("dp", 1)}.get(record.axis, 1)
     n = sizes.get(record.axis, 1)
     if record.kind == "send":
         link = hw.link(1, stride * n) if n > 1 else hw.intra
@@ -310,7 +312,7 @@ def stage_times(cost: GraphCost, sizes: dict[str, int], hw: Hardware) -> StageTi
     tp_fwd = tp_bwd = dp = 0.0
     for record, recomputed in cost.comms:
         seconds = comm_time(record, sizes, hw)
-        if record.axis == "dp":
+        if record.axis in DATA_AXES:
             dp += seconds
         elif record.phase == "forward":
             tp_fwd += seconds

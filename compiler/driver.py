@@ -34,10 +34,10 @@ log = logging.getLogger("meshc.driver")
 
 PassFn = Callable[[Program], Program]
 
-# Every pass meshc knows, in the order build_passes runs them: shapes, plan, tensor_parallel, pipeline_split,
-# zero, grad_sync, fuse_comm, remat. DESIGN.md §3 also places experts (ep) and context (cp) between plan and
-# tensor_parallel; neither is built, so neither is here.
-PASS_NAMES = ("shapes", "plan", "tensor_parallel", "pipeline_split", "zero", "grad_sync", "fuse_comm", "remat")
+# Every pass meshc knows, in the order build_passes runs them. DESIGN.md §3 also places context (cp) between
+# experts and tensor_parallel; it is not built, so it is not here.
+PASS_NAMES = ("shapes", "plan", "experts", "tensor_parallel", "pipeline_split", "zero", "grad_sync", "fuse_comm",
+              "remat")
 
 
 @dataclass
@@ -58,6 +58,7 @@ class PassRecord:
 
 def build_passes(program: Program) -> list[tuple[str, PassFn]]:
     """The passes this program's Plan and Mesh call for, in order, minus those the Plan disables."""
+    from meshc.passes.experts import experts_pass
     from meshc.passes.fuse_comm import fuse_comm_pass
     from meshc.passes.grad_sync import grad_sync_pass
     from meshc.passes.pipeline_split import pipeline_split_pass
@@ -72,7 +73,8 @@ def build_passes(program: Program) -> list[tuple[str, PassFn]]:
     if unknown:
         raise MeshcValueError(f"Plan.disable: unknown pass {unknown[0]!r}: expected names among "
                               f"{', '.join(PASS_NAMES)}")
-    wanted = [("shapes", shapes_pass), ("plan", plan_pass), ("tensor_parallel", tensor_parallel_pass),
+    wanted = [("shapes", shapes_pass), ("plan", plan_pass), ("experts", experts_pass),
+              ("tensor_parallel", tensor_parallel_pass),
               ("pipeline_split", pipeline_split_pass), ("zero", zero_pass), ("grad_sync", grad_sync_pass),
               ("fuse_comm", fuse_comm_pass), ("remat", remat_pass)]
     return [(name, fn) for name, fn in wanted if name not in plan.disable]

@@ -56,7 +56,7 @@ def simulate(model: str, mesh: dict[str, int], *, rank: int = 0, plan: meshc.Pla
     `overrides` change the model's config (e.g. layers=8).
     """
     plan = plan or meshc.Plan(trace="non-strict")
-    sizes = {axis: int(mesh.get(axis, 1)) for axis in ("dp", "tp", "pp")}
+    sizes = {axis: int(mesh.get(axis, 1)) for axis in ("dp", "ep", "tp", "pp")}
     world = sizes["dp"] * sizes["tp"] * sizes["pp"]
     if not 0 <= rank < world:
         raise MeshcValueError(f"explain: expected a rank in [0, {world}), got {rank}")
@@ -67,7 +67,7 @@ def simulate(model: str, mesh: dict[str, int], *, rank: int = 0, plan: meshc.Pla
     seq = seq or models.seq_len(model)
     hw = load_hardware(hardware)
     t0 = time.perf_counter()
-    spec = MeshSpec(sizes)
+    spec = MeshSpec(sizes)  # ep folds into dp: not a factor of the world
     with compat.fake_tensor_mode():
         net = models.build(model, seq_len=seq, **overrides)
         tokens = torch.zeros(batch // dp, seq, dtype=torch.long)

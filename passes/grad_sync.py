@@ -11,7 +11,10 @@ Requires: parameter placeholders carry "meshc.fqn"; ParamSpec.grad_partial names
 Ensures: each trainable parameter that needs reduction is consumed only through a `grad_sync` bucket node,
     inserted right before the bucket's first use: identity forward; backward sums over each partial axis,
     then averages over dp. Each bucket node carries "meshc.why" and one backward CommRecord per axis.
-    Nothing changes when dp = 1 and no gradient is partial.
+    Nothing changes when dp = 1 and no gradient is partial. An expert parameter (sharded over ep, a
+    sub-group of dp) already holds the sum over its ep group (the all-to-all's backward brought it every
+    row routed to it): it is summed over edp only (the ranks holding the same experts), then divided by
+    dp like every other gradient.
 Terms: bucket = parameters grouped in order of first use, with one dtype, the same axes to reduce and the
     same pipeline stages using them, up to `Plan.bucket_mb` MiB; a bucket's gradients are complete once backward has passed the earliest use.
 
@@ -29,6 +32,7 @@ import operator
 
 import torch.fx as fx
 
+from meshc.compiler.ir.placement import Shard
 from meshc.compiler.ir.program import VALUE_META, CommRecord, Program
 from meshc.runtime.ops.collectives import grad_sync
 
@@ -44,7 +48,8 @@ def grad_sync_pass(program: Program) -> Program:
     graph = program.gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     trainable = [(fqn, node) for fqn, node in program.param_nodes().items()
-                 if program.params[fqn].requires_grad and node.users and _axes(program, fqn)]
+                 if program.params[fqn].requires_grad and node.users
+                 and (_axes(program, fqn) or _divisor(program, fqn) != 1)]
     if not trainable:
         program.notes.append("no gradient left to reduce here (dp = 1 and none partial, or ZeRO reduces them)")
         return program
@@ -69,7 +74,18 @@ def _axes(program: Program, fqn: str) -> tuple[str, ...]:
     if spec.zero in (2, 3):
         return ()
     axes = tuple(a for a in spec.grad_partial if program.mesh.size(a) > 1)
-    return axes + ((DP,) if program.mesh.size(DP) > 1 and spec.zero == 0 else ())
+    data = "edp" if _expert(program, fqn) else DP
+    return axes + ((data,) if program.mesh.size(data) > 1 and spec.zero == 0 else ())
+
+
+def _divisor(program: Program, fqn: str) -> int:
+    """What the summed gradient is divided by: dp, where this pass averages over data parallelism."""
+    return program.mesh.size(DP) if program.params[fqn].zero == 0 else 1
+
+
+def _expert(program: Program, fqn: str) -> bool:
+    """An expert parameter: sharded over ep by the experts pass."""
+    return isinstance(program.params[fqn].placements.get("ep"), Shard)
 
 
 def _insert_bucket(program: Program, index: int, bucket: list[tuple[str, fx.Node]], order) -> None:
@@ -79,8 +95,11 @@ def _insert_bucket(program: Program, index: int, bucket: list[tuple[str, fx.Node
     first_user = min((u for n in nodes for u in n.users), key=order.__getitem__)
     nbytes = sum(program.params[fqn].local_bytes(mesh.sizes) for fqn, _ in bucket)
     groups = tuple(mesh.group_name(a, program.rank) for a in axes)
-    size = mesh.size(DP) if DP in axes else 1
-    what = " then ".join(("average over dp" if a == DP else f"sum the partial gradients over {a}") for a in axes)
+    size = _divisor(program, bucket[0][0])
+    what = " then ".join(("average over dp" if a == DP else "sum over edp (ranks holding the same experts), "
+                          "divide by dp" if a == "edp" else f"sum the partial gradients over {a}") for a in axes)
+    if size != 1 and not {DP, "edp"} & set(axes):
+        what = " then ".join(filter(None, (what, "divide by dp (the ep group's sum is already here)")))
     why = f"gradients of bucket {index} ({len(bucket)} params from {bucket[0][0]}): {what}"
     with graph.inserting_before(first_user):
         sync = graph.call_function(grad_sync, tuple(nodes), {"groups": groups, "size": size})
@@ -113,4 +132,4 @@ def _buckets(program: Program, trainable: list[tuple[str, fx.Node]], cap: float)
 
 def _key(program: Program, fqn: str, node: fx.Node):
     """Parameters share a bucket only with the same dtype, axes to reduce and pipeline stages using them."""
-    return (program.params[fqn].dtype, _axes(program, fqn), stages_using(node))
+    return (program.params[fqn].dtype, _axes(program, fqn), _divisor(program, fqn), stages_using(node))

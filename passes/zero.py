@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler import _torch_compat as compat
-from meshc.compiler.ir.placement import FlatShard
+from meshc.compiler.ir.placement import FlatShard, Shard
 from meshc.compiler.ir.program import VALUE_META, CommRecord, Program
 from meshc.runtime.ops.zero import shard_size, zero_gather, zero_gather_start, zero_reduce
 
@@ -52,11 +52,16 @@ def zero_pass(program: Program) -> Program:
     if stage == 0:
         program.notes.append("zero = 0: parameters, gradients and optimizer states replicated on dp")
         return program
+    experts = [fqn for fqn, spec in program.params.items() if isinstance(spec.placements.get("ep"), Shard)]
     for spec in program.params.values():
-        spec.placements[AXIS] = FlatShard()
-        spec.zero = stage
+        if spec.fqn not in experts:  # expert parameters: already divided by ep, reduced over edp by grad_sync
+            spec.placements[AXIS] = FlatShard()
+            spec.zero = stage
+    if experts:
+        program.notes.append(f"{len(experts)} expert parameter(s) sharded over ep, not by ZeRO: each rank holds "
+                             f"its experts whole, with their gradients and optimizer states")
     managed = [(fqn, node) for fqn, node in program.param_nodes().items()
-               if node.users and (stage == 3 or program.params[fqn].requires_grad)]
+               if fqn not in experts and node.users and (stage == 3 or program.params[fqn].requires_grad)]
     buckets = _buckets(program, managed)
     order = {n: i for i, n in enumerate(program.gm.graph.nodes)}
     if stage == 3:
@@ -196,7 +201,7 @@ def _step_comms(program: Program, stage: int) -> list[CommRecord]:
         return []
     mesh = program.mesh
     n = mesh.size(AXIS)
-    trainable = [s for s in program.params.values() if s.requires_grad]
+    trainable = [s for s in program.params.values() if s.requires_grad and s.zero]
     shard_elems = sum(s.local_shape(mesh.sizes)[0] for s in trainable)
     out = []
     if stage == 1:

@@ -147,7 +147,8 @@ def writes(key: str, placements: dict, sizes: dict, coords: dict, pp_owner: int)
     elements (the replicas along axes without a shard), one chosen by a hash of the key."""
     if coords.get("pp", 0) != pp_owner:
         return False
-    replicated = [a for a in ("dp", "tp")
+    data = "edp" if isinstance(placements.get("ep"), (Shard, FlatShard)) else "dp"  # experts: dp = edp × ep
+    replicated = [a for a in (data, "tp")
                   if sizes.get(a, 1) > 1 and not isinstance(placements.get(a), (Shard, FlatShard))]
     choice = zlib.crc32(key.encode()) % max(1, math.prod(sizes[a] for a in replicated))
     for a in reversed(replicated):

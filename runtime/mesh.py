@@ -44,7 +44,7 @@ class Mesh:
         self.backend = dist.get_backend()
         self.timeout = timeout
         self._groups: dict[str, dist.ProcessGroup] = {}
-        for axis in AXES:
+        for axis in shape.group_axes:
             for row in shape.all_groups(axis):  # every rank creates every group, in the same order
                 group = dist.new_group(list(row), timeout=timeout)
                 if self.rank in row:
@@ -150,7 +150,7 @@ class Mesh:
         else:
             everyone = [None] * self.world_size
             dist.all_gather_object(everyone, mine)
-        names = {(axis, row): label(axis, row) for axis in AXES for row in shape.all_groups(axis)}
+        names = {(axis, row): label(axis, row) for axis in shape.group_axes for row in shape.all_groups(axis)}
         for theirs in everyone:
             for axis, (members, name) in theirs.items():
                 names[(axis, members)] = name
@@ -161,19 +161,20 @@ def _members(group: dist.ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def mesh(*, dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float = 300.0,
+def mesh(*, dp: int | None = None, ep: int = 1, tp: int = 1, pp: int = 1, timeout_s: float = 300.0,
          **unknown_axes: int) -> Mesh:
-    """The mesh of this process's world: `meshc.mesh(dp=2, tp=2, pp=2)`.
+    """The mesh of this process's world: `meshc.mesh(dp=2, tp=2, pp=2)`, or `meshc.mesh(dp=4, ep=2)`.
 
     Reads torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and initializes torch.distributed
     if nothing has yet: NCCL when CUDA is available, else gloo. Without torchrun the world is this one
-    process. `dp` left unset takes what tp × pp leave of the world. `timeout_s` bounds every collective
-    (gloo's own default is 30 minutes).
+    process. `dp` left unset takes what tp × pp leave of the world. `ep` (expert parallelism) is a
+    sub-group of dp, not a factor of the world: experts are sharded over ep consecutive dp ranks
+    (MeshSpec). `timeout_s` bounds every collective (gloo's own default is 30 minutes).
     """
     if unknown_axes:
         name = next(iter(unknown_axes))
-        raise MeshcValueError(f"mesh: unknown axis {name!r}: expected axes among dp, tp, pp")
-    for name, value in (("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
+        raise MeshcValueError(f"mesh: unknown axis {name!r}: expected axes among dp, ep, tp, pp")
+    for name, value in (("ep", ep), ("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise MeshcValueError(f"mesh: expected {name} to be a positive int, got {value!r}")
     timeout = timedelta(seconds=timeout_s)
@@ -191,7 +192,7 @@ def mesh(*, dp: int | None = None, tp: int = 1, pp: int = 1, timeout_s: float = 
             f"mesh: expected dp×tp×pp to equal the world size {world}, got {dp}×{tp}×{pp} = "
             f"{math.prod((dp, tp, pp))}; choose sizes whose product is {world}, or leave dp unset"
         )
-    built = Mesh({"dp": dp, "tp": tp, "pp": pp}, device=device, timeout=timeout)
+    built = Mesh({"dp": dp, "ep": ep, "tp": tp, "pp": pp}, device=device, timeout=timeout)
     _LAST.clear()
     _LAST.append(weakref.ref(built))
     return built
@@ -222,7 +223,7 @@ def _init_world(timeout: timedelta) -> torch.device:
     return torch.device("cpu")
 
 
-def simulated_mesh(*, dp: int = 1, tp: int = 1, pp: int = 1, rank: int = 0) -> Mesh:
+def simulated_mesh(*, dp: int = 1, ep: int = 1, tp: int = 1, pp: int = 1, rank: int = 0) -> Mesh:
     """A mesh for compiling one rank of a large world in this process, on torch's "fake" backend.
 
     Nothing is sent: collectives return garbage, so use it to inspect plans and graphs, never to train.
@@ -233,4 +234,4 @@ def simulated_mesh(*, dp: int = 1, tp: int = 1, pp: int = 1, rank: int = 0) -> M
         raise MeshcValueError("simulated_mesh: expected no initialized torch.distributed world in this process, "
                               "got one; destroy it first (torch.distributed.destroy_process_group())")
     dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=world)
-    return Mesh({"dp": dp, "tp": tp, "pp": pp}, device=torch.device("cpu"), timeout=timedelta(minutes=5))
+    return Mesh({"dp": dp, "ep": ep, "tp": tp, "pp": pp}, device=torch.device("cpu"), timeout=timedelta(minutes=5))

@@ -276,3 +276,34 @@ def gptj(seed: int = 0, layers: int = 2) -> torch.nn.Module:
 
 MODELS.update(t5=t5, bloom=bloom, falcon=falcon, falcon_new=falcon_new, falcon_mha=falcon_mha, phi3=phi3,
               gpt_neox=gpt_neox, gptj=gptj)
+
+
+def deepseek_v3(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face DeepSeek-V3: multi-head latent attention, a dense first layer, then routed experts (sigmoid
+    router with grouped top-k and a score-correction bias) beside a shared expert."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DeepseekV3Config(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                           num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                           n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+                           kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, vocab_size=VOCAB,
+                           max_position_embeddings=SEQ, use_cache=False, bos_token_id=0, eos_token_id=0,
+                           pad_token_id=0)
+    return DeepseekV3ForCausalLM(cfg)
+
+
+def olmoe(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face OLMoE: q/k norms over the whole projection, softmax top-2 of 8 experts, no shared expert."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = OlmoeConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=32, num_attention_heads=4,
+                      num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, vocab_size=VOCAB,
+                      max_position_embeddings=SEQ, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                      router_aux_loss_coef=0.0)
+    return OlmoeForCausalLM(cfg)
+
+
+MODELS["deepseek_v3"] = deepseek_v3
+MODELS["olmoe"] = olmoe

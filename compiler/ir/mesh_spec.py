@@ -1,7 +1,12 @@
 """MeshSpec: the topology of a device mesh, with no process group.
 
 Named axes pp × dp × tp over `world_size` ranks, tp innermost (consecutive ranks share a tp group, as
-Megatron-LM places tensor parallelism inside a node), then dp, then pp outermost. What the compiler needs
+Megatron-LM places tensor parallelism inside a node), then dp, then pp outermost. Expert parallelism folds
+into dp (Megatron's convention): `ep` divides dp, and a rank's dp index d is split as d = edp·ep + e, so
+the `ep` group of a rank is ep consecutive dp indices (experts are sharded over it, tokens exchanged by
+all-to-all) and the `edp` group ("expert data parallel", dp/ep ranks) holds the same experts (their
+gradients are reduced over it). The sub-axes exist only when ep > 1: a mesh without experts has exactly
+the axes pp, dp, tp. What the compiler needs
 of a mesh is here: axis sizes, each rank's coordinates, the ranks of every group and the name each group
 is registered under (what torch's functional collectives take). The runtime's Mesh (runtime/mesh.py)
 builds one from the process groups it creates, with their registered names; the planner and
@@ -14,7 +19,8 @@ from typing import Mapping
 
 from .errors import MeshcTypeError, MeshcValueError
 
-AXES = ("pp", "dp", "tp")  # outermost first
+AXES = ("pp", "dp", "tp")  # outermost first: the axes whose product is the world
+SUB_AXES = ("ep", "edp")  # dp split as edp × ep (ep innermost); present in `sizes` only when ep > 1
 
 
 @dataclass(frozen=True)
@@ -27,21 +33,33 @@ class MeshSpec:
     backend: str = "none"
 
     def __post_init__(self) -> None:
-        unknown = set(self.sizes) - set(AXES)
+        unknown = set(self.sizes) - set(AXES) - set(SUB_AXES)
         if unknown:
-            raise MeshcValueError(f"mesh: unknown axis {sorted(unknown)[0]!r}: expected axes among dp, tp, pp")
-        sizes = {axis: int(self.sizes.get(axis, 1)) for axis in AXES}
+            raise MeshcValueError(f"mesh: unknown axis {sorted(unknown)[0]!r}: expected axes among dp, ep, tp, pp")
+        sizes = {axis: int(self.sizes.get(axis, 1)) for axis in AXES + ("ep",)}
         for axis, n in sizes.items():
             if n < 1:
                 raise MeshcValueError(f"mesh: expected {axis} to be a positive int, got {n}")
+        ep = sizes.pop("ep")
+        if ep > 1:
+            if sizes["dp"] % ep:
+                raise MeshcValueError(f"mesh: expected ep to divide dp (expert parallelism shards the experts over a "
+                                      f"sub-group of the data-parallel ranks), got dp={sizes['dp']}, ep={ep}; "
+                                      f"choose dp a multiple of ep")
+            sizes.update(ep=ep, edp=sizes["dp"] // ep)
         object.__setattr__(self, "sizes", sizes)
 
     @property
     def world_size(self) -> int:
         out = 1
-        for n in self.sizes.values():
-            out *= n
+        for axis in AXES:
+            out *= self.sizes[axis]
         return out
+
+    @property
+    def group_axes(self) -> tuple[str, ...]:
+        """The axes that have process groups: pp, dp, tp, and ep, edp when the mesh has experts."""
+        return tuple(self.sizes)
 
     @property
     def spec(self) -> "MeshSpec":
@@ -50,23 +68,28 @@ class MeshSpec:
 
     def size(self, axis: str) -> int:
         _check_axis(axis)
-        return self.sizes[axis]
+        return self.sizes.get(axis, 1)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """`rank`'s index along every axis."""
+        """`rank`'s index along every axis (ep and edp too, when the mesh has them)."""
         if not 0 <= rank < self.world_size:
             raise MeshcValueError(f"mesh coords: expected a rank in [0, {self.world_size}), got {rank}")
         out = {}
         for axis in reversed(AXES):  # tp varies fastest
             rank, out[axis] = divmod(rank, self.sizes[axis])
-        return {axis: out[axis] for axis in AXES}
+        if "ep" in self.sizes:
+            out["edp"], out["ep"] = divmod(out["dp"], self.sizes["ep"])
+        return {axis: out[axis] for axis in self.sizes}
 
     def coord(self, axis: str, rank: int) -> int:
         _check_axis(axis)
         return self.coords(rank)[axis]
 
     def rank_at(self, coords: Mapping[str, int]) -> int:
-        """The rank at the given index along every axis."""
+        """The rank at the given index along every axis (pp, dp, tp; or pp, edp, ep, tp)."""
+        coords = dict(coords)
+        if "ep" in self.sizes and "ep" in coords:
+            coords["dp"] = coords["edp"] * self.sizes["ep"] + coords["ep"]
         rank = 0
         for axis in AXES:
             rank = rank * self.sizes[axis] + coords[axis]
@@ -76,11 +99,17 @@ class MeshSpec:
         """The ranks that share `rank`'s group along `axis`, in axis order."""
         _check_axis(axis)
         c = self.coords(rank)
+        if axis in SUB_AXES and axis not in self.sizes:
+            return (rank,)
+        if axis == "dp" and "ep" in c:  # dp moves both of its parts
+            c.pop("ep"), c.pop("edp")
         return tuple(self.rank_at({**c, axis: i}) for i in range(self.sizes[axis]))
 
     def all_groups(self, axis: str) -> list[tuple[int, ...]]:
         """Every group along `axis` (each a tuple of ranks in axis order), in a fixed order."""
         _check_axis(axis)
+        if axis not in self.sizes:
+            return [(r,) for r in range(self.world_size)]
         firsts = [r for r in range(self.world_size) if self.coords(r)[axis] == 0]
         return [self.group_ranks(axis, r) for r in firsts]
 
@@ -90,7 +119,7 @@ class MeshSpec:
         return self.group_names.get((axis, members)) or label(axis, members)
 
     def describe(self) -> str:
-        axes = " × ".join(f"{a}={self.sizes[a]}" for a in ("dp", "tp", "pp"))
+        axes = " × ".join(f"{a}={self.sizes[a]}" for a in ("dp", "ep", "tp", "pp") if a in self.sizes)
         where = f", {self.backend} on {self.device_type}" if self.backend != "none" else ", no process group"
         return f"{axes} ({self.world_size} ranks{where})"
 
@@ -115,12 +144,12 @@ def parse_sizes(text: str) -> dict[str, int]:
         name, sep, value = part.partition("=")
         if not sep or not value.strip().isdigit():
             raise MeshcValueError(f"mesh: expected 'axis=size' pairs such as dp=2,tp=2, got {part!r}")
-        if name.strip() not in AXES:
-            raise MeshcValueError(f"mesh: unknown axis {name.strip()!r}: expected axes among dp, tp, pp")
+        if name.strip() not in AXES + ("ep",):
+            raise MeshcValueError(f"mesh: unknown axis {name.strip()!r}: expected axes among dp, ep, tp, pp")
         sizes[name.strip()] = int(value)
     return sizes
 
 
 def _check_axis(axis: str) -> None:
-    if axis not in AXES:
-        raise MeshcValueError(f"mesh axis: expected one of {', '.join(AXES)}, got {axis!r}")
+    if axis not in AXES + SUB_AXES:
+        raise MeshcValueError(f"mesh axis: expected one of {', '.join(AXES + SUB_AXES)}, got {axis!r}")

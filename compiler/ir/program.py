@@ -112,6 +112,7 @@ class Program:
     notes: list[str] = field(default_factory=list)  # what passes changed, in words
     warnings: list[str] = field(default_factory=list)  # what a user should look at
     tp_why: dict[str, str] = field(default_factory=dict)  # plan pass: module -> why it stays replicated on tp
+    experts: list = field(default_factory=list)  # experts pass: passes/experts.ExpertRegion per MoE layer found
     pass_log: list[Any] = field(default_factory=list)  # driver.PassRecord per pass run
 
     def replace(self, **changes: Any) -> "Program":

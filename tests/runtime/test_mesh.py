@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import meshc
-from meshc.compiler.ir.mesh_spec import parse_sizes
+from meshc.compiler.ir.mesh_spec import MeshSpec, parse_sizes
 from tests.harness import run_ranks
 
 
@@ -25,14 +25,31 @@ def test_sizes_must_multiply_to_world(single_mesh):
 
 
 def test_unknown_axis_and_bad_sizes(single_mesh):
-    with pytest.raises(ValueError, match="unknown axis 'cp': expected axes among dp, tp, pp"):
+    with pytest.raises(ValueError, match="unknown axis 'cp': expected axes among dp, ep, tp, pp"):
         meshc.mesh(cp=2)
     with pytest.raises(ValueError, match="expected tp to be a positive int, got 0"):
         meshc.mesh(tp=0)
-    with pytest.raises(ValueError, match="unknown axis 'ep'"):
-        parse_sizes("dp=2,ep=2")
+    with pytest.raises(ValueError, match="unknown axis 'cp'"):
+        parse_sizes("dp=2,cp=2")
+    with pytest.raises(ValueError, match="expected ep to divide dp"):
+        MeshSpec({"dp": 6, "ep": 4})
     with pytest.raises(ValueError, match="'axis=size' pairs"):
         parse_sizes("dp:2")
+
+
+def test_expert_axes_fold_into_dp():
+    """ep splits dp as edp × ep, ep innermost: experts over consecutive dp ranks, their replicas every ep-th."""
+    spec = MeshSpec({"dp": 4, "ep": 2, "tp": 2, "pp": 2})
+    assert spec.world_size == 16 and spec.sizes == {"pp": 2, "dp": 4, "tp": 2, "ep": 2, "edp": 2}
+    # rank 13 = pp 1, dp 2, tp 1; dp 2 = edp 1 × ep 0
+    assert spec.coords(13) == {"pp": 1, "dp": 2, "tp": 1, "ep": 0, "edp": 1}
+    assert spec.group_ranks("dp", 13) == (9, 11, 13, 15)
+    assert spec.group_ranks("ep", 13) == (13, 15)
+    assert spec.group_ranks("edp", 13) == (9, 13)
+    assert spec.all_groups("ep") == [(0, 2), (1, 3), (4, 6), (5, 7), (8, 10), (9, 11), (12, 14), (13, 15)]
+    assert all(spec.rank_at(spec.coords(r)) == r for r in range(16))
+    assert "ep" not in MeshSpec({"dp": 4}).sizes  # a mesh without experts keeps exactly pp, dp, tp
+    assert MeshSpec({"dp": 4}).size("ep") == 1 and parse_sizes("dp=4,ep=2") == {"dp": 4, "ep": 2}
 
 
 def test_coordinates_tp_innermost(fake_mesh):

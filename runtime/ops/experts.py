@@ -1,0 +1,81 @@
+"""Expert parallelism's dispatch and combine: what the graph nodes inserted by passes/experts.py call.
+
+Rows arrive sorted by global expert id, `offsets` the running count per expert (the grouped matmul's own
+argument). Rank i of the ep group owns experts [i·E/ep, (i+1)·E/ep), so the rows for each rank are one
+contiguous run. `dispatch` exchanges the per-expert counts, then the rows (`all_to_all_single` with
+those split sizes: dropless, no capacity factor), and reorders what it received from (source rank, local
+expert) to (local expert, source rank), the layout a grouped matmul over the local experts needs.
+`combine` is its inverse. Both are autograd-aware: the backward of one is the other's exchange.
+
+On fake tensors (compile-time shape propagation) the row count of the balanced case is assumed: a rank
+receives as many rows as it sends, which is also what the cost model counts.
+"""
+from __future__ import annotations
+
+import torch
+
+from meshc.compiler import _torch_compat as compat
+
+
+class _Exchange(torch.autograd.Function):
+    """Rows exchanged over the group; backward sends the gradients back the way the rows came."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list, in_splits: list, group: str):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        return compat.all_to_all_single(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return compat.all_to_all_single(grad, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+
+def _counts(offsets: torch.Tensor) -> torch.Tensor:
+    """Rows per expert from the running counts: (E,) int64."""
+    ends = offsets.to(torch.int64)
+    return ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+
+
+def _regroup(received: torch.Tensor) -> torch.Tensor:
+    """The order that turns rows laid out (source, local expert) into (local expert, source).
+
+    `received[s, e]` rows came from source s for local expert e."""
+    flat = received.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).view_as(received)
+    by_expert = received.t().reshape(-1)  # (local expert, source) order
+    first = starts.t().reshape(-1)
+    total = int(flat.sum())
+    run_start = torch.cumsum(by_expert, 0) - by_expert
+    within = torch.arange(total, device=received.device) - torch.repeat_interleave(run_start, by_expert)
+    return torch.repeat_interleave(first, by_expert) + within
+
+
+def dispatch(x: torch.Tensor, offsets: torch.Tensor, *, group: str, size: int):
+    """(rows for this rank's experts, their running counts per local expert, the counts received (ep, E/ep)).
+
+    x: (S, H) rows sorted by global expert; offsets: (E,) running counts, E divisible by `size`."""
+    experts = offsets.shape[0]
+    local = experts // size
+    if compat.is_fake(x):
+        return (x.new_empty(x.shape), offsets.new_empty(local),
+                offsets.new_empty((size, local), dtype=torch.int64))
+    sent = _counts(offsets).view(size, local)  # (destination, its local expert)
+    received = compat.all_to_all_single(sent.reshape(-1), [local] * size, [local] * size, group).view(size, local)
+    rows = _Exchange.apply(x, received.sum(1).tolist(), sent.sum(1).tolist(), group)  # (R, H) by (source, expert)
+    ordered = rows[_regroup(received)]
+    local_offsets = torch.cumsum(received.sum(0), 0).to(offsets.dtype)
+    return ordered, local_offsets, received
+
+
+def combine(y: torch.Tensor, received: torch.Tensor, offsets: torch.Tensor, *, group: str, size: int) -> torch.Tensor:
+    """The rows `dispatch` took away, computed, sent back to where they came from, in their original order.
+
+    y: (R, H) in dispatch's output order; received: dispatch's counts; offsets: the original running counts."""
+    if compat.is_fake(y):
+        return y.new_empty(y.shape)  # balanced: as many rows come back as went out
+    order = _regroup(received)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+    by_source = y[back]  # (source, local expert) order again
+    sent = _counts(offsets).view(size, -1).sum(1)
+    return _Exchange.apply(by_source, sent.tolist(), received.sum(1).tolist(), group)
