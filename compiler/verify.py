@@ -79,6 +79,7 @@ def _problems(program: Program):
 
 def _local_values(program: Program):
     n = program.mesh.size("tp")
+    ep = program.mesh.size("ep")
     for node in program.gm.graph.nodes:
         if node.op == "placeholder" and node.meta.get("meshc.role") in ("param", "buffer"):
             continue  # checked against their ParamSpec above (a ZeRO-3 placeholder holds a flat shard)
@@ -86,6 +87,7 @@ def _local_values(program: Program):
         shape, val = node.meta.get("meshc.shape"), node.meta.get("val")
         if placement is None or shape is None:
             continue
+        expert = node.meta.get("meshc.placement", {}).get("ep")  # a view of expert weights (experts pass)
         pairs = zip(placement, shape, val) if isinstance(placement, tuple) else [(placement, shape, val)]
         for p, s, v in pairs:
             if s is None or not hasattr(v, "shape"):
@@ -93,5 +95,7 @@ def _local_values(program: Program):
             want = [int(d) for d in s]
             if isinstance(p, Shard):
                 want[p.dim] //= n
+            if isinstance(expert, Shard):
+                want[expert.dim] //= ep
             if list(v.shape) != want:
                 yield f"{node.format_node()}: local shape {tuple(v.shape)} != {tuple(want)} for {p} of {tuple(s)}"

@@ -106,12 +106,23 @@ def experts_pass(program: Program) -> Program:
     return program
 
 
+def is_grouped_mm(node: fx.Node) -> bool:
+    """A grouped matmul `(rows, weight (E, K, N), offsets (E,))` (GROUPED_MM)."""
+    return node.op == "call_function" and op_name(node.target).split(".")[0] in GROUPED_MM
+
+
+def grouped_mm_flops(node: fx.Node) -> float:
+    """Forward FLOPs of a grouped matmul: every row meets one expert's (K, N) matrix, 2·rows·K·N."""
+    rows, weight = (a.meta["val"] for a in node.args[:2])
+    return 2.0 * rows.shape[0] * weight.shape[1] * weight.shape[2]
+
+
 def find_regions(program: Program) -> list[ExpertRegion]:
     """Every expert region of the graph, each with the reasons (if any) it cannot be sharded."""
     fqn_of = {n: n.meta["meshc.fqn"] for n in program.placeholders("param")}
     by_offsets: dict[fx.Node, ExpertRegion] = {}
     for node in program.gm.graph.nodes:
-        if node.op != "call_function" or op_name(node.target).split(".")[0] not in GROUPED_MM:
+        if not is_grouped_mm(node):
             continue
         rows, weight, offsets = node.args[:3]
         experts = int(offsets.meta["val"].shape[0])
@@ -207,6 +218,13 @@ def _shard(program: Program, index: int, region: ExpertRegion, ep: int) -> None:
     group = mesh.group_name(AXIS, program.rank)
     for fqn in region.params:
         program.params[fqn].placements[AXIS] = Shard(0)
+    for mm in region.matmuls:  # the weight, and its views, hold E/ep experts
+        node = mm.args[1]
+        while True:
+            node.meta["meshc.placement"] = {**node.meta.get("meshc.placement", {}), AXIS: Shard(0)}
+            if node.op == "placeholder":
+                break
+            node = node.args[0]
     rows_val = region.entry.meta["val"]
     out_val = region.exit.meta["val"]
     # Payloads (what this rank contributes; the cost model puts (ep-1)/ep of it on the wire) in the balanced

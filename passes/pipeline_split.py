@@ -34,6 +34,7 @@ from meshc.compiler.ir.fx_ops import op_name
 from meshc.compiler.ir.program import Program
 
 from .blocks import block_of
+from .experts import grouped_mm_flops, is_grouped_mm
 
 AXIS = "pp"
 MARKER = "pippy::_pipe_split"
@@ -99,6 +100,9 @@ def _flops(order: list[fx.Node]) -> list[float]:
         target = node.target
         if not hasattr(target, "_schema"):
             out.append(0.0)
+            continue
+        if is_grouped_mm(node):  # FlopCounterMode does not know transformers' grouped matmul op
+            out.append(grouped_mm_flops(node))
             continue
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
         counter = FlopCounterMode(display=False)

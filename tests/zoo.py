@@ -307,3 +307,4 @@ def olmoe(seed: int = 0, layers: int = 2) -> torch.nn.Module:
 
 MODELS["deepseek_v3"] = deepseek_v3
 MODELS["olmoe"] = olmoe
+MODELS["mixtral4"] = lambda seed=0: mixtral(seed, layers=4)
