@@ -12,7 +12,6 @@ Bounds: losses 2e-5, gradients 2e-6, parameters 5e-5.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests import parity, zoo
 from tests.harness import run_ranks
