@@ -63,6 +63,12 @@ def all_to_all_single(t: torch.Tensor, output_splits: list[int], input_splits: l
     return c10d_functional.wait_tensor(out)
 
 
+def in_backward() -> bool:
+    """Whether autograd is running a backward now (an activation-checkpointing recompute runs inside one);
+    torch has no public spelling of it."""
+    return torch._C._current_autograd_node() is not None
+
+
 def queue_backward_callback(fn) -> None:
     """Run `fn` once the current backward pass has finished (what DDP and FSDP use to wait for their
     last gradient reductions); torch has no public spelling of it."""

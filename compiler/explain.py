@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .ir.coverage import coverage
+from .ir.fx_ops import op_label
 from .ir.placement import format_placements
 from .ir.program import CommRecord, Program
 from .show import human_bytes
@@ -45,6 +46,7 @@ class Report:
     coverage: list[str] = field(default_factory=list)  # share of block weight bytes sharded per axis; replicated modules
     materialization: str = ""  # predicted peak while init_weights / load_pretrained fill this rank's shards
     offload: list[str] = field(default_factory=list)  # where Plan.offload keeps what (the job says, from its store)
+    experts: list[str] = field(default_factory=list)  # expert layers found; rows per local expert in the last step
 
     def bytes_per_step(self) -> dict[str, int]:
         """Collective payload bytes per step, summed by mesh axis."""
@@ -76,6 +78,8 @@ class Report:
             lines.append(f"  total payload per step: {totals}")
         else:
             lines.append("  (none)")
+        if self.experts:
+            lines += ["", "experts:"] + [f"  {line}" for line in self.experts]
         if self.pipeline:
             lines += ["", "pipeline:"] + [f"  {line}" for line in self.pipeline]
         if self.fusion:
@@ -90,11 +94,12 @@ class Report:
 
 
 def explain(program: Program, optimizers: list[torch.optim.Optimizer] = (), pipeline=None, *,
-            offload: list[str] = (), resident=None) -> Report:
+            offload: list[str] = (), resident=None, routing: list[str] = ()) -> Report:
     """The report for `program`; live optimizers, if given, give measured optimizer-state bytes; a
     pipelined job adds its stages, schedule grid and predicted bubble (and holds only its stages' params).
     `offload`: the job's lines on where Plan.offload keeps states; `resident(t)`: whether a state tensor is in
-    this process's memory (offloaded ones are counted there, not above)."""
+    this process's memory (offloaded ones are counted there, not above); `routing`: the job's lines on the rows
+    its experts received in the last step."""
     mesh = program.mesh
     sizes = mesh.sizes
     held = [s for s in program.params.values() if pipeline is None or s.fqn in pipeline.params]
@@ -122,7 +127,24 @@ def explain(program: Program, optimizers: list[torch.optim.Optimizer] = (), pipe
         coverage=coverage(program.params, sizes, program.tp_why).lines(),
         materialization=_materialization(held, sizes, params_bytes),
         offload=list(offload),
+        experts=_expert_lines(program) + list(routing),
     )
+
+
+def _expert_lines(program: Program) -> list[str]:
+    """What the experts pass recognised (and why), or what stopped it."""
+    out = []
+    for region in program.experts:
+        params = ", ".join(region.params) or "(no parameter)"
+        ops = sorted({op_label(m.target) for m in region.matmuls})
+        found = f"{params}: {region.experts} experts, the weights of {len(region.matmuls)} grouped matmul(s) " \
+                f"({', '.join(ops)}) sharing one offsets tensor"
+        if region.stopped:
+            out.append(f"{found}; replicated: {region.stopped[0]}")
+        else:
+            ep = program.mesh.size("ep")
+            out.append(f"{found}; " + (f"E/ep = {region.experts // ep} per rank" if ep > 1 else "replicated (ep = 1)"))
+    return out
 
 
 def _materialization(held: list, sizes: dict, params_bytes: int) -> str:

@@ -36,6 +36,7 @@ from meshc.runtime import trace as tracing
 from meshc.runtime.param_store import ParamStore
 from meshc.runtime.pipelined import Pipelined
 from meshc.runtime.sharding import LocalShard, allocate_local, full_tensor, read_local, take
+from meshc.runtime.ops.experts import RoutingLog, recording
 from meshc.runtime.zero_context import ZeroContext, ZeroStats
 
 
@@ -121,7 +122,8 @@ class Job:
         """
         self._require_values("job.step")
         failures.preflight(self)
-        with failures.watching(self.mesh, "job.step"), tracing.region("step", "step"):
+        self._routing = RoutingLog()
+        with failures.watching(self.mesh, "job.step"), tracing.region("step", "step"), recording(self._routing):
             return self._step(inputs, targets, loss_fn)
 
     def _step(self, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
@@ -371,7 +373,11 @@ class Job:
         """The plan, per-rank memory, every collective and why (of the program run last): print it."""
         live = self.live_optimizers()
         lines, resident = self._offload_lines(live)
-        return explain(getattr(self, "_last", self.program), live, self._layout, offload=lines, resident=resident)
+        routing = self._routing.lines(self.mesh.coord("ep")) if getattr(self, "_routing", None) else []
+        if routing:
+            routing = ["rows received by this rank's experts in the last step:"] + routing
+        return explain(getattr(self, "_last", self.program), live, self._layout, offload=lines, resident=resident,
+                       routing=routing)
 
     def _offload_lines(self, live: list) -> tuple[list[str], Any]:
         """explain()'s lines on Plan.offload, and what tells a resident state from an offloaded one."""

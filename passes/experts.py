@@ -235,7 +235,8 @@ def _shard(program: Program, index: int, region: ExpertRegion, ep: int) -> None:
     why = f"expert layer {index} ({', '.join(region.params)}): rows to the rank holding their expert"
     first = min(region.matmuls, key=lambda n: list(graph.nodes).index(n))
     with graph.inserting_before(first):
-        sent = graph.call_function(dispatch, (region.entry, region.offsets), {"group": group, "size": ep})
+        sent = graph.call_function(dispatch, (region.entry, region.offsets),
+                                   {"group": group, "size": ep, "layer": index})
         parts = [graph.call_function(operator.getitem, (sent, i)) for i in range(3)]
     sent.meta["meshc.why"] = why
     sent.meta["meshc.comm"] = [CommRecord("all_to_all", AXIS, nbytes_in, "forward", why),

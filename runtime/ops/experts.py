@@ -12,9 +12,48 @@ receives as many rows as it sends, which is also what the cost model counts.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Iterator
+
 import torch
 
 from meshc.compiler import _torch_compat as compat
+
+
+class RoutingLog:
+    """Rows each local expert received, per expert layer, over the forwards of one step (load balance)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, torch.Tensor] = {}  # layer -> (E/ep,) rows
+
+    def add(self, layer: int, rows: torch.Tensor) -> None:
+        rows = rows.detach().to("cpu", torch.int64)
+        self.rows[layer] = self.rows[layer] + rows if layer in self.rows else rows
+
+    def lines(self, ep_index: int) -> list[str]:
+        """One line per layer: rows per local expert (global expert ids) and the busiest against the mean."""
+        out = []
+        for layer, rows in sorted(self.rows.items()):
+            first_expert = ep_index * len(rows)
+            total = int(rows.sum())
+            each = ", ".join(f"{first_expert + i}: {int(n)}" for i, n in enumerate(rows))
+            share = f"; busiest {int(rows.max()) / max(total / len(rows), 1e-9):.2f}x the mean" if total else ""
+            out.append(f"expert layer {layer}: {total} rows here (expert: rows) {each}{share}")
+        return out
+
+
+_LOG: contextvars.ContextVar[RoutingLog | None] = contextvars.ContextVar("meshc_routing_log", default=None)
+
+
+@contextlib.contextmanager
+def recording(log: RoutingLog) -> Iterator[RoutingLog]:
+    """Count the rows every dispatch of this step delivers to the local experts into `log`."""
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
 
 
 class _Exchange(torch.autograd.Function):
@@ -50,10 +89,11 @@ def _regroup(received: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(first, by_expert) + within
 
 
-def dispatch(x: torch.Tensor, offsets: torch.Tensor, *, group: str, size: int):
+def dispatch(x: torch.Tensor, offsets: torch.Tensor, *, group: str, size: int, layer: int = 0):
     """(rows for this rank's experts, their running counts per local expert, the counts received (ep, E/ep)).
 
-    x: (S, H) rows sorted by global expert; offsets: (E,) running counts, E divisible by `size`."""
+    x: (S, H) rows sorted by global expert; offsets: (E,) running counts, E divisible by `size`; `layer` names
+    the expert layer in the routing log (explain()'s load balance)."""
     experts = offsets.shape[0]
     local = experts // size
     if compat.is_fake(x):
@@ -64,6 +104,9 @@ def dispatch(x: torch.Tensor, offsets: torch.Tensor, *, group: str, size: int):
     rows = _Exchange.apply(x, received.sum(1).tolist(), sent.sum(1).tolist(), group)  # (R, H) by (source, expert)
     ordered = rows[_regroup(received)]
     local_offsets = torch.cumsum(received.sum(0), 0).to(offsets.dtype)
+    log = _LOG.get()
+    if log is not None and not compat.in_backward():  # a recompute under remat is not another forward
+        log.add(layer, received.sum(0))
     return ordered, local_offsets, received
 
 

@@ -71,6 +71,7 @@ def _rank(biased: bool, folder: str) -> dict:
             a2a = census.by_kind().get(("all_to_all", "ep"), (0, 0))
             grads0 = job.grad_state_dict()
             local_grads = {f: p.grad.clone() for f, p in job.named_parameters() if ".experts." in f}
+            report = str(job.explain())
         opt.step()
         opt.zero_grad()
         loss = zoo.lm_loss(ref(x), y)
@@ -81,7 +82,7 @@ def _rank(biased: bool, folder: str) -> dict:
     states = {f: {k: tuple(v.shape) for k, v in opt.state[p].items() if v.dim()}
               for f, p in job.named_parameters() if ".experts." in f}
     job.save(folder, step=STEPS)
-    return {"losses": losses, "ref_losses": ref_losses, "a2a": a2a, "routing": routing, "grads0": grads0,
+    return {"losses": losses, "ref_losses": ref_losses, "a2a": a2a, "report": report, "routing": routing, "grads0": grads0,
             "local_grads": local_grads, "states": states, "rank": mesh.rank,
             "local_shapes": {f: tuple(p.shape) for f, p in job.named_parameters()},
             "params": job.state_dict(), "ref_params": {k: v.clone() for k, v in ref.state_dict().items()}}
@@ -120,6 +121,8 @@ def test_routing_census_states_and_checkpoint(biased, tmp_path):
         want = sum(2 * (rows + got) * HIDDEN * 4 + EXPERTS * 8 for got in received)
         calls = len(out["routing"]) * 5
         assert out["a2a"] == (calls, want), (out["a2a"], (calls, want), received)
+        for layer, got in enumerate(received):  # explain() reports the same load, per local expert
+            assert f"expert layer {layer}: {got} rows here" in out["report"], out["report"]
         if biased:
             assert received == ([2 * rows] * 2 if r == 0 else [0, 0])
             for fqn, grad in out["local_grads"].items():  # rank 1's experts saw no row: zero gradient, no hang

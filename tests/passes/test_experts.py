@@ -1,0 +1,113 @@
+"""The experts pass on traced graphs (no process group): what it recognises, what it rewrites, what stops it.
+
+Training parity under expert parallelism is in tests/models/test_ep_parity.py and test_ep_routing.py.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import meshc
+from meshc.compiler.compile import compile_program
+from meshc.compiler.ir.errors import MeshcWarning
+from meshc.compiler.ir.mesh_spec import MeshSpec
+from meshc.compiler.ir.placement import Replicate, Shard
+from meshc.runtime.ops.experts import combine, dispatch
+from tests import zoo
+
+PLAN = meshc.Plan(trace="non-strict", verify=True, check_trace=False)
+
+
+class TinyMoE(torch.nn.Module):
+    """A mixture of experts written out by hand (not a transformers class): linear router, softmax, top-2, rows
+    sorted by expert, torch's grouped matmul over stacked (E, K, N) weights, the weighted sum back per token.
+    `mix_rows` puts an op that mixes rows (a mean over them) between the two grouped matmuls. In bf16: torch's
+    grouped matmul has no other dtype on CPU (the pass only compiles it here)."""
+
+    def __init__(self, experts: int = 4, hidden: int = 8, inner: int = 16, mix_rows: bool = False):
+        super().__init__()
+        self.router = torch.nn.Linear(hidden, experts, bias=False, dtype=torch.bfloat16)
+        self.w_in = torch.nn.Parameter(torch.randn(experts, hidden, inner, dtype=torch.bfloat16))
+        self.w_out = torch.nn.Parameter(torch.randn(experts, inner, hidden, dtype=torch.bfloat16))
+        self.experts, self.mix_rows = experts, mix_rows
+
+    def forward(self, x):  # (T, H)
+        probs = F.softmax(self.router(x), dim=-1)
+        top, index = torch.topk(probs, 2, dim=-1)
+        ids, order = torch.sort(index.reshape(-1))
+        rows = x[order // 2]
+        offsets = torch.cumsum(torch.histc(ids.float(), bins=self.experts, min=0, max=self.experts - 1), 0,
+                               dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(rows, self.w_in, offs=offsets))
+        if self.mix_rows:
+            h = h - h.mean(dim=0, keepdim=True)
+        out = torch._grouped_mm(h, self.w_out, offs=offsets)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel())
+        return (out[back].view(-1, 2, x.shape[-1]) * top.unsqueeze(-1)).sum(1)
+
+
+def _compile(model, x, **sizes):
+    traced, program, _ = compile_program(model, (x,), {}, mesh=MeshSpec(sizes), plan=PLAN, rank=0)
+    return traced, program
+
+
+def _calls(program, fn) -> list:
+    return [n for n in program.gm.graph.nodes if n.op == "call_function" and n.target is fn]
+
+
+def test_mixtral_experts_sharded_with_dispatch_and_combine():
+    model = zoo.mixtral()
+    x = torch.randint(0, zoo.VOCAB, (2, zoo.SEQ))
+    traced, program = _compile(model, x, dp=4, ep=2)
+    experts = [f for f in program.params if ".experts." in f]
+    assert len(experts) == 4
+    for fqn, spec in program.params.items():
+        assert spec.placements["ep"] == (Shard(0) if fqn in experts else Replicate()), fqn
+    placeholders = {n.meta["meshc.fqn"]: n for n in program.placeholders("param")}
+    assert tuple(placeholders[experts[0]].meta["val"].shape) == (2, 128, 32)  # E/ep of (4, 128, 32)
+    sends, backs = _calls(program, dispatch), _calls(program, combine)
+    assert len(sends) == len(backs) == 2
+    rows = 2 * zoo.SEQ * 2  # tokens × top-2
+    for node in sends + backs:  # payload of the balanced case: S rows of the hidden width, fp32, each way
+        assert [(r.kind, r.axis, r.bytes, r.phase) for r in node.meta["meshc.comm"]] == [
+            ("all_to_all", "ep", rows * 32 * 4, "forward"), ("all_to_all", "ep", rows * 32 * 4, "backward")]
+    assert "2 of 2 expert layer(s) sharded over ep=2" in "\n".join(program.notes)
+    assert len(program.experts) == 2 and not any(r.stopped for r in program.experts)
+
+
+def test_ep_1_finds_experts_and_changes_nothing():
+    _, program = _compile(zoo.mixtral(), torch.randint(0, zoo.VOCAB, (2, zoo.SEQ)), dp=2)
+    assert not _calls(program, dispatch)
+    assert "experts found, replicated (ep = 1)" in "\n".join(program.notes)
+    assert "ep" not in program.mesh.sizes
+
+
+def test_hand_written_moe_is_recognised_from_ops():
+    torch.manual_seed(0)
+    _, program = _compile(TinyMoE(), torch.randn(8, 8, dtype=torch.bfloat16), dp=2, ep=2)
+    assert program.params["w_in"].placements["ep"] == Shard(0)
+    assert program.params["w_out"].placements["ep"] == Shard(0)
+    assert program.params["router.weight"].placements["ep"] == Replicate()
+    assert len(_calls(program, dispatch)) == 1 and len(_calls(program, combine)) == 1
+
+
+def test_rows_mixed_between_grouped_matmuls_keep_experts_replicated_and_say_why():
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, program = _compile(TinyMoE(mix_rows=True), torch.randn(8, 8, dtype=torch.bfloat16), dp=2, ep=2)
+    text = "\n".join(str(w.message) for w in caught if issubclass(w.category, MeshcWarning))
+    assert "stay replicated" in text and "aten.mean.dim" in text and "is not row-wise" in text, text
+    assert program.params["w_in"].placements["ep"] == Replicate()
+    assert not _calls(program, dispatch)
+
+
+def test_experts_not_dividing_ep_stay_replicated():
+    with pytest.warns(MeshcWarning, match="4 experts do not divide over ep=3"):
+        _, program = _compile(zoo.mixtral(), torch.randint(0, zoo.VOCAB, (3, zoo.SEQ)), dp=3, ep=3)
+    assert all(s.placements["ep"] == Replicate() for s in program.params.values())
+    assert not _calls(program, dispatch)
