@@ -31,7 +31,11 @@ Formulas:
       (meshc: matmul and tp-collective outputs kept) (h + 2kh/a + (1+gated)Kf)/t + 2h + (2h + h)/t_sp;
       full recompute the block input h/t_sp.
   mixture of experts: meshc shards attention over tp but no expert (the experts are one opaque grouped op),
-      so an MoE layer's expert weights, FLOPs and activations are not divided by t.
+      so an MoE layer's expert weights, FLOPs and activations are not divided by t. Expert parallelism (e
+      ranks of dp, passes/experts.py) divides the expert weights X = E·(2|3)·h·f per layer by e; with e > 1
+      (u_e) they are held whole by ZeRO (only the rest of Ψ is divided by N), their gradients all-reduced over N/e ranks,
+      and each layer's rows s·b·K·h cross e ranks by all-to-all 4 times per micro-batch (dispatch and
+      combine, forward and backward), balanced routing.
   bubble: GPipe and 1F1B (p−1)/m, interleaved (p−1)/(v·m), ZB-H1 (p−1)/(3m) for m ≥ p.
   in flight: GPipe m; 1F1B min(m, p) on the first rank, 1 on the last; ZB-H1 min(m, p) on both;
       interleaved min(v·m, v·p + p − 1) first and min(v·m, (v−1)·p + 1) last (stage-sets of L/(p·v) layers).
@@ -60,11 +64,11 @@ from .ir.errors import MeshcValueError
 OPS_PER_LAYER = 30  # compute ops per transformer block in a traced graph (views excluded): τ's multiplier
 
 SYMBOLS = sympy.symbols("L h a k f V s E K P_pos B N t p m v I_f I_l beta z1 z2 z3 rs rf sp vp pb gb ko cb "
-                        "o u_t u_n u_p q c_kv x_t x_n x_p", positive=True)
+                        "o u_t u_n u_p q c_kv x_t x_n x_p e x_e u_e", positive=True)
 (L, h, a, k, f, V, s, E, K, P_pos, B, N, t, p, m, v, I_f, I_l, beta,
- z1, z2, z3, rs, rf, sp, vp, pb, gb, ko, cb, o, u_t, u_n, u_p, q, c_kv, x_t, x_n, x_p) = SYMBOLS
+ z1, z2, z3, rs, rf, sp, vp, pb, gb, ko, cb, o, u_t, u_n, u_p, q, c_kv, x_t, x_n, x_p, e, x_e, u_e) = SYMBOLS
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers")
-TIME_KEYS = ("compute", "recompute", "bubble", "tp", "pp", "dp", "step", "optimizer", "overhead")
+TIME_KEYS = ("compute", "recompute", "bubble", "tp", "ep", "pp", "dp", "step", "optimizer", "overhead")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,11 +212,11 @@ def _seconds(x: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- formulas
-def _layer_params(flags, tp=t, kv=None):
+def _layer_params(flags, tp=t, kv=None, ep=e):
     gated, _tied, bias, norm, moe = flags
     kvd = k * h / a
     kv_div = c_kv if kv is None else kv
-    mats, mlp_div = 3 if gated else 2, 1 if moe else tp  # meshc shards no expert over tp
+    mats, mlp_div = 3 if gated else 2, ep if moe else tp  # meshc shards experts over ep, none over tp
     attn = 2 * h * h / tp + 2 * h * kvd / kv_div
     mlp = E * mats * h * f / mlp_div
     if bias:
@@ -227,7 +231,7 @@ def total_params(flags) -> sympy.Expr:
     """Ψ: parameters of the whole model."""
     _gated, tied, _bias, norm, _moe = flags
     nw = 2 if norm == "layer" else 1
-    return L * _layer_params(flags, tp=1, kv=1) + V * h + P_pos * h + (0 if tied else V * h) + nw * h
+    return L * _layer_params(flags, tp=1, kv=1, ep=1) + V * h + P_pos * h + (0 if tied else V * h) + nw * h
 
 
 def model_state_bytes(psi, n, zero: int, precision: Precision = MIXED) -> dict[str, float]:
@@ -242,6 +246,12 @@ def _states(psi, zz1, zz2, zz3, n, pbb, gbb, kob) -> dict:
     return {"params": pbb * psi * (1 - zz3 + zz3 / n),
             "grads": gbb * psi * (1 - zz2 - zz3 + (zz2 + zz3) / n),
             "optimizer": kob * psi * (1 - z + z / n)}
+
+
+def _expert_params(flags):
+    """X/e: one layer's expert weights a rank of an ep group holds (0 without experts)."""
+    gated, *_rest, moe = flags
+    return E * (3 if gated else 2) * h * f / e if moe else 0
 
 
 def _activations_per_layer(flags):
@@ -283,8 +293,10 @@ def formulas(hw: Hardware, flags) -> dict[str, sympy.Expr]:
     act_layer, act_none = _activations_per_layer(flags)
     zz = z1 + z2 + z3
     logits = s * b * V / v_div * (cb + 4)
-    sf, sl = _states(first, z1, z2, z3, N, pb, gb, ko), _states(last, z1, z2, z3, N, pb, gb, ko)
-    psi = Max(first, last, evaluate=False)
+    experts = u_e * L / p * _expert_params(flags)  # sharded over ep > 1: held whole, no ZeRO division
+    sf, sl = (_plus(_states(x - experts, z1, z2, z3, N, pb, gb, ko), _states(experts, 0, 0, 0, N, pb, gb, ko))
+              for x in (first, last))
+    psi = Max(first, last, evaluate=False) - experts
     boundary = s * b * h * cb / t_sp
     bucket = Min(25 * 2**20, psi * gb, evaluate=False)
     buffers = (1 - zz) * 2 * bucket * u_n + z2 * bucket + z3 * (2 * layer * pb + V * h / v_div * pb) + u_p * 2 * boundary
@@ -306,7 +318,10 @@ def formulas(hw: Hardware, flags) -> dict[str, sympy.Expr]:
     tp_time = m * (L / p * (4 + 2 * rf) * tp_one + vp * _coll(hw, "all_reduce", t, act_payload, x_t))
     grads, shard = psi * gb, psi * pb / N
     dp_bwd = m * ((1 - zz) * _coll(hw, "all_reduce", N, grads, x_n) + z2 * _coll(hw, "reduce_scatter", N, grads, x_n)
-                  + z3 * (2 * _coll(hw, "all_gather", N, shard, x_n) + _coll(hw, "reduce_scatter", N, grads, x_n)))
+                  + z3 * (2 * _coll(hw, "all_gather", N, shard, x_n) + _coll(hw, "reduce_scatter", N, grads, x_n))
+                  + (u_e * _coll(hw, "all_reduce", N / e, experts * gb, x_n) if flags[4] else 0))
+    a2a_payload = s * b * K * h * cb if flags[4] else 0
+    ep_time = m * L / p * (4 + 2 * rf) * _coll(hw, "all_to_all", e, a2a_payload, x_e) if flags[4] else sympy.Integer(0)
     dp_step = (z1 + z2) * _coll(hw, "all_gather", N, shard, x_n) + z1 * _coll(hw, "reduce_scatter", N, grads, x_n) \
         + _coll(hw, "all_reduce", N, 4, x_n)
     send = _coll(hw, "send", 2, boundary, x_p)  # neighbouring stages are N·t ranks apart
@@ -318,22 +333,28 @@ def formulas(hw: Hardware, flags) -> dict[str, sympy.Expr]:
         **{f"{key}_first": value for key, value in sf.items()}, "activations_first": I_f * L / (p * v) * act_layer,
         **{f"{key}_last": value for key, value in sl.items()},
         "activations_last": I_l * L / (p * v) * act_layer + logits * I_l / v, "buffers": buffers,
-        "compute": m * t_mb, "recompute": m * recompute, "bubble": beta * compute, "tp": tp_time, "pp": pp_time,
+        "compute": m * t_mb, "recompute": m * recompute, "bubble": beta * compute, "tp": tp_time, "ep": ep_time,
+        "pp": pp_time,
         "dp": Max(0, dp_bwd - hw.overlap * compute, evaluate=False), "step": dp_step,
-        "optimizer_time": hw.adam_time(psi * (1 - zz + zz / N)),
+        "optimizer_time": hw.adam_time(psi * (1 - zz + zz / N) + experts),
         "overhead": hw.step_overhead + q * 2 * m * hw.action_overhead,
         "flops": 3 * m * (L / p * layer_flops + head_flops) + rf * m * L / p * layer_flops,
         "dp_bytes": m * ((1 - zz) * grads + z2 * grads + z3 * (2 * shard + grads)) + (z1 + z2) * shard + z1 * grads,
         "tp_bytes": m * L / p * (4 + 2 * rf) * act_payload * u_t,
+        "edp_bytes": m * experts * gb, "ep_bytes": u_e * m * L / p * (4 + 2 * rf) * a2a_payload,
     }
 
 
+def _plus(x: dict, y: dict) -> dict:
+    return {key: x[key] + y[key] for key in x}
+
+
 ARGS = (L, h, a, k, f, V, s, E, K, P_pos, B, N, t, p, m, v, I_f, I_l, beta, z1, z2, z3, rs, rf, sp, vp, pb, gb, ko, cb,
-        o, u_t, u_n, u_p, q, c_kv, x_t, x_n, x_p)
+        o, u_t, u_n, u_p, q, c_kv, x_t, x_n, x_p, e, x_e, u_e)
 PARTS = ("params", "grads", "optimizer", "activations")
 OUT_KEYS = tuple(f"{x}_{r}" for r in ("first", "last") for x in PARTS) + (
-    "buffers", "compute", "recompute", "bubble", "tp", "pp", "dp", "step", "optimizer_time", "overhead", "flops",
-    "dp_bytes", "tp_bytes")
+    "buffers", "compute", "recompute", "bubble", "tp", "ep", "pp", "dp", "step", "optimizer_time", "overhead",
+    "flops", "dp_bytes", "tp_bytes", "edp_bytes", "ep_bytes")
 
 
 @functools.lru_cache(maxsize=None)
@@ -399,11 +420,12 @@ def precision_for(param_dtype, reduce_dtype=None) -> Precision:
     return Precision(param=size, grad=(reduce_dtype or param_dtype).itemsize, optimizer=12, activation=size)
 
 
-def formula_values(shape: ModelShape, sizes: tuple[int, int, int], choice: tuple, batch: int, hw: Hardware,
+def formula_values(shape: ModelShape, sizes: tuple, choice: tuple, batch: int, hw: Hardware,
                    precision: Precision) -> tuple:
-    """The numbers for ARGS. `sizes` (dp, tp, pp); `choice` (microbatches, schedule, virtual, zero, remat,
-    sequence_parallel, vocab_parallel), a Plan's fields the formulas read."""
-    n, tp, pp = sizes
+    """The numbers for ARGS. `sizes` (dp, tp, pp) or (dp, tp, pp, ep); `choice` (microbatches, schedule, virtual,
+    zero, remat, sequence_parallel, vocab_parallel), a Plan's fields the formulas read."""
+    n, tp, pp = sizes[:3]
+    ep = sizes[3] if len(sizes) > 3 else 1
     mb, schedule, virtual, zero, remat, sp_, vp_ = choice
     if batch % (n * mb):
         raise MeshcValueError(f"cost: expected the global batch divisible by dp × microbatches = {n * mb}, got {batch}")
@@ -414,7 +436,7 @@ def formula_values(shape: ModelShape, sizes: tuple[int, int, int], choice: tuple
             int(sp_), int(vp_), precision.param, precision.grad, precision.optimizer, precision.activation,
             int(pp == 1), int(tp > 1), int(n > 1), int(pp > 1), int(pp > 1 or mb > 1),
             tp if shape.kv_heads >= tp else 1, int(hw.spans_nodes(1, tp)), int(hw.spans_nodes(tp, n)),
-            int(hw.spans_nodes(1, n * tp * pp) and pp > 1))
+            int(hw.spans_nodes(1, n * tp * pp) and pp > 1), ep, int(hw.spans_nodes(tp, ep)), int(ep > 1))
 
 
 def plan_choice(plan) -> tuple:
@@ -438,9 +460,9 @@ def formula_memory(shape: ModelShape, sizes: tuple[int, int, int], choice: tuple
 
 def formula_estimate(shape: ModelShape, sizes: dict[str, int], plan, batch: int, hw: Hardware,
                      precision: Precision | None = None) -> Estimate:
-    """Evaluate the formulas for one plan: `sizes` {"dp", "tp", "pp"}, `batch` global sequences. Memory is
-    that of the fuller of the first and the last pp rank."""
-    mesh = tuple(int(sizes.get(x, 1)) for x in ("dp", "tp", "pp"))
+    """Evaluate the formulas for one plan: `sizes` {"dp", "tp", "pp"} (and "ep"), `batch` global sequences.
+    Memory is that of the fuller of the first and the last pp rank."""
+    mesh = tuple(int(sizes.get(x, 1)) for x in ("dp", "tp", "pp", "ep"))
     values = formula_values(shape, mesh, plan_choice(plan), batch, hw, precision or precision_of(plan))
     out = compiled_formulas(hw, shape.flags())(*values)
     memory = dict(zip(PARTS, _pick_rank(out)))
@@ -448,4 +470,5 @@ def formula_estimate(shape: ModelShape, sizes: dict[str, int], plan, batch: int,
     memory["buffers"] = float(named["buffers"])
     time = {key: float(named["optimizer_time" if key == "optimizer" else key]) for key in TIME_KEYS}
     return Estimate(source="formula", memory=memory, time=time, flops=float(named["flops"]),
-                    comm_bytes={"dp": float(named["dp_bytes"]), "tp": float(named["tp_bytes"])})
+                    comm_bytes={key: float(named[f"{key}_bytes"]) for key in ("dp", "tp", "ep", "edp")
+                                if key in ("dp", "tp") or float(named[f"{key}_bytes"])})

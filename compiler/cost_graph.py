@@ -305,22 +305,26 @@ class StageTimes:
     tp: float
     dp: float  # data-parallel collectives per micro-batch
     compute: float
+    ep: float = 0.0  # expert all-to-alls (blocking, like tp's; part of forward and backward above)
 
 
 def stage_times(cost: GraphCost, sizes: dict[str, int], hw: Hardware) -> StageTimes:
     work, again = cost.time(hw)
-    tp_fwd = tp_bwd = dp = 0.0
+    tp_fwd = tp_bwd = dp = ep = 0.0
     for record, recomputed in cost.comms:
         seconds = comm_time(record, sizes, hw)
         if record.axis in DATA_AXES:
             dp += seconds
-        elif record.phase == "forward":
+            continue
+        if record.phase == "forward":
             tp_fwd += seconds
             tp_bwd += seconds if recomputed else 0.0
         elif record.phase == "backward":
             tp_bwd += seconds
+        if record.axis == "ep":
+            ep += seconds * (2 if recomputed else 1)
     return StageTimes(forward=work / 3 + tp_fwd, backward=2 * work / 3 + again + tp_bwd, recompute=again,
-                      tp=tp_fwd + tp_bwd, dp=dp, compute=work)
+                      tp=tp_fwd + tp_bwd - ep, dp=dp, compute=work, ep=ep)
 
 
 # ---------------------------------------------------------------------------------------------- estimate
@@ -351,7 +355,8 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
     local = [i for i, (index, *_rest) in enumerate(stages) if index % pp == busiest]
     dp = m * sum(times[i].dp for i in local)
     time = {"compute": m * sum(times[i].compute for i in local), "recompute": m * sum(times[i].recompute for i in local),
-            "bubble": max(makespan - busy[busiest], 0.0), "tp": m * sum(times[i].tp for i in local), "pp": 0.0,
+            "bubble": max(makespan - busy[busiest], 0.0), "tp": m * sum(times[i].tp for i in local),
+            "ep": m * sum(times[i].ep for i in local), "pp": 0.0,
             "dp": max(dp - hw.overlap * busy[busiest], 0.0), "step": step,
             "optimizer": hw.adam_time(max(r[1] for r in ranks)),
             "overhead": hw.step_overhead + (2 * m * len(local) * hw.action_overhead if schedule is not None else 0.0)}

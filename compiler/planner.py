@@ -32,6 +32,7 @@ from .show import human_bytes
 log = logging.getLogger("meshc.planner")
 WHY = {"compute": "compute per rank", "recompute": "recomputation ({remat} remat)",
        "bubble": "pipeline bubble (pp={pp}, m={m}, {schedule})", "tp": "tensor-parallel collectives{tp_nodes}",
+       "ep": "expert all-to-alls (ep={ep})",
        "dp": "data-parallel traffic not hidden (ZeRO-{zero}){dp_nodes}", "pp": "pipeline messages",
        "step": "optimizer-step collectives", "optimizer": "optimizer update",
        "overhead": "runtime overhead (m={m} micro-batches)", "offload": "offload I/O ({offload})"}
@@ -45,14 +46,16 @@ class Candidate:
     tp: int
     pp: int
     plan: Plan
+    ep: int = 1  # experts sharded over ep of the dp ranks (a MoE model's; 1: replicated)
 
     @property
     def sizes(self) -> dict[str, int]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, **({"ep": self.ep} if self.ep > 1 else {})}
 
     def describe(self) -> str:
         p = self.plan
-        parts = [f"dp={self.dp} tp={self.tp} pp={self.pp}", f"zero={p.zero}", f"m={p.microbatches}"]
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        parts = [f"dp={self.dp}{ep} tp={self.tp} pp={self.pp}", f"zero={p.zero}", f"m={p.microbatches}"]
         if self.pp > 1:
             parts.append(p.schedule + (f"x{p.virtual}" if p.virtual > 1 else ""))
         parts.append(f"remat={p.remat}")
@@ -157,6 +160,13 @@ def meshes(world: int, *, heads: int | None = None, layers: int | None = None, b
     return out
 
 
+def with_experts(all_meshes: list[tuple[int, int, int]], experts: int) -> list[tuple[int, ...]]:
+    """Each mesh with every ep the model allows (ep divides dp and the number of experts; 1 without experts)."""
+    if experts <= 1:
+        return [(*sizes, 1) for sizes in all_meshes]
+    return [(*sizes, ep) for sizes in all_meshes for ep in divisors(sizes[0]) if experts % ep == 0]
+
+
 def plans_for(sizes: tuple[int, int, int], batch: int, search: Search, layers: int | None = None) -> Iterator[Plan]:
     """Every Plan the search allows on one mesh for a global batch of `batch` sequences."""
     for choice in choices_for(sizes, batch, search, layers):
@@ -166,7 +176,7 @@ def plans_for(sizes: tuple[int, int, int], batch: int, search: Search, layers: i
 def choices_for(sizes: tuple[int, int, int], batch: int, search: Search, layers: int | None = None) -> Iterator[tuple]:
     """plans_for's plans as (microbatches, schedule, virtual, zero, remat, sequence_parallel, vocab_parallel),
     in the same order, without building them (cost.formula_values reads this tuple)."""
-    dp, tp, pp = sizes
+    dp, tp, pp = sizes[:3]
     local = batch // dp
     ms = search.microbatches or tuple(2**i for i in range(8) if 2**i <= search.max_microbatches)
     ms = [m for m in ms if local % m == 0]
@@ -229,7 +239,7 @@ def _reason(c: Candidate, e: Estimate, best: Estimate, hw: Hardware) -> str:
     deltas = {k: e.time.get(k, 0.0) - best.time.get(k, 0.0) for k in e.time}
     key = max(deltas, key=deltas.get)
     p = c.plan
-    what = WHY[key].format(remat=p.remat, pp=c.pp, m=p.microbatches, schedule=p.schedule, zero=p.zero, offload=p.offload,
+    what = WHY[key].format(remat=p.remat, pp=c.pp, ep=c.ep, m=p.microbatches, schedule=p.schedule, zero=p.zero, offload=p.offload,
                            tp_nodes=" across nodes" if hw.spans_nodes(1, c.tp) else "",
                            dp_nodes=" across nodes" if hw.spans_nodes(c.tp, c.dp) else "")
     slower = e.step_time / best.step_time - 1 if best.step_time else 0.0
@@ -253,12 +263,13 @@ def plan_model(shape: ModelShape, world: int, batch: int, hardware: Hardware, me
     fitting without being scored, unless it may be the leanest that did not fit (which the table names).
     """
     memory = usable_memory(hardware, memory)
-    all_meshes = meshes(world, heads=shape.heads, layers=shape.layers, batch=batch, search=search)
+    all_meshes = with_experts(meshes(world, heads=shape.heads, layers=shape.layers, batch=batch, search=search),
+                              shape.experts)
     if not prune:
         scored = []
         for sizes in all_meshes:
             for plan in plans_for(sizes, batch, search, shape.layers):
-                cand = Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan)
+                cand = Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], ep=sizes[3], plan=plan)
                 scored.append((cand, formula_estimate(shape, cand.sizes, plan, batch, hardware)))
         return rank(scored, memory, hardware, offload=search.offload)
     precision = precision_for(search.param_dtype, search.base.reduce_dtype)
@@ -267,7 +278,7 @@ def plan_model(shape: ModelShape, world: int, batch: int, hardware: Hardware, me
     cannot_fit: list[tuple[float, int, tuple, tuple]] = []  # (memory, position, sizes, choice)
 
     def score(i: int, sizes: tuple, choice: tuple) -> Estimate:
-        cand = Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan_of(choice, search))
+        cand = Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], ep=sizes[3], plan=plan_of(choice, search))
         estimate = formula_estimate(shape, cand.sizes, cand.plan, batch, hardware, precision)
         kept.append((i, cand, estimate))
         return estimate
@@ -386,7 +397,7 @@ def auto_plan(model, mesh, args: tuple, kwargs: dict, *, hardware: Hardware | st
 
     def score(plan: Plan) -> Estimate:
         return estimate_plan(_traced(model, mesh, mesh.rank, args, kwargs, plan, cache), plan, hw)
-    scored = [(Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan), est)
+    scored = [(Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], ep=mesh.size("ep"), plan=plan), est)
               for plan, est in _score_pruned(plans_for(sizes, batch, search), score, memory, sizes[2])]
     result = rank(scored, memory, hw, offload=False)  # a job's plan="auto" has no offload_dir to offer
     return result.best.candidate.plan, result

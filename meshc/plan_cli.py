@@ -87,7 +87,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if p.offload:
         offload = f", offload={p.offload!r}" + (f", offload_dir={p.offload_dir!r}" if p.offload_dir else "") + \
             (", offload_params=True" if p.offload_params else "")
-    print(f"\nbest: meshc.mesh(dp={best.candidate.dp}, tp={best.candidate.tp}, pp={best.candidate.pp}) with "
+    c = best.candidate
+    ep = f", ep={c.ep}" if c.ep > 1 else ""
+    print(f"\nbest: meshc.mesh(dp={c.dp}{ep}, tp={c.tp}, pp={c.pp}) with "
           f"meshc.Plan(zero={p.zero}, microbatches={p.microbatches}, schedule={p.schedule!r}, virtual={p.virtual}, "
           f"remat={p.remat!r}, sequence_parallel={p.sequence_parallel}, vocab_parallel={p.vocab_parallel}"
           + (f", param_dtype=torch.{str(dtype).split('.')[-1]}" if dtype is not None else "") + offload + ")")

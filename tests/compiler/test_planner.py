@@ -159,3 +159,15 @@ def test_pruning_by_memory_changes_no_result(dtype, memory):
     assert pruned.table(10) == full.table(10)
     if full.ranked:  # at 1 GB nothing fits but one plan with its states offloaded
         assert pruned.best == full.best and (len(full.ranked) > 100 or full.best.candidate.plan.offload)
+
+
+def test_moe_models_get_expert_parallelism():
+    """Mixtral-8x7B on 64 H100s: the fastest plans shard the experts (ep > 1; 8 experts allow ep 2, 4, 8 of dp);
+    a dense model is never offered ep."""
+    result = plan_model(models.shape("mixtral-8x7b"), 64, 64, H100, search=BF16)
+    assert result.best.candidate.ep > 1 and 8 % result.best.candidate.ep == 0
+    assert "ep=" in result.table(3) and result.best.estimate.time["ep"] > 0
+    eps = {r.candidate.ep for r in result.ranked}
+    assert eps <= {1, 2, 4, 8} and len(eps) > 1
+    dense = plan_model(models.shape("llama-8b", seq=4096), 16, 64, H100, 40e9, BF16)
+    assert {r.candidate.ep for r in dense.ranked} == {1}
