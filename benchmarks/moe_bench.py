@@ -22,9 +22,13 @@ parameters it holds; held MiB = parameters + gradients + optimizer states after 
 during the steps (reset through /proc/self/clear_refs before them) minus RSS before the model was built; growth
 MiB = the same peak minus RSS just before the steps. Bytes per step (rank 0, one step: forward, backward,
 optimizer): what each collective call's input holds, by kind and axis (ep: the expert group, edp: the replicas
-of an expert, dp: all ranks); meshc's from CommCensus, DeepSpeed's from torch.distributed's calls. "loss 1" is
-the first step's loss averaged over the ranks (the same for every row when the frameworks agree). Goal: expert
-MiB / replicated expert MiB = 1/ep exactly; meshc's step no slower than DeepSpeed-MoE's at the same ep.
+of an expert, dp: all ranks); meshc's from CommCensus, DeepSpeed's from torch.distributed's calls. a2a: the
+all-to-alls; dp: every other collective (gradient all-reduces over dp and edp, DeepSpeed's capacity all-reduce over
+ep); wire: what each rank sends on a ring for all of them (common.wire_bytes: a collective over a group of one
+sends nothing, an all-to-all counts its whole input). "loss 1" is the first step's loss averaged over the ranks
+(the same in every row when the frameworks agree). Goal: expert MiB / replicated expert MiB = 1/ep exactly;
+meshc's step no slower than DeepSpeed-MoE's at the same ep. meshc's held MiB is job.held_bytes(); DeepSpeed's
+the same sum over its module's parameters, their gradients and the optimizer's states.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from contextlib import contextmanager
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import arg_parser, launch, median_step, report, rss_mib, run_worker, table  # noqa: E402
+from common import arg_parser, launch, median_step, report, rss_mib, run_worker, table, wire_bytes  # noqa: E402
 
 SEQ, VOCAB, EXPERTS, TOP_K, RANKS = 128, 8000, 8, 2, 4
 HIDDEN, INTER, HEADS, KV_HEADS = 256, 512, 8, 4
@@ -259,12 +263,14 @@ def worker(cfg: dict) -> None:
 def _row(label: str, ep: int, ranks: list) -> dict:
     comm = ranks[0]["comm"]
     a2a = sum(v for k, v in comm.items() if k.startswith("all_to_all"))
+    census = {tuple(k.split("@")): (0, v) for k, v in comm.items()}
+    wire = wire_bytes(census, {"dp": RANKS, "ep": ep, "edp": RANKS // ep})
     return {"framework": label, "ep": ep, "step s": max(r["step"] for r in ranks),
             "expert MiB/rank": max(r["expert"] for r in ranks) / MIB,
             "params MiB/rank": max(r["params"] for r in ranks) / MIB,
             "held MiB/rank": max(r["held"] for r in ranks) / MIB,
             "peak MiB/rank": max(r["peak"] for r in ranks), "growth MiB/rank": max(r["growth"] for r in ranks),
-            "a2a MiB/step": a2a / MIB, "dp MiB/step": (sum(comm.values()) - a2a) / MIB,
+            "a2a MiB/step": a2a / MIB, "dp MiB/step": (sum(comm.values()) - a2a) / MIB, "wire MiB/step": wire / MIB,
             "by axis MiB": ", ".join(f"{k} {v / MIB:.2f}" for k, v in sorted(comm.items())),
             "loss 1": f"{ranks[0]['loss1']:.5f}", "_expert": ranks[0]["expert"]}
 
@@ -292,7 +298,7 @@ def main() -> None:
             try:
                 out = launch(os.path.abspath(__file__), RANKS, cfg, timeout=3600)
             except RuntimeError as e:
-                print(str(e)[-2000:], file=sys.stderr, flush=True)
+                print(str(e), file=sys.stderr, flush=True)
                 rows.append({"framework": label, "ep": ep, "by axis MiB": "failed: " + _last_error(str(e))})
                 print(rows[-1], flush=True)
                 continue
@@ -301,7 +307,8 @@ def main() -> None:
     print(f"\nMixtral-shaped ({args.layers} layers, hidden {HIDDEN}, {EXPERTS} experts top-{TOP_K}), {RANKS} gloo "
           f"ranks, AdamW, 1x{SEQ} tokens per rank, median of {args.steps} steps")
     print(table(rows, ["framework", "ep", "step s", "expert MiB/rank", "params MiB/rank", "held MiB/rank",
-                       "peak MiB/rank", "growth MiB/rank", "a2a MiB/step", "dp MiB/step", "by axis MiB", "loss 1"]))
+                       "peak MiB/rank", "growth MiB/rank", "a2a MiB/step", "dp MiB/step", "wire MiB/step",
+                       "by axis MiB", "loss 1"]))
     for label in ("meshc", "DeepSpeed-MoE"):
         mine = [r for r in rows if r["framework"] == label and "_expert" in r]
         full = next((r["_expert"] for r in mine if r["ep"] == 1), None)

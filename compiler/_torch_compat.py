@@ -63,6 +63,11 @@ def all_to_all_single(t: torch.Tensor, output_splits: list[int], input_splits: l
     return c10d_functional.wait_tensor(out)
 
 
+def is_view(t: torch.Tensor) -> bool:
+    """Whether `t` is a view of another tensor (Tensor._base; no public spelling)."""
+    return t._base is not None
+
+
 def in_backward() -> bool:
     """Whether autograd is running a backward now (an activation-checkpointing recompute runs inside one);
     torch has no public spelling of it."""

@@ -30,9 +30,9 @@ Formulas:
       4h + (2h + 2k·h/a + (2 + 2·gated)·K·f)/t, with sequence parallelism all of it over t; selective
       (meshc: matmul and tp-collective outputs kept) (h + 2kh/a + (1+gated)Kf)/t + 2h + (2h + h)/t_sp;
       full recompute the block input h/t_sp.
-  mixture of experts: meshc shards attention over tp but no expert (the experts are one opaque grouped op),
-      so an MoE layer's expert weights, FLOPs and activations are not divided by t. Expert parallelism (e
-      ranks of dp, passes/experts.py) divides the expert weights X = E·(2|3)·h·f per layer by e; with e > 1
+  mixture of experts: each expert's matrices are split over tp like an MLP's (the grouped matmul's rule), so
+      an MoE layer's expert weights, FLOPs and activations are divided by t. Expert parallelism (e
+      ranks of dp, passes/experts.py) divides the expert weights X = E·(2|3)·h·f per layer by e too; with e > 1
       (u_e) they are held whole by ZeRO (only the rest of Ψ is divided by N), their gradients all-reduced over N/e ranks,
       and each layer's rows s·b·K·h cross e ranks by all-to-all 4 times per micro-batch (dispatch and
       combine, forward and backward), balanced routing.
@@ -216,7 +216,7 @@ def _layer_params(flags, tp=t, kv=None, ep=e):
     gated, _tied, bias, norm, moe = flags
     kvd = k * h / a
     kv_div = c_kv if kv is None else kv
-    mats, mlp_div = 3 if gated else 2, ep if moe else tp  # meshc shards experts over ep, none over tp
+    mats, mlp_div = 3 if gated else 2, ep * tp if moe else tp  # experts over ep, each expert's matrices over tp
     attn = 2 * h * h / tp + 2 * h * kvd / kv_div
     mlp = E * mats * h * f / mlp_div
     if bias:
@@ -251,14 +251,14 @@ def _states(psi, zz1, zz2, zz3, n, pbb, gbb, kob) -> dict:
 def _expert_params(flags):
     """X/e: one layer's expert weights a rank of an ep group holds (0 without experts)."""
     gated, *_rest, moe = flags
-    return E * (3 if gated else 2) * h * f / e if moe else 0
+    return E * (3 if gated else 2) * h * f / (e * t) if moe else 0
 
 
 def _activations_per_layer(flags):
     """Bytes of one layer's saved activations for one micro-batch on one rank: (under the remat policy, none)."""
     gated, *_rest, moe = flags
     kvd, b = k * h / a, B / (N * m)
-    t_sp, mlp_div = 1 + sp * (t - 1), 1 if moe else t
+    t_sp, mlp_div = 1 + sp * (t - 1), t
     attn = 2 * h + 2 * kvd  # q, k, v, attention out
     mlp = (4 if gated else 2) * K * f  # MLP internals
     none = sp * (4 * h + attn) / t + (1 - sp) * (4 * h + attn / t) + mlp / mlp_div
@@ -302,7 +302,7 @@ def formulas(hw: Hardware, flags) -> dict[str, sympy.Expr]:
     buffers = (1 - zz) * 2 * bucket * u_n + z2 * bucket + z3 * (2 * layer * pb + V * h / v_div * pb) + u_p * 2 * boundary
     # time of one micro-batch on the busiest stage
     kvd = k * h / a
-    mm = 2 * h * h / t + 2 * h * kvd / c_kv + K * (3 if gated else 2) * h * f / (1 if flags[4] else t)
+    mm = 2 * h * h / t + 2 * h * kvd / c_kv + K * (3 if gated else 2) * h * f / t
     layer_flops = 2 * s * b * mm + 4 * s * s * b * h / t
     layer_bytes = 2 * act_none + layer * pb
     head_flops, head_bytes = 2 * s * b * h * V / v_div, 2 * logits + V * h / v_div * pb

@@ -48,7 +48,7 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler.ir.errors import MeshcWarning, warn
-from meshc.compiler.ir.fx_ops import is_view, op_name, op_short_name
+from meshc.compiler.ir.fx_ops import is_grouped_mm, is_view, op_short_name
 from meshc.compiler.ir.placement import Shard
 from meshc.compiler.ir.program import CommRecord, Program
 from meshc.runtime.ops.experts import combine, dispatch
@@ -56,7 +56,6 @@ from meshc.runtime.ops.experts import combine, dispatch
 from .tensor_parallel import refresh_vals
 
 AXIS = "ep"
-GROUPED_MM = frozenset({"transformers::grouped_mm_fallback", "aten::_grouped_mm", "aten::grouped_mm"})
 # Row-wise beyond pointwise ops: casts, metadata checks, and cuts of the feature dim (checked below).
 _ROWWISE = frozenset({"_assert_tensor_metadata", "to", "_to_copy", "clone", "contiguous", "chunk", "split",
                       "split_with_sizes", "slice", "narrow", "getitem", "dropout", "native_dropout"})
@@ -104,11 +103,6 @@ def experts_pass(program: Program) -> Program:
         refresh_vals(program)
     program.notes.append(f"{len(good)} of {len(regions)} expert layer(s) sharded over ep={ep}: {names}")
     return program
-
-
-def is_grouped_mm(node: fx.Node) -> bool:
-    """A grouped matmul `(rows, weight (E, K, N), offsets (E,))` (GROUPED_MM)."""
-    return node.op == "call_function" and op_name(node.target).split(".")[0] in GROUPED_MM
 
 
 def grouped_mm_flops(node: fx.Node) -> float:

@@ -30,11 +30,11 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.ir.fx_ops import op_name
+from meshc.compiler.ir.fx_ops import is_grouped_mm, op_name
 from meshc.compiler.ir.program import Program
 
 from .blocks import block_of
-from .experts import grouped_mm_flops, is_grouped_mm
+from .experts import grouped_mm_flops
 
 AXIS = "pp"
 MARKER = "pippy::_pipe_split"

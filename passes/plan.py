@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from meshc.compiler.ir.coverage import block_weights, coverage
 from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
-from meshc.compiler.ir.fx_ops import get_arg, is_reshape, op_name
+from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_reshape, op_name
 from meshc.compiler.ir.placement import Replicate, Shard, as_chunks, in_parts
 from meshc.compiler.ir.program import Program
 
@@ -49,7 +49,7 @@ aten = torch.ops.aten
 class Weight:
     fqn: str
     module: str
-    kind: str  # "linear" (out, in) | "conv1d" (in, out) | "embedding" (rows, dim)
+    kind: str  # "linear" (out, in) | "conv1d" (in, out) | "embedding" (rows, dim) | "experts" (E, out, in)
     node: fx.Node  # the op that uses it
     act: fx.Node | None  # the activation it multiplies
     bias: str | None
@@ -57,7 +57,11 @@ class Weight:
 
     @property
     def out_dim(self) -> int:
-        return 1 if self.kind == "conv1d" else 0
+        return 1 if self.kind in ("conv1d", "experts") else 0
+
+    @property
+    def in_dim(self) -> int:
+        return {"conv1d": 0, "experts": 2}.get(self.kind, 1)
 
 
 def plan_pass(program: Program) -> Program:
@@ -178,7 +182,7 @@ def _apply(program: Program, w: Weight, style: str) -> None:
     elif style in ("colwise", "vocab"):
         placement, bias = Shard(w.out_dim, w.chunks), Shard(0, w.chunks)
     else:
-        placement, bias = Shard((1 - w.out_dim) if ndim == 2 else 0), Replicate()
+        placement, bias = Shard(w.in_dim if ndim >= 2 else 0), Replicate()
     spec.placements[AXIS] = placement
     if w.bias:
         program.params[w.bias].placements[AXIS] = bias
@@ -186,11 +190,12 @@ def _apply(program: Program, w: Weight, style: str) -> None:
 
 # ---------------------------------------------------------------------------------------- weights
 def _weights(program: Program) -> dict[str, Weight]:
-    """Every 2-D trainable parameter used as a matmul weight or embedding table, by FQN."""
+    """Every 2-D trainable parameter used as a matmul weight or embedding table, and every stack of experts'
+    weights (E, out, in) used by a grouped matmul, by FQN."""
     out: dict[str, Weight] = {}
     for fqn, node in program.param_nodes().items():
         spec = program.params[fqn]
-        if len(spec.shape) != 2:
+        if len(spec.shape) != 2 and not (len(spec.shape) == 3 and any(_expert_use(u) for u in node.users)):
             continue
         for use in node.users:
             w = _as_weight(program, fqn, node, use)
@@ -215,7 +220,20 @@ def _as_weight(program, fqn, node, use) -> Weight | None:
             return Weight(fqn, module, "linear", mm, mm.args[0], None, _chunks(mm))
     if use.target == aten.embedding.default and use.args[0] is node:
         return Weight(fqn, module, "embedding", use, use.args[1], None, 1)
+    if _expert_use(use):  # experts (E, out, in) read as (E, in, out) by a grouped matmul: linear layers
+        (mm,) = use.users
+        return Weight(fqn, module, "experts", mm, mm.args[0], None, _chunks(mm))
     return None
+
+
+def _expert_use(use: fx.Node) -> bool:
+    """Is `use` a transpose of a 3-D weight's last two dims whose one user takes it as a grouped matmul's weight?"""
+    if use.op != "call_function" or use.target != aten.transpose.int or len(use.meta.get("meshc.shape") or ()) != 3:
+        return False
+    if {d % 3 for d in use.args[1:3]} != {1, 2} or len(use.users) != 1:
+        return False
+    (mm,) = use.users
+    return is_grouped_mm(mm) and mm.args[1] is use
 
 
 MATMULS = (aten.mm.default, aten.matmul.default, aten.bmm.default)

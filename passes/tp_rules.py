@@ -25,6 +25,7 @@ import torch.fx as fx
 from meshc.compiler.ir.fx_ops import op_name, tensor_args
 from meshc.compiler.ir.placement import P, Partial, Placement, R, Replicate, Shard
 from meshc.compiler.ir.program import CommRecord
+from meshc.runtime.ops.experts import combine, dispatch
 from meshc.runtime.ops.tp_ops import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 aten = torch.ops.aten
@@ -268,6 +269,43 @@ def _gather_all(node: fx.Node, ctx: RuleCtx, why: str) -> Decision:
     return Decision({path: R for path, _ in tensor_args(node)}, _like(node, R), note=f"{op_name(node.target)}: {why}")
 
 
+def grouped_mm_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """rows (S, K) through each row's expert of weight (E, K, N) (ir/fx_ops.GROUPED_MM; found by name, so not in
+    COMPUTE_RULES): experts split like linear layers (Megatron inside every expert). N sharded -> output's last
+    dim sharded (column-parallel); K sharded on both -> partial sum (row-parallel); rows and offsets stay whole."""
+    rows, weight = node.args[0], node.args[1]
+    pr, pw = ctx.pl(rows), ctx.pl(weight)
+    req: dict[tuple, Placement] = {(2,): R} if not isinstance(ctx.pl(node.args[2]), Replicate) else {}
+    if isinstance(pr, Partial) or isinstance(pw, Partial) or (isinstance(pr, Shard) and pr.dim == 0):
+        return _gather_all(node, ctx, "a partial or row-sharded operand of a grouped matmul")
+    if isinstance(pw, Shard) and pw.dim == 2:  # column-parallel experts
+        if isinstance(pr, Shard):
+            req[(0,)] = R
+        return Decision(req, Shard(1, pw.chunks))
+    if isinstance(pw, Shard) and pw.dim == 1:  # row-parallel experts: the rows' features sharded alike
+        req[(0,)] = Shard(1, pw.chunks)
+        return Decision(req, P)
+    if isinstance(pr, Shard) and pr.dim == 1 and not isinstance(pw, Shard):  # slice each expert's K locally
+        req[(1,)] = Shard(1, pr.chunks)
+        return Decision(req, P)
+    if isinstance(pw, Shard):  # the expert dim: experts belong to ep, not tp
+        return _gather_all(node, ctx, "a grouped matmul's weight sharded on its expert dim")
+    return Decision(req, R)
+
+
+@handles(dispatch, combine)
+def exchange_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """Expert parallelism's dispatch/combine move whole rows between ranks: linear in the rows, so a feature-
+    sharded or partial rows tensor crosses as it is (each tp rank exchanges its part); counts stay whole."""
+    rows = node.args[0]
+    p = ctx.pl(rows)
+    req: dict[tuple, Placement] = {path: R for path, t in tensor_args(node)
+                                   if t is not rows and not isinstance(ctx.pl(t), Replicate)}
+    if isinstance(p, Shard) and p.dim == 0:
+        req[(0,)], p = R, R
+    return Decision(req, (p, R, R) if node.target is dispatch else p)
+
+
 # ---------------------------------------------------------------------------------------- reductions
 def _dims(node: fx.Node, ndim: int) -> list[int]:
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
@@ -432,4 +470,4 @@ def _loss_parallel(node: fx.Node, ctx: RuleCtx) -> None:
 
 
 COMPUTE_RULES = (same_as_input_rule, assert_rule, factory_rule, new_factory_rule, matmul_rule, reduction_rule,
-                 softmax_rule, norm_rule, sdpa_rule, embedding_rule, cross_entropy_rule)
+                 softmax_rule, norm_rule, sdpa_rule, embedding_rule, cross_entropy_rule, exchange_rule)

@@ -5,7 +5,7 @@
 
 Built once, here, from the rules tp_rules (COMPUTE_RULES) and tp_views (VIEW_RULES) list, each marked with
 the ops it handles; an op claimed by two rules is an internal error. An op not in the table falls back to
-tp_rules.pointwise_rule when torch tags it pointwise, and to tp_rules.no_rule (every tensor input
+tp_rules.grouped_mm_rule for grouped matmuls (by name), to tp_rules.pointwise_rule when torch tags it pointwise, and to tp_rules.no_rule (every tensor input
 replicated, with a note) otherwise. The plan pass (its trials) and the tensor_parallel pass read the same
 table; importing a module registers nothing.
 """
@@ -19,7 +19,9 @@ import torch.fx as fx
 
 from meshc.compiler.ir.errors import MeshcInternalError
 
-from .tp_rules import COMPUTE_RULES, Decision, RuleCtx, no_rule, pointwise_rule
+from meshc.compiler.ir.fx_ops import GROUPED_MM, op_name
+
+from .tp_rules import COMPUTE_RULES, Decision, RuleCtx, grouped_mm_rule, no_rule, pointwise_rule
 from .tp_views import VIEW_RULES
 
 Rule = Callable[[fx.Node, RuleCtx], Decision]
@@ -41,8 +43,11 @@ RULES = build_table(COMPUTE_RULES + VIEW_RULES)
 
 
 def rule_for(target: Any) -> Rule:
-    """The rule deciding `target`: its entry in RULES, else pointwise_rule for pointwise ops, else no_rule."""
+    """The rule deciding `target`: its entry in RULES, grouped_mm_rule for a grouped matmul (ops found by name:
+    transformers registers its own), else pointwise_rule for pointwise ops, else no_rule."""
     rule = RULES.get(target)
+    if rule is None and hasattr(target, "_schema") and op_name(target).split(".")[0] in GROUPED_MM:
+        return grouped_mm_rule
     if rule is None and hasattr(target, "tags") and torch.Tag.pointwise in target.tags:
         return pointwise_rule
     return rule or no_rule

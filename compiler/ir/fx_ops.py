@@ -33,6 +33,16 @@ VIEW_NAMES = frozenset({
     "numpy_T", "mT", "adjoint"})
 
 
+# Grouped matmuls `(rows (S, K), weight (E, K, N), offsets (E,))`: rows sorted by expert, offsets the running
+# count per expert; transformers' CPU/fallback op and torch's own.
+GROUPED_MM = frozenset({"transformers::grouped_mm_fallback", "aten::_grouped_mm", "aten::grouped_mm"})
+
+
+def is_grouped_mm(node: Any) -> bool:
+    """A call of a grouped matmul (GROUPED_MM)."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and op_name(node.target).split(".")[0] in GROUPED_MM
+
+
 def op_name(target: Any) -> str:
     """The schema name of an ATen or custom op ("aten::add.Tensor"); a Python callable's `__name__`."""
     name = getattr(target, "name", None)

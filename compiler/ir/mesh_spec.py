@@ -83,7 +83,7 @@ class MeshSpec:
 
     def coord(self, axis: str, rank: int) -> int:
         _check_axis(axis)
-        return self.coords(rank)[axis]
+        return self.coords(rank).get(axis, 0)  # ep, edp on a mesh without experts: 0
 
     def rank_at(self, coords: Mapping[str, int]) -> int:
         """The rank at the given index along every axis (pp, dp, tp; or pp, edp, ep, tp)."""

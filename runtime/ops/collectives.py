@@ -151,7 +151,10 @@ class _LocalSlice(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, chunks, size, index, group):
         ctx.args = (dim, chunks, size, group)
-        return slice_shard(x, dim, chunks, size, index)
+        out = slice_shard(x, dim, chunks, size, index)
+        # a view (of x, or of a tensor made here) is one autograd forbids modifying in place (Mixtral's router
+        # divides its top-k weights in place under sequence parallelism): hand out a tensor of its own
+        return out.clone() if compat.is_view(out) else out
 
     @staticmethod
     def backward(ctx, grad):

@@ -138,8 +138,8 @@ TINY = {"llama": {"model_type": "llama", "num_key_value_heads": 2},
 def test_compiled_and_formula_agree_on_transformers_models(kind, tmp_path):
     """A small Llama (GQA) and Mixtral from config files on tp=2 × pp=2: the first pp rank's compiled
     parameters are its embedding plus a whole number of layers of the formulas' tp-local size (which know
-    that meshc shards attention over tp but no expert: were the experts divided by tp, Mixtral's stage
-    would come to ~3.8 layers). The split balances FLOPs, so the stage's layer count is read, not assumed."""
+    that meshc splits every expert over tp, as the attention). The split balances FLOPs, so the stage's layer
+    count is read, not assumed."""
     import json
 
     from meshc.explain_cli import simulate
@@ -155,8 +155,8 @@ def test_compiled_and_formula_agree_on_transformers_models(kind, tmp_path):
     layer = cost._layer_params(shape.flags()).subs({**shape.values(), cost.t: 2, cost.c_kv: 2, cost.e: 1})
     stage_layers = (first.memory["params"] / 4 - shape.vocab * shape.hidden) / float(layer)
     assert stage_layers == pytest.approx(round(stage_layers), abs=0.05) and round(stage_layers) >= 1, stage_layers
-    if kind == "mixtral":  # the experts, replicated on tp, are most of a layer
-        experts = 4 * 3 * 64 * 128
+    if kind == "mixtral":  # the experts, split over tp like the attention, are most of a layer
+        experts = 4 * 3 * 64 * 128 / 2
         assert float(layer) > experts > float(layer) / 2
 
 
@@ -179,7 +179,8 @@ def test_expert_parallel_memory_and_all_to_all_agree(tmp_path):
         sim = simulate(str(path), {"dp": 4, "ep": ep}, plan=plan, batch=8, hardware="h100")
         compiled = estimate_compiled(sim.rank_program, "h100")
         formula = formula_estimate(shape, {"dp": 4, "ep": ep}, plan, 8, hardware.load("h100"))
-        experts = 2 * 4 * 3 * 64 * 128 * 4 // (ep if ep > 1 else 4)  # layers × E × 3 × h × f, fp32: over ep, or ZeRO's dp
+        # layers × E × 3 × h × f, fp32: over ep, or ZeRO's dp
+        experts = 2 * 4 * 3 * 64 * 128 * 4 // (ep if ep > 1 else 4)
         held = sum(s.local_bytes(sim.rank_program.program.mesh.sizes)
                    for f, s in sim.rank_program.program.params.items() if ".experts." in f)
         assert held == experts

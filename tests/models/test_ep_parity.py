@@ -1,7 +1,8 @@
 """Expert parallelism against one process: transformers MoE models (Mixtral, DeepSeek-V3, OLMoE) from configs.
 
 Every case trains 5 AdamW steps on the same global batches as the single-process reference and checks losses,
-step-1 gradients and final parameters (tests/parity.py), and that each rank holds E/ep experts.
+step-1 gradients and final parameters (tests/parity.py), and that each rank holds E/ep experts, each expert's
+matrices split over tp (column-parallel gate/up, row-parallel down).
 
 Tolerances: those of data parallelism (tests/models/test_dp_parity.py): the experts compute the same rows
 with the same weights, only on another rank (a grouped matmul over fewer rows may block its sums
@@ -10,6 +11,8 @@ differently), and the all-to-all moves values without arithmetic. Measured here 
 Bounds: losses 2e-5, gradients 2e-6, parameters 5e-5.
 """
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -46,6 +49,7 @@ def test_expert_parallel_matches_single_process(case):
         held = {f: s for f, s in out["local_shapes"].items() if ".experts." in f}
         whole = {f: tuple(p.shape) for f, p in zoo.build(model).named_parameters() if ".experts." in f}
         assert held, f"rank {rank}: holds no expert parameter (a pipeline stage without MoE layers?)"
-        for fqn, shape in held.items():  # exactly E/ep experts, each whole
-            assert shape == (experts // mesh["ep"], *whole[fqn][1:]), (rank, fqn, shape)
+        for fqn, shape in held.items():  # exactly E/ep experts, each split over tp (Megatron inside every expert)
+            assert shape[0] == experts // mesh["ep"], (rank, fqn, shape)
+            assert math.prod(shape) * mesh["ep"] * mesh.get("tp", 1) == math.prod(whole[fqn]), (rank, fqn, shape)
         assert "ep:S(0)" in out["report"] and "all_to_all" in out["report"]

@@ -4,8 +4,8 @@ GPT-NeoX, GPT-J), at tp=2 with and without sequence parallelism (and at tp=4 tho
 weight bytes from the ranks' local shapes.
 
 Fusion is on (the default): the chains next to the collectives run as meshc's fused kernels (their CPU
-implementations here). Mixtral's experts stay replicated (the opaque grouped-expert op has no sharding rule; attention is
-tensor-parallel): that is meshc's documented choice for MoE.
+implementations here). Mixtral's experts are split over tp like linear layers (each expert's gate/up column-parallel,
+its down row-parallel, through the grouped matmul's rule), with its attention.
 
 Tolerances: tensor parallelism splits contractions (row-parallel partial sums are added by an all-reduce)
 and, with vocab_parallel, the softmax of the loss; fp32 results then differ from one process by a few
@@ -63,7 +63,7 @@ def test_tp_matches_single_process(case):
 SHARDED = [("falcon_new", {}), ("falcon_new", {"sequence_parallel": True}), ("falcon_mha", {}),
            ("falcon_mha", {"sequence_parallel": True}), ("phi3", {}), ("phi3", {"sequence_parallel": True}),
            ("gpt_neox", {}), ("gpt_neox", {"sequence_parallel": True}), ("gptj", {}),
-           ("gptj", {"sequence_parallel": True})]
+           ("gptj", {"sequence_parallel": True}), ("mixtral", {}), ("mixtral", {"sequence_parallel": True})]
 SHARDED = [(m, 2, p) for m, p in SHARDED] + [(m, 4, {}) for m in ("gpt_neox", "falcon_mha", "gptj")]  # 4 heads
 
 
