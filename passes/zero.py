@@ -14,7 +14,8 @@ Buckets follow the blocks of the model (Plan.zero_bucket_mb caps them); tp-parti
 over tp inside the same bucket before the reduce-scatter.
 
 Requires: tensor_parallel has run (placeholders hold tp-local shapes); "meshc.shape" on values.
-Ensures: ParamSpec.placements["dp"] = F and ParamSpec.zero = stage for every parameter; stage 3: param
+Ensures: ParamSpec.placements["dp"] = F (["edp"] for an expert parameter, sharded over ep: the ranks holding the
+    same experts; its gradients still averaged over dp) and ParamSpec.zero = stage for every parameter; stage 3: param
     placeholders are flat shards ("dp" in Program.local_axes) consumed only through zero_gather buckets;
     stage 2: trainable params consumed only through zero_reduce buckets; Program.step_comms lists the
     collectives of the optimizer step; notes list the buckets in order.
@@ -44,6 +45,7 @@ from meshc.runtime.ops.zero import shard_size, zero_gather, zero_gather_start, z
 from .blocks import block_of, stages_using
 
 AXIS = "dp"
+EXPERT_AXIS = "edp"  # expert parameters' ZeRO axis: the ranks holding the same experts
 
 
 def zero_pass(program: Program) -> Program:
@@ -52,27 +54,38 @@ def zero_pass(program: Program) -> Program:
     if stage == 0:
         program.notes.append("zero = 0: parameters, gradients and optimizer states replicated on dp")
         return program
-    experts = [fqn for fqn, spec in program.params.items() if isinstance(spec.placements.get("ep"), Shard)]
     for spec in program.params.values():
-        if spec.fqn not in experts:  # expert parameters: already divided by ep, reduced over edp by grad_sync
-            spec.placements[AXIS] = FlatShard()
-            spec.zero = stage
+        spec.placements[axis_of(spec)] = FlatShard()
+        spec.zero = stage
+    experts = [fqn for fqn, spec in program.params.items() if axis_of(spec) == EXPERT_AXIS]
     if experts:
-        program.notes.append(f"{len(experts)} expert parameter(s) sharded over ep, not by ZeRO: each rank holds "
-                             f"its experts whole, with their gradients and optimizer states")
+        program.notes.append(f"{len(experts)} expert parameter(s) ZeRO-sharded over edp={program.mesh.size(EXPERT_AXIS)}"
+                             f" (the ranks holding the same experts), their gradients averaged over dp")
     managed = [(fqn, node) for fqn, node in program.param_nodes().items()
-               if fqn not in experts and node.users and (stage == 3 or program.params[fqn].requires_grad)]
+               if node.users and (stage == 3 or program.params[fqn].requires_grad)]
     buckets = _buckets(program, managed)
     order = {n: i for i, n in enumerate(program.gm.graph.nodes)}
     if stage == 3:
         _gather_buckets(program, buckets, order)
-        program.local_axes = program.local_axes | {AXIS}
+        program.local_axes = program.local_axes | {AXIS} | ({EXPERT_AXIS} if experts else set())
     elif stage == 2:
         for index, bucket in enumerate(buckets):
             _reduce_bucket(program, index, bucket, order)
     program.step_comms = _step_comms(program, stage)
     program.gm.recompile()
     return program
+
+
+def axis_of(spec) -> str:
+    """The axis a parameter's ZeRO shards go over: dp, or edp for an expert's (sharded over ep, a part of dp)."""
+    return EXPERT_AXIS if isinstance(spec.placements.get("ep"), Shard) else AXIS
+
+
+def _group(program: Program, fqn: str) -> tuple[str, int, str, int]:
+    """(axis, its size, this rank's group on it, what gradients are divided by: 0 for the axis' size) of a
+    parameter's ZeRO bucket."""
+    axis, mesh = axis_of(program.params[fqn]), program.mesh
+    return axis, mesh.size(axis), mesh.group_name(axis, program.rank), mesh.size(AXIS) if axis != AXIS else 0
 
 
 def _compute_dtype(program: Program, fqn: str) -> torch.dtype:
@@ -94,7 +107,8 @@ def _buckets(program: Program, managed: list[tuple[str, fx.Node]]) -> list[list[
     for fqn, node in managed:
         spec = program.params[fqn]
         nbytes = spec.local_bytes(program.mesh.sizes)
-        this_key = (spec.grad_partial, spec.requires_grad, _compute_dtype(program, fqn), stages_using(node))
+        this_key = (spec.grad_partial, spec.requires_grad, _compute_dtype(program, fqn), stages_using(node),
+                    axis_of(spec))
         this_block = block_of(first[fqn])
         if not buckets or this_block != block or this_key != key or used + nbytes > cap:
             buckets.append([])
@@ -106,8 +120,6 @@ def _buckets(program: Program, managed: list[tuple[str, fx.Node]]) -> list[list[
 
 def _gather_buckets(program: Program, buckets, order) -> None:
     graph, mesh = program.gm.graph, program.mesh
-    n = mesh.size(AXIS)
-    group = mesh.group_name(AXIS, program.rank)
     waits: list[fx.Node] = []
     last_use = [max(order[u] for _, node in b for u in node.users) for b in buckets]
     kept = last_use.index(max(last_use)) if program.plan.zero_keep_last else -1
@@ -115,6 +127,7 @@ def _gather_buckets(program: Program, buckets, order) -> None:
         fqns = [f for f, _ in bucket]
         nodes = [node for _, node in bucket]
         specs = [program.params[f] for f in fqns]
+        axis, n, group, average = _group(program, fqns[0])
         shapes = tuple(s.unflat_shape(mesh.sizes) for s in specs)
         dtype, reduce_dtype = _compute_dtype(program, fqns[0]), _reduce_dtype(program, fqns[0])
         partial = tuple(mesh.group_name(a, program.rank) for a in specs[0].grad_partial if mesh.size(a) > 1)
@@ -126,12 +139,12 @@ def _gather_buckets(program: Program, buckets, order) -> None:
         with graph.inserting_before(first_user):
             wait = graph.call_function(zero_gather, (None, *nodes), {
                 "bucket": index, "shapes": shapes, "group": group, "size": n, "dtype": dtype,
-                "partial": partial, "reduce_dtype": reduce_dtype, "keep": index == kept})
+                "partial": partial, "reduce_dtype": reduce_dtype, "keep": index == kept, "average": average})
         wait.meta["meshc.why"] = f"{why}: wait for the gathered parameters, copy them out; backward " \
                                  f"reduce-scatters their gradients"
         wait.meta["meshc.comm"] = [
-            CommRecord("all_gather", AXIS, gather_bytes, "backward", f"{why}: gathered again for backward"),
-            CommRecord("reduce_scatter", AXIS, scatter_bytes, "backward", f"{why}: gradients averaged over dp")]
+            CommRecord("all_gather", axis, gather_bytes, "backward", f"{why}: gathered again for backward"),
+            CommRecord("reduce_scatter", axis, scatter_bytes, "backward", f"{why}: gradients averaged over dp")]
         if index == kept:  # used last in forward, first in backward: kept, not gathered again
             wait.meta["meshc.comm"] = wait.meta["meshc.comm"][1:]
         wait.meta["meshc.bucket"] = fqns
@@ -139,7 +152,7 @@ def _gather_buckets(program: Program, buckets, order) -> None:
         with graph.inserting_before(anchor) if not waits else graph.inserting_after(anchor):
             start = graph.call_function(zero_gather_start, tuple(nodes), {"group": group, "size": n, "dtype": dtype})
         start.meta["meshc.why"] = f"{why}: all-gather issued before the previous bucket's block computes"
-        start.meta["meshc.comm"] = [CommRecord("all_gather", AXIS, gather_bytes, "forward", f"{why}: parameters")]
+        start.meta["meshc.comm"] = [CommRecord("all_gather", axis, gather_bytes, "forward", f"{why}: parameters")]
         wait.update_arg(0, start)
         _route(graph, wait, bucket, mesh)
         waits.append(wait)
@@ -177,7 +190,7 @@ def _reduce_bucket(program: Program, index: int, bucket, order) -> None:
     fqns = tuple(f for f, _ in bucket)
     nodes = [node for _, node in bucket]
     specs = [program.params[f] for f in fqns]
-    n = mesh.size(AXIS)
+    axis, n, group, average = _group(program, fqns[0])
     reduce_dtype = _reduce_dtype(program, fqns[0])
     partial = tuple(mesh.group_name(a, program.rank) for a in specs[0].grad_partial if mesh.size(a) > 1)
     first_user = min((u for node in nodes for u in node.users), key=order.__getitem__)
@@ -186,10 +199,10 @@ def _reduce_bucket(program: Program, index: int, bucket, order) -> None:
           f"reduce-scattered into the master shards as soon as backward completes them"
     with graph.inserting_before(first_user):
         node = graph.call_function(zero_reduce, tuple(nodes), {
-            "bucket": index, "fqns": fqns, "group": mesh.group_name(AXIS, program.rank), "size": n,
-            "partial": partial, "reduce_dtype": reduce_dtype})
+            "bucket": index, "fqns": fqns, "group": group, "size": n,
+            "partial": partial, "reduce_dtype": reduce_dtype, "average": average})
     node.meta["meshc.why"] = why
-    node.meta["meshc.comm"] = [CommRecord("reduce_scatter", AXIS, elems * n * reduce_dtype.itemsize, "backward", why)]
+    node.meta["meshc.comm"] = [CommRecord("reduce_scatter", axis, elems * n * reduce_dtype.itemsize, "backward", why)]
     node.meta["meshc.bucket"] = list(fqns)
     _route(graph, node, bucket, mesh)
     program.notes.append(f"bucket {index}: {block_of(first_user) or 'model'}, {len(bucket)} params")
@@ -200,14 +213,18 @@ def _step_comms(program: Program, stage: int) -> list[CommRecord]:
     if stage == 3:
         return []
     mesh = program.mesh
-    n = mesh.size(AXIS)
-    trainable = [s for s in program.params.values() if s.requires_grad and s.zero]
-    shard_elems = sum(s.local_shape(mesh.sizes)[0] for s in trainable)
     out = []
-    if stage == 1:
-        nbytes = shard_elems * n * (program.plan.reduce_dtype or program.plan.param_dtype or torch.float32).itemsize
-        out.append(CommRecord("reduce_scatter", AXIS, nbytes, "step", "ZeRO-1: gradients reduce-scattered at the step"))
-    dtype = program.plan.param_dtype or torch.float32
-    out.append(CommRecord("all_gather", AXIS, shard_elems * dtype.itemsize, "step",
-                          f"ZeRO-{stage}: updated parameter slices all-gathered after the step"))
+    for axis in (AXIS, EXPERT_AXIS):
+        trainable = [s for s in program.params.values() if s.requires_grad and s.zero and axis_of(s) == axis]
+        if not trainable:
+            continue
+        n = mesh.size(axis)
+        shard_elems = sum(s.local_shape(mesh.sizes)[0] for s in trainable)
+        if stage == 1:
+            nbytes = shard_elems * n * (program.plan.reduce_dtype or program.plan.param_dtype or torch.float32).itemsize
+            out.append(CommRecord("reduce_scatter", axis, nbytes, "step",
+                                  "ZeRO-1: gradients reduce-scattered at the step"))
+        dtype = program.plan.param_dtype or torch.float32
+        out.append(CommRecord("all_gather", axis, shard_elems * dtype.itemsize, "step",
+                              f"ZeRO-{stage}: updated parameter slices all-gathered after the step"))
     return out

@@ -37,7 +37,6 @@ class ParamStore:
         self.masters: dict[str, torch.nn.Parameter] = {}
         self.compute: dict[str, torch.Tensor] = {}
         self.pending: set[str] = set()
-        n, index = mesh.size(DP), mesh.coord(DP)
         for fqn, spec in program.params.items():
             if keep is not None and fqn not in keep:  # a pipeline stage on another rank holds it
                 continue
@@ -48,6 +47,8 @@ class ParamStore:
                 self.masters[fqn] = _parameter(allocate_local(full, spec, mesh), spec.requires_grad)
                 continue
             whole = allocate_local(full, _without_flat(spec), mesh)  # tp-local, whole on dp
+            axis = flat_axis(spec)
+            n, index = mesh.size(axis), mesh.coord(axis)
             dtype = self.plan.param_dtype or spec.dtype
             s = shard_size(whole.numel(), n)
             if dtype == spec.dtype:  # one padded buffer: the compute copy and (a view of it) the master
@@ -98,13 +99,14 @@ class ParamStore:
         pending = [f for f, t in self.compute.items() if t.grad is not None]
         if not pending:
             return
-        n = self.mesh.size(DP)
         for fqns in self._buckets(pending):
             grads = [self.compute[f].grad for f in fqns]
             dtype = self.plan.reduce_dtype or grads[0].dtype
+            axis = flat_axis(self.specs[fqns[0]])  # dp, or edp for experts: averaged over dp either way
+            n = self.mesh.size(axis)
             sizes = [shard_size(g.numel(), n) for g in grads]
-            flat = pack(grads, sizes, dtype, n).div_(n)
-            local = compat.reduce_scatter_sum(flat, n, self.mesh.group_name(DP)) if n > 1 else flat
+            flat = pack(grads, sizes, dtype, n).div_(self.mesh.size(DP))
+            local = compat.reduce_scatter_sum(flat, n, self.mesh.group_name(axis)) if n > 1 else flat
             for f, g in zip(fqns, local.split(sizes)):
                 master = self.masters[f]
                 master.grad = g.to(master.dtype) if master.grad is None else master.grad.add_(g.to(master.dtype))
@@ -113,12 +115,13 @@ class ParamStore:
     @torch.no_grad()
     def gather_updated(self) -> None:
         """After the step: every rank's updated master slices, all-gathered into the compute copies."""
-        n = self.mesh.size(DP)
         trainable = [f for f in self.compute if self.masters[f].requires_grad]
         for fqns in self._buckets(trainable):
             dtype = self.compute[fqns[0]].dtype
+            axis = flat_axis(self.specs[fqns[0]])
+            n = self.mesh.size(axis)
             local = torch.cat([self.masters[f].reshape(-1).to(dtype) for f in fqns])
-            whole = compat.all_gather(local, n, self.mesh.group_name(DP)) if n > 1 else local
+            whole = compat.all_gather(local, n, self.mesh.group_name(axis)) if n > 1 else local
             numels = [self.compute[f].numel() for f in fqns]
             sizes = [shard_size(k, n) for k in numels]
             shapes = [tuple(self.compute[f].shape) for f in fqns]
@@ -132,7 +135,9 @@ class ParamStore:
         for f in fqns:
             t = self.compute[f]
             nbytes = t.numel() * t.element_size()
-            if not out or used + nbytes > cap or t.dtype != self.compute[out[-1][0]].dtype:
+            first = out[-1][0] if out else None
+            if not out or used + nbytes > cap or t.dtype != self.compute[first].dtype \
+                    or flat_axis(self.specs[f]) != flat_axis(self.specs[first]):
                 out.append([])
                 used = 0.0
             out[-1].append(f)
@@ -190,6 +195,11 @@ class ParamStore:
             out["offloaded"] = sum(t.numel() * t.element_size() for t in away)
             out["offload_pool"] = sum(o.stats.pool_bytes for o in offloads)
         return out
+
+
+def flat_axis(spec) -> str:
+    """The axis of a parameter's ZeRO shards: dp, or edp for an expert's (passes/zero.py)."""
+    return next((a for a, p in spec.placements.items() if isinstance(p, FlatShard)), DP)
 
 
 def _parameter(t: torch.Tensor, requires_grad: bool) -> torch.nn.Parameter:

@@ -101,9 +101,10 @@ def unpack_bucket(buffer: torch.Tensor, meta) -> list[torch.Tensor]:
 
 def _reduce_scatter_start(grads, meta) -> torch.Tensor:
     """Issue the bucket's gradient reduction: summed over the partial groups, then a reduce-scatter over
-    dp of the gradients pre-scaled by 1/N (an average); returns the un-waited local result."""
+    the bucket's group of the gradients pre-scaled by 1/dp (an average over data parallelism: the group is dp,
+    or edp for experts, whose ep group's sum is already in); returns the un-waited local result."""
     filled = [g if g is not None else torch.zeros(shape, dtype=meta.reduce_dtype) for g, shape in zip(grads, meta.shapes)]
-    flat = _pack(filled, meta.sizes, meta.reduce_dtype, meta.n, meta.fused).div_(meta.n)
+    flat = _pack(filled, meta.sizes, meta.reduce_dtype, meta.n, meta.fused).div_(meta.average or meta.n)
     for g in meta.partial:
         flat = compat.all_reduce_sum(flat, g)
     return compat.reduce_scatter_start(flat, meta.n, meta.group)  # (sum(sizes),) once waited
@@ -186,18 +187,19 @@ class BucketMeta:
     master_dtype: torch.dtype
     dtype: torch.dtype  # the compute dtype the bucket is gathered in
     fused: bool = False  # copy-in, copy-out and the gradient prologue run as meshc kernels
+    average: int = 0  # what the summed gradients are divided by: dp (0: n, the group is dp itself)
 
 
 def zero_gather(raw: torch.Tensor, *shards: torch.Tensor, bucket: int, shapes: tuple, group: str, size: int,
                 dtype: torch.dtype, partial: tuple = (), reduce_dtype: torch.dtype = torch.float32,
-                keep: bool = False, fused: bool = False) -> tuple[torch.Tensor, ...]:
+                keep: bool = False, fused: bool = False, average: int = 0) -> tuple[torch.Tensor, ...]:
     """The bucket's full parameters from its gathered buffer; backward reduce-scatters their gradients.
 
     With `keep`, autograd keeps them for backward (the bucket used last in forward) instead of a re-gather.
     """
     numels = [math.prod(s) for s in shapes]
     meta = BucketMeta(bucket, [shard_size(k, size) for k in numels], numels, [tuple(s) for s in shapes], size,
-                      group, tuple(partial), reduce_dtype, shards[0].dtype, dtype, fused)
+                      group, tuple(partial), reduce_dtype, shards[0].dtype, dtype, fused, average)
     context = active_context()
     full = _Gather.apply(raw, meta, context.pending if context is not None else None, *shards)
     if context is not None:
@@ -219,7 +221,8 @@ class _Reduce(torch.autograd.Function):
 
 
 def zero_reduce(*params: torch.Tensor, bucket: int, fqns: tuple, group: str, size: int, partial: tuple = (),
-                reduce_dtype: torch.dtype = torch.float32, fused: bool = False) -> tuple[torch.Tensor, ...]:
+                reduce_dtype: torch.dtype = torch.float32, fused: bool = False,
+                average: int = 0) -> tuple[torch.Tensor, ...]:
     """Identity; backward reduce-scatters the bucket's gradients into its master shards' .grad (ZeRO-2)."""
     context = active_context()
     if context is None:
@@ -228,5 +231,5 @@ def zero_reduce(*params: torch.Tensor, bucket: int, fqns: tuple, group: str, siz
         raise MeshcRuntimeError("zero_reduce: expected to run inside a meshc job (its master shards receive the gradients)")
     numels = [p.numel() for p in params]
     meta = BucketMeta(bucket, [shard_size(k, size) for k in numels], numels, [tuple(p.shape) for p in params], size,
-                      group, tuple(partial), reduce_dtype, torch.float32, params[0].dtype, fused)
+                      group, tuple(partial), reduce_dtype, torch.float32, params[0].dtype, fused, average)
     return _Reduce.apply(meta, tuple(context.masters[f] for f in fqns), context.pending, *params)
