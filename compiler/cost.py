@@ -33,7 +33,8 @@ Formulas:
   mixture of experts: each expert's matrices are split over tp like an MLP's (the grouped matmul's rule), so
       an MoE layer's expert weights, FLOPs and activations are divided by t. Expert parallelism (e
       ranks of dp, passes/experts.py) divides the expert weights X = E·(2|3)·h·f per layer by e too; with e > 1
-      (u_e) they are held whole by ZeRO (only the rest of Ψ is divided by N), their gradients all-reduced over N/e ranks,
+      (u_e) ZeRO shards them over the N/e ranks holding the same experts (the rest of Ψ over N), and their
+      gradients are reduced over those N/e ranks,
       and each layer's rows s·b·K·h cross e ranks by all-to-all 4 times per micro-batch (dispatch and
       combine, forward and backward), balanced routing.
   bubble: GPipe and 1F1B (p−1)/m, interleaved (p−1)/(v·m), ZB-H1 (p−1)/(3m) for m ≥ p.
@@ -293,8 +294,8 @@ def formulas(hw: Hardware, flags) -> dict[str, sympy.Expr]:
     act_layer, act_none = _activations_per_layer(flags)
     zz = z1 + z2 + z3
     logits = s * b * V / v_div * (cb + 4)
-    experts = u_e * L / p * _expert_params(flags)  # sharded over ep > 1: held whole, no ZeRO division
-    sf, sl = (_plus(_states(x - experts, z1, z2, z3, N, pb, gb, ko), _states(experts, 0, 0, 0, N, pb, gb, ko))
+    experts = u_e * L / p * _expert_params(flags)  # sharded over ep > 1: ZeRO divides them over N/e only
+    sf, sl = (_plus(_states(x - experts, z1, z2, z3, N, pb, gb, ko), _states(experts, z1, z2, z3, N / e, pb, gb, ko))
               for x in (first, last))
     psi = Max(first, last, evaluate=False) - experts
     boundary = s * b * h * cb / t_sp
@@ -317,13 +318,19 @@ def formulas(hw: Hardware, flags) -> dict[str, sympy.Expr]:
               + sp * (_coll(hw, "reduce_scatter", t, act_payload, x_t) + _coll(hw, "all_gather", t, act_payload / t, x_t)))
     tp_time = m * (L / p * (4 + 2 * rf) * tp_one + vp * _coll(hw, "all_reduce", t, act_payload, x_t))
     grads, shard = psi * gb, psi * pb / N
-    dp_bwd = m * ((1 - zz) * _coll(hw, "all_reduce", N, grads, x_n) + z2 * _coll(hw, "reduce_scatter", N, grads, x_n)
-                  + z3 * (2 * _coll(hw, "all_gather", N, shard, x_n) + _coll(hw, "reduce_scatter", N, grads, x_n))
-                  + (u_e * _coll(hw, "all_reduce", N / e, experts * gb, x_n) if flags[4] else 0))
+
+    def data_parallel(grads, shard, n):  # the backward's reductions of `grads` over n ranks, and the step's
+        bwd = m * ((1 - zz) * _coll(hw, "all_reduce", n, grads, x_n) + z2 * _coll(hw, "reduce_scatter", n, grads, x_n)
+                   + z3 * (2 * _coll(hw, "all_gather", n, shard, x_n) + _coll(hw, "reduce_scatter", n, grads, x_n)))
+        step = (z1 + z2) * _coll(hw, "all_gather", n, shard, x_n) + z1 * _coll(hw, "reduce_scatter", n, grads, x_n)
+        return bwd, step
+    dp_bwd, dp_step = data_parallel(grads, shard, N)
+    if flags[4]:  # experts sharded over ep: their replicas are the N/e ranks of an edp group
+        ex_bwd, ex_step = data_parallel(experts * gb, experts * pb * e / N, N / e)
+        dp_bwd, dp_step = dp_bwd + u_e * ex_bwd, dp_step + u_e * ex_step
     a2a_payload = s * b * K * h * cb if flags[4] else 0
     ep_time = m * L / p * (4 + 2 * rf) * _coll(hw, "all_to_all", e, a2a_payload, x_e) if flags[4] else sympy.Integer(0)
-    dp_step = (z1 + z2) * _coll(hw, "all_gather", N, shard, x_n) + z1 * _coll(hw, "reduce_scatter", N, grads, x_n) \
-        + _coll(hw, "all_reduce", N, 4, x_n)
+    dp_step = dp_step + _coll(hw, "all_reduce", N, 4, x_n)
     send = _coll(hw, "send", 2, boundary, x_p)  # neighbouring stages are N·t ranks apart
     pp_time = u_p * (2 * (p - 1) + 2 * (m - 1) * (1 - hw.overlap)) * send
     if tied:
@@ -336,7 +343,7 @@ def formulas(hw: Hardware, flags) -> dict[str, sympy.Expr]:
         "compute": m * t_mb, "recompute": m * recompute, "bubble": beta * compute, "tp": tp_time, "ep": ep_time,
         "pp": pp_time,
         "dp": Max(0, dp_bwd - hw.overlap * compute, evaluate=False), "step": dp_step,
-        "optimizer_time": hw.adam_time(psi * (1 - zz + zz / N) + experts),
+        "optimizer_time": hw.adam_time(psi * (1 - zz + zz / N) + experts * (1 - zz + zz * e / N)),
         "overhead": hw.step_overhead + q * 2 * m * hw.action_overhead,
         "flops": 3 * m * (L / p * layer_flops + head_flops) + rf * m * L / p * layer_flops,
         "dp_bytes": m * ((1 - zz) * grads + z2 * grads + z3 * (2 * shard + grads)) + (z1 + z2) * shard + z1 * grads,

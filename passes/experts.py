@@ -41,6 +41,7 @@ After (ep=2):
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -48,7 +49,7 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler.ir.errors import MeshcWarning, warn
-from meshc.compiler.ir.fx_ops import is_grouped_mm, is_view, op_short_name
+from meshc.compiler.ir.fx_ops import grouped_mm_args, is_grouped_mm, is_view, op_short_name
 from meshc.compiler.ir.placement import Shard
 from meshc.compiler.ir.program import CommRecord, Program
 from meshc.runtime.ops.experts import combine, dispatch
@@ -106,9 +107,11 @@ def experts_pass(program: Program) -> Program:
 
 
 def grouped_mm_flops(node: fx.Node) -> float:
-    """Forward FLOPs of a grouped matmul: every row meets one expert's (K, N) matrix, 2·rows·K·N."""
-    rows, weight = (a.meta["val"] for a in node.args[:2])
-    return 2.0 * rows.shape[0] * weight.shape[1] * weight.shape[2]
+    """Forward FLOPs of a grouped matmul: every row meets one expert's (K, N) matrix, 2·rows·K·N (the batched
+    form, 3-D rows without offsets: 2·B·M·K·N)."""
+    rows, weight, _, _ = grouped_mm_args(node)
+    rows, weight = rows.meta["val"], weight.meta["val"]
+    return 2.0 * math.prod(rows.shape[:-1]) * weight.shape[-2] * weight.shape[-1]
 
 
 def find_regions(program: Program) -> list[ExpertRegion]:
@@ -118,7 +121,9 @@ def find_regions(program: Program) -> list[ExpertRegion]:
     for node in program.gm.graph.nodes:
         if not is_grouped_mm(node):
             continue
-        rows, weight, offsets = node.args[:3]
+        rows, weight, offsets, bias = grouped_mm_args(node)
+        if not isinstance(offsets, fx.Node):  # the batched form: no rows sorted by expert
+            continue
         experts = int(offsets.meta["val"].shape[0])
         region = by_offsets.setdefault(offsets, ExpertRegion(offsets, [], [], experts))
         region.matmuls.append(node)
@@ -128,11 +133,34 @@ def find_regions(program: Program) -> list[ExpertRegion]:
                                   f"{experts} experts read through views")
         elif param not in region.params:
             region.params.append(param)
+        if bias is not None:
+            region.stopped.append(f"{node.format_node()} adds a per-expert bias (not sharded with its experts)")
     order = {n: i for i, n in enumerate(program.gm.graph.nodes)}
+    placeholders = program.param_nodes()
     for region in by_offsets.values():
+        for fqn in region.params:  # a weight read elsewhere too would read only this rank's experts there
+            other = _use_outside(placeholders[fqn], set(region.matmuls))
+            if other is not None:
+                region.stopped.append(f"{fqn} is also used by {other.format_node()}, outside the grouped matmuls")
         if not region.stopped:
             _bound(region, order)
     return list(by_offsets.values())
+
+
+def _use_outside(param: fx.Node, matmuls: set[fx.Node]) -> fx.Node | None:
+    """A node that uses `param` (through views) other than as a weight of `matmuls`, if any."""
+    stack = [param]
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in matmuls and user.args[1] is node:
+                continue
+            if user.op == "call_function" and (is_view(user.target) or op_short_name(user.target) == "to") \
+                    and user.args[0] is node:
+                stack.append(user)
+                continue
+            return user
+    return None
 
 
 def _param_through_views(node: fx.Node, fqn_of: dict) -> str | None:

@@ -33,6 +33,8 @@ from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.fx_ops import is_grouped_mm, op_name
 from meshc.compiler.ir.program import Program
 
+from meshc.runtime.ops.experts import combine
+
 from .blocks import block_of
 from .experts import grouped_mm_flops
 
@@ -61,6 +63,7 @@ def pipeline_split_pass(program: Program) -> Program:
     cost = _flops(order)
     crossing = _crossing_bytes(order, acts)
     cuts = _chosen_cuts(program, order, cost, crossing, stages)
+    _outside_expert_exchanges(order, cuts)
     stage = 0
     for i, node in enumerate(order):
         if stage < len(cuts) and i == cuts[stage]:
@@ -71,6 +74,24 @@ def pipeline_split_pass(program: Program) -> Program:
         program.notes.append(f"stage {s.stage}: {', '.join(s.blocks) or '-'}; {s.flops / 1e9:.3f} GFLOP forward, "
                              f"{s.param_bytes / 2**20:.2f} MiB parameters, {s.boundary_bytes / 2**10:.1f} KiB sent on")
     return program
+
+
+def _exchanges(order: list[fx.Node]) -> list[tuple[int, int]]:
+    """(dispatch, combine) positions of every expert layer: no stage may begin in (dispatch, combine], as the
+    rows in between have a data-dependent count (passes/experts.py) and a stage boundary has a fixed shape."""
+    position = {n: i for i, n in enumerate(order)}
+    return [(position.get(n.args[1].args[0], 0), position[n]) for n in order  # combine(rows, getitem(dispatch, 2), ..)
+            if n.op == "call_function" and n.target is combine]
+
+
+def _outside_expert_exchanges(order: list[fx.Node], cuts: list[int]) -> None:
+    for lo, hi in _exchanges(order):
+        inside = [c for c in cuts if lo < c <= hi]
+        if inside:
+            raise MeshcValueError(f"pipeline split: a stage would begin at {order[inside[0]].format_node()}, "
+                                  f"between an expert layer's dispatch ({order[lo].name}) and its combine "
+                                  f"({order[hi].name}); move the cut (Plan(split_points=...) or meshc.pipe_split()) "
+                                  f"before or after the expert layer")
 
 
 def activations(program: Program) -> set[fx.Node]:
@@ -159,7 +180,8 @@ def _chosen_cuts(program: Program, order, cost, crossing, stages: int) -> list[i
                                   f"{len(forced)} from "
                                   f"{'Plan.split_points' if program.plan.split_points else 'pipe_split()'}")
         return forced
-    candidates = _candidates(order, cost, crossing)
+    spans = _exchanges(order)
+    candidates = [c for c in _candidates(order, cost, crossing) if not any(lo < c <= hi for lo, hi in spans)]
     if len(candidates) < stages - 1:
         raise MeshcValueError(f"pipeline split: expected at least {stages - 1} places to cut for pp×virtual = {stages} "
                               f"stages, got {len(candidates)} (boundaries between blocks); use fewer stages "

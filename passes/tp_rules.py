@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from meshc.compiler.ir.fx_ops import op_name, tensor_args
+from meshc.compiler.ir.fx_ops import grouped_mm_args, op_name, tensor_args
 from meshc.compiler.ir.placement import P, Partial, Placement, R, Replicate, Shard
 from meshc.compiler.ir.program import CommRecord
 from meshc.runtime.ops.experts import combine, dispatch
@@ -273,9 +273,11 @@ def grouped_mm_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     """rows (S, K) through each row's expert of weight (E, K, N) (ir/fx_ops.GROUPED_MM; found by name, so not in
     COMPUTE_RULES): experts split like linear layers (Megatron inside every expert). N sharded -> output's last
     dim sharded (column-parallel); K sharded on both -> partial sum (row-parallel); rows and offsets stay whole."""
-    rows, weight = node.args[0], node.args[1]
+    rows, weight, offsets, bias = grouped_mm_args(node)
+    if offsets is None or bias is not None or len(node.args) < 3:  # batched form, or a bias: no rule of its own
+        return no_rule(node, ctx)
     pr, pw = ctx.pl(rows), ctx.pl(weight)
-    req: dict[tuple, Placement] = {(2,): R} if not isinstance(ctx.pl(node.args[2]), Replicate) else {}
+    req: dict[tuple, Placement] = {(2,): R} if not isinstance(ctx.pl(offsets), Replicate) else {}
     if isinstance(pr, Partial) or isinstance(pw, Partial) or (isinstance(pr, Shard) and pr.dim == 0):
         return _gather_all(node, ctx, "a partial or row-sharded operand of a grouped matmul")
     if isinstance(pw, Shard) and pw.dim == 2:  # column-parallel experts

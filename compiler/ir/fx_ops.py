@@ -43,6 +43,13 @@ def is_grouped_mm(node: Any) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and op_name(node.target).split(".")[0] in GROUPED_MM
 
 
+def grouped_mm_args(node: fx.Node) -> tuple[Any, Any, Any, Any]:
+    """(rows, weight, offsets, bias) of a grouped matmul call; offsets None for the batched form (3-D rows)."""
+    args, kw = list(node.args) + [None] * (4 - len(node.args)), node.kwargs
+    return (args[0], args[1], args[2] if args[2] is not None else kw.get("offs"),
+            args[3] if args[3] is not None else kw.get("bias"))
+
+
 def op_name(target: Any) -> str:
     """The schema name of an ATen or custom op ("aten::add.Tensor"); a Python callable's `__name__`."""
     name = getattr(target, "name", None)

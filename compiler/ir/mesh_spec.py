@@ -41,6 +41,9 @@ class MeshSpec:
             if n < 1:
                 raise MeshcValueError(f"mesh: expected {axis} to be a positive int, got {n}")
         ep = sizes.pop("ep")
+        if "edp" in self.sizes and int(self.sizes["edp"]) * ep != sizes["dp"]:
+            raise MeshcValueError(f"mesh: expected edp = dp/ep = {sizes['dp'] // ep}, got edp={self.sizes['edp']}; "
+                                  f"give dp and ep (edp follows)")
         if ep > 1:
             if sizes["dp"] % ep:
                 raise MeshcValueError(f"mesh: expected ep to divide dp (expert parallelism shards the experts over a "
@@ -119,7 +122,8 @@ class MeshSpec:
         return self.group_names.get((axis, members)) or label(axis, members)
 
     def describe(self) -> str:
-        axes = " × ".join(f"{a}={self.sizes[a]}" for a in ("dp", "ep", "tp", "pp") if a in self.sizes)
+        dp = f"dp={self.sizes['dp']}" + (f" (ep={self.sizes['ep']} × edp={self.sizes['edp']})" if "ep" in self.sizes else "")
+        axes = " × ".join([dp] + [f"{a}={self.sizes[a]}" for a in ("tp", "pp")])
         where = f", {self.backend} on {self.device_type}" if self.backend != "none" else ", no process group"
         return f"{axes} ({self.world_size} ranks{where})"
 

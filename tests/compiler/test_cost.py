@@ -161,9 +161,10 @@ def test_compiled_and_formula_agree_on_transformers_models(kind, tmp_path):
 
 
 def test_expert_parallel_memory_and_all_to_all_agree(tmp_path):
-    """A small Mixtral on dp=4 with ep=2: the compiled rank holds half the experts of every layer, as the
-    formulas say (X/e per layer, held whole under ZeRO), and both count the same all-to-all bytes per step
-    (4 exchanges of s·b·K·h per layer: dispatch and combine, forward and backward)."""
+    """A small Mixtral on dp=4 with ep=2 under ZeRO-3: the compiled rank holds half the experts of every layer,
+    ZeRO-sharded over the 2 ranks holding the same ones, as the formulas say (X/e per layer over N/e), and both
+    count the same all-to-all bytes per step (4 exchanges of s·b·K·h per layer: dispatch and combine, forward and
+    backward)."""
     import json
 
     from meshc.explain_cli import simulate
@@ -179,8 +180,8 @@ def test_expert_parallel_memory_and_all_to_all_agree(tmp_path):
         sim = simulate(str(path), {"dp": 4, "ep": ep}, plan=plan, batch=8, hardware="h100")
         compiled = estimate_compiled(sim.rank_program, "h100")
         formula = formula_estimate(shape, {"dp": 4, "ep": ep}, plan, 8, hardware.load("h100"))
-        # layers × E × 3 × h × f, fp32: over ep, or ZeRO's dp
-        experts = 2 * 4 * 3 * 64 * 128 * 4 // (ep if ep > 1 else 4)
+        # layers × E × 3 × h × f, fp32: over ep, then ZeRO over the 4/ep ranks holding the same experts
+        experts = 2 * 4 * 3 * 64 * 128 * 4 // ep // (4 // ep)
         held = sum(s.local_bytes(sim.rank_program.program.mesh.sizes)
                    for f, s in sim.rank_program.program.params.items() if ".experts." in f)
         assert held == experts

@@ -111,3 +111,54 @@ def test_experts_not_dividing_ep_stay_replicated():
         _, program = _compile(zoo.mixtral(), torch.randint(0, zoo.VOCAB, (3, zoo.SEQ)), dp=3, ep=3)
     assert all(s.placements["ep"] == Replicate() for s in program.params.values())
     assert not _calls(program, dispatch)
+
+
+class WeightReadTwice(TinyMoE):
+    """The experts' weight also read outside the grouped matmuls (a penalty on it): sharded, that read would see
+    only this rank's experts."""
+
+    def forward(self, x):
+        return super().forward(x) + self.w_in.float().pow(2).sum()
+
+
+def test_expert_weight_read_elsewhere_keeps_experts_replicated():
+    torch.manual_seed(0)
+    with pytest.warns(MeshcWarning, match="w_in is also used by .*outside the grouped matmuls"):
+        _, program = _compile(WeightReadTwice(), torch.randn(8, 8, dtype=torch.bfloat16), dp=2, ep=2)
+    assert program.params["w_in"].placements["ep"] == Replicate()
+    assert not _calls(program, dispatch)
+
+
+class Batched(torch.nn.Module):
+    """torch's grouped matmul in its batched form (3-D rows, no offsets): not an expert layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 8, 16, dtype=torch.bfloat16))
+
+    def forward(self, x):  # (2, T, 8)
+        return torch._grouped_mm(x, self.w).sum(-1)
+
+
+@pytest.mark.parametrize("sizes", [{"dp": 2}, {"dp": 2, "ep": 2}, {"tp": 2}])
+def test_batched_grouped_matmul_is_not_an_expert_layer(sizes):
+    _, program = _compile(Batched(), torch.randn(2, 8, 8, dtype=torch.bfloat16), **sizes)
+    assert not _calls(program, dispatch) and not program.experts
+
+
+def test_no_pipeline_stage_begins_inside_an_expert_exchange():
+    """A forced cut between an expert layer's dispatch and its combine is refused (the rows there have a
+    data-dependent count); the automatic split never puts one there."""
+    from meshc.passes.pipeline_split import _outside_expert_exchanges, activations
+
+    model = zoo.MODELS["mixtral4"]()
+    x = torch.randint(0, zoo.VOCAB, (2, zoo.SEQ))
+    _, program = _compile(model, x, dp=2, ep=2, pp=2)
+    order = [n for n in program.gm.graph.nodes if n in activations(program)]
+    inside = next(i for i, n in enumerate(order) if n.target is dispatch) + 2
+    with pytest.raises(ValueError, match="between an expert layer's dispatch .* and its combine"):
+        _outside_expert_exchanges(order, [inside])
+    stages = [n.meta["meshc.stage"] for n in order]
+    for i, n in enumerate(order):
+        if n.target is combine:
+            assert stages[i] == stages[order.index(n.args[1].args[0])]
