@@ -53,6 +53,13 @@ def rss_mib(field: str = "VmRSS") -> float:
     return float("nan")
 
 
+def last_error(log: str) -> str:
+    """The last error line of a failed launch's log (torchrun's own wrapper lines left out), for a table row."""
+    lines = [line.split("]:", 1)[-1].strip() for line in log.splitlines() if "Error" in line and ":" in line]
+    lines = [line for line in lines if not line.startswith(("torch.distributed.elastic", "raise", "RuntimeError: {"))]
+    return lines[-1][:200] if lines else "see its log"
+
+
 def report(result: dict) -> None:
     """Rank 0 of a worker: hand the result back to the driver."""
     if int(os.environ.get("RANK", "0")) == 0:

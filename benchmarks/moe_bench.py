@@ -39,7 +39,7 @@ from contextlib import contextmanager
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import arg_parser, launch, median_step, report, rss_mib, run_worker, table, wire_bytes  # noqa: E402
+from common import last_error, arg_parser, launch, median_step, report, rss_mib, run_worker, table, wire_bytes  # noqa: E402
 
 SEQ, VOCAB, EXPERTS, TOP_K, RANKS = 128, 8000, 8, 2, 4
 HIDDEN, INTER, HEADS, KV_HEADS = 256, 512, 8, 4
@@ -299,7 +299,7 @@ def main() -> None:
                 out = launch(os.path.abspath(__file__), RANKS, cfg, timeout=3600)
             except RuntimeError as e:
                 print(str(e), file=sys.stderr, flush=True)
-                rows.append({"framework": label, "ep": ep, "by axis MiB": "failed: " + _last_error(str(e))})
+                rows.append({"framework": label, "ep": ep, "by axis MiB": "failed: " + last_error(str(e))})
                 print(rows[-1], flush=True)
                 continue
             rows.append(_row(label, ep, out["ranks"]))
@@ -315,12 +315,6 @@ def main() -> None:
         if full:
             ratios = ", ".join(f"ep={r['ep']}: {r['_expert'] / full:.6g} (1/ep = {1 / r['ep']:.6g})" for r in mine)
             print(f"\n{label} expert memory ratio vs replicated: {ratios}")
-
-
-def _last_error(log: str) -> str:
-    lines = [line.split("]:", 1)[-1].strip() for line in log.splitlines() if "Error" in line and ":" in line]
-    lines = [line for line in lines if not line.startswith(("torch.distributed.elastic", "raise", "RuntimeError: {"))]
-    return lines[-1][:200] if lines else "see its log"
 
 
 def _deepspeed_ready():

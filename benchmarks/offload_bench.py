@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import arg_parser, launch, report, rss_mib, run_worker, table  # noqa: E402
+from common import last_error, arg_parser, launch, report, rss_mib, run_worker, table  # noqa: E402
 
 SEQ = 128
 
@@ -188,7 +188,7 @@ def main() -> None:
             except RuntimeError as e:
                 if not mode.startswith("ds-"):
                     raise
-                rows.append({"ranks": nproc, "run": label, "losses": "failed: " + _last_error(str(e))})
+                rows.append({"ranks": nproc, "run": label, "losses": "failed: " + last_error(str(e))})
                 print(rows[-1], flush=True)
                 continue
             finally:
@@ -211,12 +211,6 @@ def main() -> None:
     print(f"\nbuilt-in GPT, gpt2-medium width, {args.layers} layers, ZeRO-3, AdamW, 1x{SEQ} tokens per rank")
     print(table(rows, ["ranks", "run", "init peak MiB", "peak MiB", "steady MiB", "offloaded MiB", "pool MiB", "RSS saved / offloaded",
                        "step s", "step vs none", "losses", "exit"]))
-
-
-def _last_error(log: str) -> str:
-    lines = [line.split("]:", 1)[-1].strip() for line in log.splitlines() if "Error" in line and ":" in line]
-    lines = [line for line in lines if not line.startswith(("torch.distributed.elastic", "raise", "RuntimeError: {"))]
-    return lines[-1][:200] if lines else "see its log"
 
 
 def _deepspeed_ready():

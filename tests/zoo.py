@@ -83,15 +83,16 @@ def lm_loss(outputs, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-def mixtral(seed: int = 0, layers: int = 2) -> torch.nn.Module:
-    """Hugging Face Mixtral: Llama-style attention with a top-2 mixture of 4 experts per block."""
+def mixtral(seed: int = 0, layers: int = 2, aux_loss: float = 0.0) -> torch.nn.Module:
+    """Hugging Face Mixtral: Llama-style attention with a top-2 mixture of 4 experts per block; with `aux_loss`,
+    its outputs carry the router's load-balancing loss (output_router_logits) of that coefficient."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
     cfg = MixtralConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                         intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ, num_local_experts=4,
                         num_experts_per_tok=2, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                        router_aux_loss_coef=0.0)
+                        router_aux_loss_coef=aux_loss, output_router_logits=aux_loss > 0)
     return MixtralForCausalLM(cfg)
 
 

@@ -134,3 +134,46 @@ def test_routing_census_states_and_checkpoint(biased, tmp_path):
     loaded = run_ranks(_load_rank, 1, folder, timeout=120)[0]
     for key, value in results[0]["params"].items():
         assert torch.equal(loaded[key], value), key
+
+
+AUX = 0.02
+
+
+def _aux_loss(out, y):
+    """The language-model loss plus the router's load-balancing loss the model returns (Mixtral's recipe)."""
+    return zoo.lm_loss(out.logits, y) + AUX * out.aux_loss
+
+
+def _aux_rank() -> dict:
+    import meshc
+
+    mesh = meshc.mesh(dp=2, ep=2, timeout_s=90)
+    data = zoo.batches(STEPS, BATCH)
+    job = meshc.compile(zoo.mixtral(aux_loss=AUX), mesh, example_inputs=(mesh.shard_batch(data[0][0]),),
+                        plan=meshc.Plan(verify=True, trace="non-strict"))
+    opt = job.optimizer(torch.optim.AdamW, lr=parity.LR)
+    losses = []
+    for x, y in data:
+        losses.append(job.step(mesh.shard_batch(x), mesh.shard_batch(y), _aux_loss).item())
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "params": job.state_dict()}
+
+
+def test_router_aux_loss_composes():
+    """The load-balancing loss, computed by the model from its router logits, trains under ep as under data
+    parallelism: each rank's loss is over its own batch (its routing statistics too), averaged over dp. The
+    reference does that in one process (the mean of the two halves' losses); same tolerances as above."""
+    ref = zoo.mixtral(aux_loss=AUX)
+    opt = torch.optim.AdamW(ref.parameters(), lr=parity.LR)
+    ref_losses = []
+    for x, y in zoo.batches(STEPS, BATCH):
+        loss = sum(_aux_loss(ref(xs), ys) for xs, ys in zip(x.chunk(2), y.chunk(2))) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    for out in run_ranks(_aux_rank, 2, timeout=240):
+        assert max(abs(a - b) for a, b in zip(out["losses"], ref_losses)) < 2e-5, (out["losses"], ref_losses)
+        diff, where = parity.max_diff(out["params"], ref.state_dict())
+        assert diff < 5e-5, (where, diff)
