@@ -137,8 +137,9 @@ def _expert_lines(program: Program) -> list[str]:
     for region in program.experts:
         params = ", ".join(region.params) or "(no parameter)"
         ops = sorted({op_label(m.target) for m in region.matmuls})
-        found = f"{params}: {region.experts} experts, the weights of {len(region.matmuls)} grouped matmul(s) " \
-                f"({', '.join(ops)}) sharing one offsets tensor"
+        shared = "sharing one offsets tensor" if region.ids is None else "gathered by one expert-id tensor"
+        found = f"{params}: {region.experts} experts, the weights of {len(region.matmuls)} matmul(s) " \
+                f"({', '.join(ops)}) {shared}"
         if region.stopped:
             out.append(f"{found}; replicated: {region.stopped[0]}")
         else:

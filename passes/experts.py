@@ -10,7 +10,10 @@ Recognition (as rules over ops and data flow):
   * a grouped matmul `grouped_mm(rows, weight, offsets)` (transformers' `grouped_mm_fallback`, torch's
     `_grouped_mm`): rows sorted by expert, `offsets` the running count per expert, `weight` a parameter
     with a leading expert dim E = len(offsets), read through views (a transpose);
-  * the grouped matmuls sharing one `offsets` are one expert region; the ops between them must be
+  * or, gathered: `bmm(weight[ids], rows)` (transformers' batched_mm experts), `weight` a 3-D parameter indexed
+    by a 1-D tensor of expert ids, one per row; the rows are sorted by id first (then as above) and put back
+    in their order after the combine;
+  * the grouped matmuls sharing one `offsets` (or one `ids`) are one expert region; the ops between them must be
     row-wise (pointwise ops, splits of the feature dim, dtype casts): then the region is computed on the
     rows of the local experts only. Its one input (the sorted rows) is dispatched before the first grouped
     matmul; its one output is combined after the last.
@@ -52,11 +55,12 @@ from meshc.compiler.ir.errors import MeshcWarning, warn
 from meshc.compiler.ir.fx_ops import grouped_mm_args, is_grouped_mm, is_view, op_short_name
 from meshc.compiler.ir.placement import Shard
 from meshc.compiler.ir.program import CommRecord, Program
-from meshc.runtime.ops.experts import combine, dispatch
+from meshc.runtime.ops.experts import combine, dispatch, local_ids, sort_rows, unsort_rows
 
 from .tensor_parallel import refresh_vals
 
 AXIS = "ep"
+aten = torch.ops.aten
 # Row-wise beyond pointwise ops: casts, metadata checks, and cuts of the feature dim (checked below).
 _ROWWISE = frozenset({"_assert_tensor_metadata", "to", "_to_copy", "clone", "contiguous", "chunk", "split",
                       "split_with_sizes", "slice", "narrow", "getitem", "dropout", "native_dropout"})
@@ -66,13 +70,18 @@ _ROWWISE = frozenset({"_assert_tensor_metadata", "to", "_to_copy", "clone", "con
 class ExpertRegion:
     """One mixture-of-experts layer as found: its grouped matmuls, expert parameters and boundary."""
 
-    offsets: fx.Node
+    offsets: fx.Node | None  # the grouped matmuls' running counts (None in the gathered form)
     matmuls: list[fx.Node]
     params: list[str]  # FQNs with a leading expert dim
     experts: int
     entry: fx.Node | None = None
     exit: fx.Node | None = None
     stopped: list[str] = field(default_factory=list)  # why it cannot be sharded (empty: it can)
+    ids: fx.Node | None = None  # the gathered form: each row's expert id, indexing the weights
+    weight_at: dict = field(default_factory=dict)  # matmul -> position of its weight argument
+
+    def rows_of(self, mm: fx.Node) -> fx.Node:
+        return mm.args[1 - self.weight_at.get(mm, 1)]
 
 
 def experts_pass(program: Program) -> Program:
@@ -119,6 +128,14 @@ def find_regions(program: Program) -> list[ExpertRegion]:
     fqn_of = {n: n.meta["meshc.fqn"] for n in program.placeholders("param")}
     by_offsets: dict[fx.Node, ExpertRegion] = {}
     for node in program.gm.graph.nodes:
+        if _gathered(node, fqn_of):  # weight[ids] @ rows, per row (transformers' batched_mm experts)
+            (mm,) = node.users
+            ids, param = node.args[1][0], fqn_of[node.args[0]]
+            region = by_offsets.setdefault(ids, ExpertRegion(None, [], [], program.params[param].shape[0], ids=ids))
+            region.matmuls.append(mm)
+            region.weight_at[mm] = mm.args.index(node)
+            region.params += [param] if param not in region.params else []
+            continue
         if not is_grouped_mm(node):
             continue
         rows, weight, offsets, bias = grouped_mm_args(node)
@@ -139,7 +156,7 @@ def find_regions(program: Program) -> list[ExpertRegion]:
     placeholders = program.param_nodes()
     for region in by_offsets.values():
         for fqn in region.params:  # a weight read elsewhere too would read only this rank's experts there
-            other = _use_outside(placeholders[fqn], set(region.matmuls))
+            other = _use_outside(placeholders[fqn], region)
             if other is not None:
                 region.stopped.append(f"{fqn} is also used by {other.format_node()}, outside the grouped matmuls")
         if not region.stopped:
@@ -147,13 +164,29 @@ def find_regions(program: Program) -> list[ExpertRegion]:
     return list(by_offsets.values())
 
 
-def _use_outside(param: fx.Node, matmuls: set[fx.Node]) -> fx.Node | None:
-    """A node that uses `param` (through views) other than as a weight of `matmuls`, if any."""
+def _gathered(node: fx.Node, fqn_of: dict) -> bool:
+    """`weight[ids]` of a 3-D parameter by a 1-D index, whose one user is a bmm taking it as one operand."""
+    if node.op != "call_function" or node.target != aten.index.Tensor or node.args[0] not in fqn_of:
+        return False
+    index = node.args[1]
+    if len(index) != 1 or not isinstance(index[0], fx.Node) or node.args[0].meta["val"].dim() != 3:
+        return False
+    ids = index[0].meta.get("val")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or len(node.users) != 1:
+        return False
+    (mm,) = node.users
+    return mm.op == "call_function" and mm.target == aten.bmm.default and node in mm.args[:2]
+
+
+def _use_outside(param: fx.Node, region: ExpertRegion) -> fx.Node | None:
+    """A node that uses `param` (through views) other than as a weight of the region's matmuls, if any."""
     stack = [param]
     while stack:
         node = stack.pop()
         for user in node.users:
-            if user in matmuls and user.args[1] is node:
+            if user in region.matmuls and user.args[region.weight_at.get(user, 1)] is node:
+                continue
+            if region.ids is not None and user.target == aten.index.Tensor and set(user.users) <= set(region.matmuls):
                 continue
             if user.op == "call_function" and (is_view(user.target) or op_short_name(user.target) == "to") \
                     and user.args[0] is node:
@@ -183,8 +216,9 @@ def _lead(node: fx.Node):
 def _bound(region: ExpertRegion, order: dict[fx.Node, int]) -> None:
     """Find the region's one input and one output, and check that everything between is row-wise."""
     mms = set(region.matmuls)
-    inside = _between(region.matmuls, order)
-    entries = {mm.args[0] for mm in region.matmuls if mm.args[0] not in inside and mm.args[0] not in mms}
+    rows = [region.rows_of(mm) for mm in region.matmuls]
+    inside = _between(region.matmuls, rows, order)
+    entries = {r for r in rows if r not in inside and r not in mms}
     exits = [mm for mm in region.matmuls if any(u not in inside for u in mm.users)]
     if len(entries) != 1:
         region.stopped.append(f"{len(entries)} inputs enter the grouped matmuls (expected the sorted rows alone)")
@@ -202,7 +236,7 @@ def _bound(region: ExpertRegion, order: dict[fx.Node, int]) -> None:
         region.entry, region.exit = entries.pop(), exits[0]
 
 
-def _between(mms: list[fx.Node], order: dict[fx.Node, int]) -> set[fx.Node]:
+def _between(mms: list[fx.Node], rows: list[fx.Node], order: dict[fx.Node, int]) -> set[fx.Node]:
     """Nodes on a path from one grouped matmul to another's rows (both excluded), searched only between the
     first and the last of them in graph order."""
     lo, hi = min(order[m] for m in mms), max(order[m] for m in mms)
@@ -213,7 +247,7 @@ def _between(mms: list[fx.Node], order: dict[fx.Node, int]) -> set[fx.Node]:
             continue
         below.add(node)
         stack.extend(node.users)
-    above, stack = set(), [m.args[0] for m in mms]
+    above, stack = set(), list(rows)
     while stack:  # ancestors of the matmuls' rows, down to the first one
         node = stack.pop()
         if node in above or node in mms or order[node] < lo:
@@ -232,6 +266,9 @@ def _rowwise(node: fx.Node) -> bool:
     if name in ("chunk", "split", "split_with_sizes", "slice", "narrow"):
         dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
         return dim != 0
+    if name in ("squeeze", "unsqueeze"):  # a size-1 dim in or out beside the rows (the gathered form's bmm)
+        return len(node.args) > 1 and isinstance(node.args[1], int) and node.args[1] % (node.args[0].meta["val"].dim()
+                                                                                       + (name == "unsqueeze")) != 0
     return name in _ROWWISE or torch.Tag.pointwise in getattr(node.target, "tags", ())
 
 
@@ -240,8 +277,9 @@ def _shard(program: Program, index: int, region: ExpertRegion, ep: int) -> None:
     group = mesh.group_name(AXIS, program.rank)
     for fqn in region.params:
         program.params[fqn].placements[AXIS] = Shard(0)
-    for mm in region.matmuls:  # the weight, and its views, hold E/ep experts
-        node = mm.args[1]
+    for mm in region.matmuls:  # the weight, and its views, hold E/ep experts (gathered: the parameter alone)
+        node = mm.args[region.weight_at.get(mm, 1)]
+        node = node.args[0] if region.ids is not None else node
         while True:
             node.meta["meshc.placement"] = {**node.meta.get("meshc.placement", {}), AXIS: Shard(0)}
             if node.op == "placeholder":
@@ -255,10 +293,13 @@ def _shard(program: Program, index: int, region: ExpertRegion, ep: int) -> None:
     nbytes_in = int(rows * width_in * rows_val.element_size())
     nbytes_out = int(rows * width_out * out_val.element_size())
     why = f"expert layer {index} ({', '.join(region.params)}): rows to the rank holding their expert"
-    first = min(region.matmuls, key=lambda n: list(graph.nodes).index(n))
+    nodes = list(graph.nodes)
+    first = min(region.matmuls, key=nodes.index)
+    rows_in, offsets, order = region.entry, region.offsets, None
     with graph.inserting_before(first):
-        sent = graph.call_function(dispatch, (region.entry, region.offsets),
-                                   {"group": group, "size": ep, "layer": index})
+        if region.ids is not None:  # sorted by expert first, as the grouped form arrives
+            rows_in, offsets, order = _sorted(graph, region, why)
+        sent = graph.call_function(dispatch, (rows_in, offsets), {"group": group, "size": ep, "layer": index})
         parts = [graph.call_function(operator.getitem, (sent, i)) for i in range(3)]
     sent.meta["meshc.why"] = why
     sent.meta["meshc.comm"] = [CommRecord("all_to_all", AXIS, nbytes_in, "forward", why),
@@ -270,20 +311,48 @@ def _shard(program: Program, index: int, region: ExpertRegion, ep: int) -> None:
     sent.meta["meshc.shape"] = shapes
     for part, shape in zip(parts, shapes):
         part.meta["meshc.shape"] = shape
+    if region.ids is not None:
+        with graph.inserting_before(first):
+            ids = graph.call_function(local_ids, (parts[0], parts[1]))
+        ids.meta.update({"meshc.why": f"{why}: each row's local expert", "meshc.shape": (rows,)})
+        for mm in region.matmuls:  # each weight[ids] moves next to its bmm, after the local ids exist
+            mm.prepend(mm.args[region.weight_at[mm]])
     for mm in region.matmuls:
-        if mm.args[0] is region.entry:
-            mm.update_arg(0, parts[0])
-        mm.update_arg(2, parts[1])
+        at = region.weight_at.get(mm, 1)
+        if mm.args[1 - at] is region.entry:
+            mm.update_arg(1 - at, parts[0])
+        if region.ids is not None:
+            mm.args[at].update_arg(1, [ids])  # weight[local ids] of the local experts
+        else:
+            mm.update_arg(2, parts[1])
     back_why = f"expert layer {index}: computed rows back to the rank they came from, in their order"
     with graph.inserting_after(region.exit):
-        back = graph.call_function(combine, (region.exit, parts[2], region.offsets), {"group": group, "size": ep})
+        back = graph.call_function(combine, (region.exit, parts[2], offsets), {"group": group, "size": ep})
     back.meta["meshc.why"] = back_why
     back.meta["meshc.comm"] = [CommRecord("all_to_all", AXIS, nbytes_out, "forward", back_why),
                                CommRecord("all_to_all", AXIS, nbytes_out, "backward", f"{back_why}: gradients")]
-    for key in ("meshc.shape", "meshc.placement"):
-        if key in region.exit.meta:
-            back.meta[key] = region.exit.meta[key]
-    region.exit.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+    out = back
+    if order is not None:
+        with graph.inserting_after(back):
+            out = graph.call_function(unsort_rows, (back, order))
+        out.meta["meshc.why"] = f"{back_why}: unsorted"
+    for node in {back, out}:
+        for key in ("meshc.shape", "meshc.placement"):
+            if key in region.exit.meta:
+                node.meta[key] = region.exit.meta[key]
+    region.exit.replace_all_uses_with(out, delete_user_cb=lambda user: user is not back)
+
+
+def _sorted(graph: fx.Graph, region: ExpertRegion, why: str) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """The gathered form's rows sorted by expert id: (rows, running counts per expert, the order)."""
+    srt = graph.call_function(sort_rows, (region.entry, region.ids), {"experts": region.experts})
+    parts = [graph.call_function(operator.getitem, (srt, i)) for i in range(3)]
+    rows = tuple(region.entry.meta.get("meshc.shape") or region.entry.meta["val"].shape)
+    shapes = (rows, (region.experts,), (rows[0],))
+    srt.meta.update({"meshc.why": f"{why}: sorted by expert", "meshc.shape": shapes})
+    for part, shape in zip(parts, shapes):
+        part.meta.update({"meshc.why": f"{why}: sorted by expert", "meshc.shape": shape})
+    return parts[0], parts[1], parts[2]
 
 
 def _where(node: fx.Node) -> str:

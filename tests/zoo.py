@@ -83,9 +83,10 @@ def lm_loss(outputs, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-def mixtral(seed: int = 0, layers: int = 2, aux_loss: float = 0.0) -> torch.nn.Module:
+def mixtral(seed: int = 0, layers: int = 2, aux_loss: float = 0.0, experts: str | None = None) -> torch.nn.Module:
     """Hugging Face Mixtral: Llama-style attention with a top-2 mixture of 4 experts per block; with `aux_loss`,
-    its outputs carry the router's load-balancing loss (output_router_logits) of that coefficient."""
+    its outputs carry the router's load-balancing loss (output_router_logits) of that coefficient; `experts`
+    picks transformers' experts implementation ("batched_mm": each row's expert weights gathered by id)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(seed)
@@ -93,6 +94,8 @@ def mixtral(seed: int = 0, layers: int = 2, aux_loss: float = 0.0) -> torch.nn.M
                         intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ, num_local_experts=4,
                         num_experts_per_tok=2, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
                         router_aux_loss_coef=aux_loss, output_router_logits=aux_loss > 0)
+    if experts is not None:
+        cfg._experts_implementation = experts
     return MixtralForCausalLM(cfg)
 
 
@@ -309,3 +312,4 @@ def olmoe(seed: int = 0, layers: int = 2) -> torch.nn.Module:
 MODELS["deepseek_v3"] = deepseek_v3
 MODELS["olmoe"] = olmoe
 MODELS["mixtral4"] = lambda seed=0: mixtral(seed, layers=4)
+MODELS["mixtral_gathered"] = lambda seed=0, layers=2: mixtral(seed, layers=layers, experts="batched_mm")

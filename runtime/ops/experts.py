@@ -110,6 +110,29 @@ def dispatch(x: torch.Tensor, offsets: torch.Tensor, *, group: str, size: int, l
     return ordered, local_offsets, received
 
 
+def sort_rows(rows: torch.Tensor, ids: torch.Tensor, *, experts: int):
+    """The gathered form made grouped: (rows sorted by expert id, running counts per expert (E,), the order).
+    rows: (S, ...) with one expert id each (ids: (S,) integers in [0, E))."""
+    order = torch.argsort(ids, stable=True)
+    counts = torch.zeros(experts, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+    return rows[order], torch.cumsum(counts, 0), order
+
+
+def local_ids(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Each row's local expert (0 .. E/ep-1) after dispatch, from the local running counts (rows come grouped)."""
+    if compat.is_fake(rows):
+        return offsets.new_empty(rows.shape[0], dtype=torch.int64)
+    counts = _counts(offsets)
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts, output_size=rows.shape[0])
+
+
+def unsort_rows(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """sort_rows undone: row i of the result is the row that `order` moved away from i."""
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+    return rows[back]
+
+
 def combine(y: torch.Tensor, received: torch.Tensor, offsets: torch.Tensor, *, group: str, size: int) -> torch.Tensor:
     """The rows `dispatch` took away, computed, sent back to where they came from, in their original order.
 

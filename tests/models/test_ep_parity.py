@@ -22,7 +22,7 @@ from tests.harness import run_ranks
 
 STEPS, BATCH = 5, 8
 FAST = {"trace": "non-strict"}
-EXPERTS = {"mixtral": 4, "mixtral4": 4, "deepseek_v3": 4, "olmoe": 8}
+EXPERTS = {"mixtral": 4, "mixtral4": 4, "mixtral_gathered": 4, "deepseek_v3": 4, "olmoe": 8}
 CASES = [
     ("mixtral", {"dp": 2, "ep": 2}, {}),
     ("deepseek_v3", {"dp": 2, "ep": 2}, {}),  # a dense first layer, a shared expert beside the routed ones
@@ -30,6 +30,7 @@ CASES = [
     ("mixtral", {"dp": 2, "ep": 2, "tp": 2}, {}),
     ("mixtral", {"dp": 4, "ep": 2}, {"zero": 3}),  # experts over ep, replicas over edp; the rest ZeRO-3 over dp
     ("mixtral4", {"dp": 2, "ep": 2, "pp": 2}, {"microbatches": 2}),
+    ("mixtral_gathered", {"dp": 2, "ep": 2}, {}),  # each row's expert weights gathered by id (batched_mm)
 ]
 
 

@@ -79,6 +79,19 @@ def test_mixtral_experts_sharded_with_dispatch_and_combine():
     assert len(program.experts) == 2 and not any(r.stopped for r in program.experts)
 
 
+def test_gathered_experts_are_sorted_then_dispatched():
+    """transformers' batched_mm experts gather each row's expert weights by id (weight[ids] @ rows): the same
+    layer, recognised from the index by a 1-D id tensor into a 3-D parameter whose one user is a bmm; the rows
+    are sorted by id before the dispatch and put back in order after the combine."""
+    from meshc.runtime.ops.experts import local_ids, sort_rows, unsort_rows
+
+    _, program = _compile(zoo.mixtral(experts="batched_mm"), torch.randint(0, zoo.VOCAB, (2, zoo.SEQ)), dp=2, ep=2)
+    assert all(program.params[f].placements["ep"] == Shard(0) for f in program.params if ".experts." in f)
+    for fn in (sort_rows, dispatch, local_ids, combine, unsort_rows):
+        assert len(_calls(program, fn)) == 2, fn.__name__
+    assert all(r.ids is not None and r.offsets is None for r in program.experts)
+
+
 def test_ep_1_finds_experts_and_changes_nothing():
     _, program = _compile(zoo.mixtral(), torch.randint(0, zoo.VOCAB, (2, zoo.SEQ)), dp=2)
     assert not _calls(program, dispatch)
