@@ -21,7 +21,8 @@ from tests.harness import run_ranks
 
 STEPS, BATCH = 5, 8
 CASES = [("reference", {"dp": 2}, {}), ("reference", {"tp": 2}, {}), ("reference", {"dp": 2}, {"zero": 3}),
-         ("gpt2", {"dp": 2}, {}), ("gpt2", {"tp": 2}, {}), ("gpt2", {"dp": 2}, {"zero": 3})]
+         ("gpt2", {"dp": 2}, {}), ("gpt2", {"tp": 2}, {}), ("gpt2", {"dp": 2}, {"zero": 3}),
+         ("mixtral", {"dp": 2, "ep": 2}, {})]  # experts over ep: the user's optimizer holds E/ep of them
 
 
 def _id(case):
@@ -63,7 +64,7 @@ def test_backend_matches_single_process_and_meshc_compile(case):
         want_logits = _reference_logits(model, ref["params"], short)
         assert (out["short_logits"] - want_logits).abs().max() < 1e-4
         assert out["programs"] == 2  # the training shape and the short one (the swap to shards reuses programs)
-    if "tp" in mesh or plan.get("zero") == 3:  # parameters really are shards, and the optimizer holds them
+    if "tp" in mesh or "ep" in mesh or plan.get("zero") == 3:  # parameters really are shards, held by the optimizer
         assert results[0]["sharded"] > 0
         whole = {tuple(p.shape) for p in zoo.build(model).parameters()}
         assert any(s not in whole for s in results[0]["shards_in_optimizer"])
