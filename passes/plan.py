@@ -33,7 +33,7 @@ import torch.fx as fx
 from meshc.compiler.ir.coverage import block_weights, coverage
 from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
 from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_reshape, op_name
-from meshc.compiler.ir.placement import Replicate, Shard, as_chunks, in_parts
+from meshc.compiler.ir.placement import Partial, Replicate, Shard, as_chunks, in_parts
 from meshc.compiler.ir.program import Program
 
 from .blocks import block_of
@@ -345,6 +345,7 @@ def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str],
         pending.update(m.node.users)
     ctx = RuleCtx(n, placements)
     rows: list[Weight] = []
+    stats: set[fx.Node] = set()  # partial statistics (a norm's mean over the sharded features): all-reduced
     start = min(order[m.node] for m in members)
     for node in nodes[start + 1:]:
         if not pending:
@@ -365,13 +366,21 @@ def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str],
             return _Trial([], origin, dec.indivisible[0], dec.indivisible)
         if dec.out is None:  # no tensor output (an assertion): nothing to follow
             continue
+        reduced = False
         for path, req in dec.inputs.items():
             src = get_arg(node, path)
             if in_parts(placements.get(src)) and placements[src] != req:
+                if src in stats and isinstance(req, Replicate):  # a small all-reduce of a statistic is fine
+                    reduced = True
+                    continue
                 return _Trial([], blame[src], dec.note or f"{node.format_node()} needs it {req}")
-        if not _all_shard(dec.out):
+        if reduced and isinstance(dec.out, Replicate):  # the statistic, whole: nothing sharded to follow
+            continue
+        if isinstance(dec.out, Partial) and node.target == aten.mean.dim:
+            stats.add(node)
+        elif not _all_shard(dec.out):
             return _Trial([], origin, f"{node.format_node()} would hold a partial sum")
-        size = _indivisible(node, dec.out, n)
+        size = _indivisible(node, dec.out, n) if node not in stats else None
         if size:
             return _Trial([], origin, f"{node.format_node()} has a dim of size {size}", (f"size {size}", size))
         placements[node] = dec.out

@@ -339,10 +339,24 @@ def reduction_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     if p.dim in dims:
         if node.target in (aten.sum.dim_IntList, aten.sum.default) and p.chunks == 1:
             return Decision({}, P)
+        if node.target == aten.mean.dim and p.chunks == 1:  # a statistic over the shards (a norm of a whole
+            return Decision({}, P, rewrite=lambda nd: _partial_mean(nd, ctx))  # projection): summands of the mean
         return Decision({(0,): R}, out, note=f"{op_name(node.target)} over the sharded dim {p.dim}")
     shifted = p.dim if _keepdim(node) else p.dim - sum(1 for d in dims if d < p.dim)
     s = Shard(shifted, p.chunks)
     return Decision({}, tuple(s for _ in out) if isinstance(out, tuple) else s)
+
+
+def _partial_mean(node: fx.Node, ctx: RuleCtx) -> None:
+    """The local mean over an evenly sharded dim, divided by the axis size: summed over the ranks (the all-reduce
+    its first consumer that is not linear in it asks for), the mean of the whole dim."""
+    graph = node.graph
+    with graph.inserting_after(node):
+        scaled = graph.call_function(aten.div.Tensor, (node, ctx.n))
+    node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    scaled.meta.update({k: v for k, v in node.meta.items() if k in ("val", "meshc.shape", "nn_module_stack")})
+    scaled.meta["meshc.why"] = f"tp: the mean over a dim sharded over {ctx.axis}: each rank's share of it"
+    ctx.placements[scaled] = P
 
 
 @handles(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,

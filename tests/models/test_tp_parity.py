@@ -63,7 +63,8 @@ def test_tp_matches_single_process(case):
 SHARDED = [("falcon_new", {}), ("falcon_new", {"sequence_parallel": True}), ("falcon_mha", {}),
            ("falcon_mha", {"sequence_parallel": True}), ("phi3", {}), ("phi3", {"sequence_parallel": True}),
            ("gpt_neox", {}), ("gpt_neox", {"sequence_parallel": True}), ("gptj", {}),
-           ("gptj", {"sequence_parallel": True}), ("mixtral", {}), ("mixtral", {"sequence_parallel": True})]
+           ("gptj", {"sequence_parallel": True}), ("mixtral", {}), ("mixtral", {"sequence_parallel": True}),
+           ("olmoe", {}), ("olmoe", {"sequence_parallel": True})]  # q/k RMSNorm over the whole projection
 SHARDED = [(m, 2, p) for m, p in SHARDED] + [(m, 4, {}) for m in ("gpt_neox", "falcon_mha", "gptj")]  # 4 heads
 
 

@@ -175,3 +175,17 @@ def test_runtime_collectives_match_the_graph(sp):
     if not sp:  # Megatron: 2 all-reduces per block forward, 2 backward, nothing else
         assert out["forward"] == {("all_reduce", "tp"): (4, 4 * B * T * H * 4)}
         assert out["backward"] == {("all_reduce", "tp"): (4, 4 * B * T * H * 4)}
+
+
+def test_norm_over_a_sharded_projection_all_reduces_its_statistic(fake_mesh):
+    """OLMoE normalizes q and k over the whole projection (all heads): q/k stay column-parallel, each rank's mean
+    of squares over its features is divided by tp and all-reduced (a (B, T, 1) statistic), and the norm's weight
+    is sliced to the rank's features. Parity: tests/models/test_tp_parity.py (olmoe)."""
+    program = _program(fake_mesh(tp=2), zoo.olmoe())
+    for fqn in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"):
+        assert program.params[fqn].placements["tp"] == Shard(0), fqn
+    stats = [n for n in program.gm.graph.nodes if "the mean over a dim sharded" in str(n.meta.get("meshc.why", ""))]
+    assert len(stats) == 4  # q and k of 2 layers
+    for node in stats:
+        (reduce,) = node.users
+        assert "all_reduce" in str(reduce.target) and tuple(reduce.meta["val"].shape)[-1] == 1

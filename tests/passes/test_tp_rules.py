@@ -113,7 +113,8 @@ COMPUTE = [
     ("sum elsewhere, shard shifts", aten.sum.dim_IntList, (T((4, 6, 2)), [0]), [S(1)], 2, S(0), {}, False),
     ("sum keepdim, shard stays", aten.sum.dim_IntList, (T((4, 6, 2)), [0], True), [S(1)], 2, S(1), {}, False),
     ("sum of P", aten.sum.default, (T((4, 6)),), [P], 2, P, {}, False),
-    ("mean over the shard gathers", aten.mean.dim, (T((4, 6)), [1]), [S(1)], 2, R, {(0,): R}, True),
+    ("mean over the shard: its share, partial", aten.mean.dim, (T((4, 6)), [1]), [S(1)], 2, P, {}, False),
+    ("mean over a chunked shard gathers", aten.mean.dim, (T((4, 6)), [1]), [S(1, 2)], 2, R, {(0,): R}, True),
     ("amax of P reduces", aten.amax.default, (T((4, 6)), [1]), [P], 2, R, {(0,): R}, False),
     ("softmax along the shard", aten._softmax.default, (T((2, 4)), -1, False), [S(1)], 2, R, {(0,): R}, True),
     ("softmax elsewhere", aten._softmax.default, (T((2, 4)), 1, False), [S(0)], 2, S(0), {}, False),
@@ -299,6 +300,18 @@ def test_slice_rewrite_keeps_the_local_block():
     node, dec = decide(aten.slice.Tensor, (T((2, 64)), 1, 32, 48), [S(1, (32, 16, 16))])
     dec.rewrite(node)
     assert node.args[2:4] == (16, 24)
+
+
+def test_mean_over_the_shard_rewrite_divides_by_the_axis():
+    """A norm's statistic over tp-sharded features (OLMoE's q/k RMSNorm over the whole projection): each rank's
+    mean of its slice, over tp, summed by the all-reduce its first non-linear consumer asks for, is the mean."""
+    node, dec = decide(aten.mean.dim, (T((4, 6)), [1], True), [S(1)], 2)
+    user = node.graph.call_function(aten.rsqrt.default, (node,))
+    dec.rewrite(node)
+    (scaled,) = node.users
+    assert scaled.target == aten.div.Tensor and scaled.args == (node, 2) and user.args == (scaled,)
+    x = torch.randn(4, 6)
+    assert torch.allclose(sum(x[:, 3 * r: 3 * r + 3].mean(1) / 2 for r in range(2)), x.mean(1))
 
 
 def test_vocab_parallel_embedding_rewrite():
