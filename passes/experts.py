@@ -188,8 +188,7 @@ def _use_outside(param: fx.Node, region: ExpertRegion) -> fx.Node | None:
                 continue
             if region.ids is not None and user.target == aten.index.Tensor and set(user.users) <= set(region.matmuls):
                 continue
-            if user.op == "call_function" and (is_view(user.target) or op_short_name(user.target) == "to") \
-                    and user.args[0] is node:
+            if _view_like(user) and user.args[0] is node:
                 stack.append(user)
                 continue
             return user
@@ -199,13 +198,18 @@ def _use_outside(param: fx.Node, region: ExpertRegion) -> fx.Node | None:
 def _param_through_views(node: fx.Node, fqn_of: dict) -> str | None:
     """The parameter `node` is a view of, keeping its leading dim (a transpose of the last two dims)."""
     while node not in fqn_of:
-        if node.op != "call_function" or not is_view(node.target) and op_short_name(node.target) not in ("to",):
+        if not _view_like(node):
             return None
         src = node.args[0]
         if not isinstance(src, fx.Node) or _lead(node) != _lead(src):
             return None
         node = src
     return fqn_of[node]
+
+
+def _view_like(node: fx.Node) -> bool:
+    """A view of its first input, or a cast of it (what may stand between a parameter and its matmul)."""
+    return node.op == "call_function" and (is_view(node.target) or op_short_name(node.target) == "to")
 
 
 def _lead(node: fx.Node):
@@ -273,11 +277,20 @@ def _rowwise(node: fx.Node) -> bool:
 
 
 def _shard(program: Program, index: int, region: ExpertRegion, ep: int) -> None:
-    graph, mesh = program.gm.graph, program.mesh
-    group = mesh.group_name(AXIS, program.rank)
+    """Shard the region's experts over ep and move its rows: dispatch before its first matmul, combine after."""
+    group = program.mesh.group_name(AXIS, program.rank)
+    _mark_experts(program, region)
+    why = f"expert layer {index} ({', '.join(region.params)}): rows to the rank holding their expert"
+    parts, offsets, order = _dispatch(program.gm.graph, index, region, ep, group, why)
+    _combine(program.gm.graph, index, region, ep, group, offsets, parts, order)
+
+
+def _mark_experts(program: Program, region: ExpertRegion) -> None:
+    """The expert parameters S(0) over ep; the weight, and its views, hold E/ep experts (gathered: the parameter
+    alone: weight[ids] has a row per token)."""
     for fqn in region.params:
         program.params[fqn].placements[AXIS] = Shard(0)
-    for mm in region.matmuls:  # the weight, and its views, hold E/ep experts (gathered: the parameter alone)
+    for mm in region.matmuls:
         node = mm.args[region.weight_at.get(mm, 1)]
         node = node.args[0] if region.ids is not None else node
         while True:
@@ -285,36 +298,39 @@ def _shard(program: Program, index: int, region: ExpertRegion, ep: int) -> None:
             if node.op == "placeholder":
                 break
             node = node.args[0]
-    rows_val = region.entry.meta["val"]
-    out_val = region.exit.meta["val"]
-    # Payloads (what this rank contributes; the cost model puts (ep-1)/ep of it on the wire) in the balanced
-    # case: a rank receives as many rows as it sends. The runtime census counts the real routing's.
-    rows, width_in, width_out = rows_val.shape[0], rows_val[0].numel(), out_val[0].numel()
-    nbytes_in = int(rows * width_in * rows_val.element_size())
-    nbytes_out = int(rows * width_out * out_val.element_size())
-    why = f"expert layer {index} ({', '.join(region.params)}): rows to the rank holding their expert"
-    nodes = list(graph.nodes)
-    first = min(region.matmuls, key=nodes.index)
+
+
+def _payload(val: torch.Tensor) -> int:
+    """Bytes of an all-to-all's input in the balanced case (a rank receives as many rows as it sends): what the
+    rank contributes; the cost model puts (ep-1)/ep of it on the wire, the runtime census counts the real routing's."""
+    return int(val.shape[0] * val[0].numel() * val.element_size())
+
+
+def _dispatch(graph: fx.Graph, index: int, region: ExpertRegion, ep: int, group: str, why: str):
+    """Insert the dispatch (sorting the gathered form's rows first) and make the matmuls read local rows and
+    local counts (or local ids); returns (dispatch's parts, the running counts it was given, the sort order)."""
+    first = min(region.matmuls, key=list(graph.nodes).index)
     rows_in, offsets, order = region.entry, region.offsets, None
     with graph.inserting_before(first):
         if region.ids is not None:  # sorted by expert first, as the grouped form arrives
             rows_in, offsets, order = _sorted(graph, region, why)
         sent = graph.call_function(dispatch, (rows_in, offsets), {"group": group, "size": ep, "layer": index})
         parts = [graph.call_function(operator.getitem, (sent, i)) for i in range(3)]
+    nbytes = _payload(region.entry.meta["val"])
     sent.meta["meshc.why"] = why
-    sent.meta["meshc.comm"] = [CommRecord("all_to_all", AXIS, nbytes_in, "forward", why),
-                               CommRecord("all_to_all", AXIS, nbytes_in, "backward", f"{why}: their gradients back")]
+    sent.meta["meshc.comm"] = [CommRecord("all_to_all", AXIS, nbytes, "forward", why),
+                               CommRecord("all_to_all", AXIS, nbytes, "backward", f"{why}: their gradients back")]
     for i, what in enumerate(("local rows", "local running counts", "counts received")):
         parts[i].meta["meshc.why"] = f"{why}: {what}"
     local = region.experts // ep  # shapes (the rows' is the balanced case's): what placement rules read
-    shapes = (region.entry.meta.get("meshc.shape") or tuple(rows_val.shape), (local,), (ep, local))
+    shapes = (region.entry.meta.get("meshc.shape") or tuple(region.entry.meta["val"].shape), (local,), (ep, local))
     sent.meta["meshc.shape"] = shapes
     for part, shape in zip(parts, shapes):
         part.meta["meshc.shape"] = shape
     if region.ids is not None:
         with graph.inserting_before(first):
             ids = graph.call_function(local_ids, (parts[0], parts[1]))
-        ids.meta.update({"meshc.why": f"{why}: each row's local expert", "meshc.shape": (rows,)})
+        ids.meta.update({"meshc.why": f"{why}: each row's local expert", "meshc.shape": (region.entry.meta["val"].shape[0],)})
         for mm in region.matmuls:  # each weight[ids] moves next to its bmm, after the local ids exist
             mm.prepend(mm.args[region.weight_at[mm]])
     for mm in region.matmuls:
@@ -325,17 +341,24 @@ def _shard(program: Program, index: int, region: ExpertRegion, ep: int) -> None:
             mm.args[at].update_arg(1, [ids])  # weight[local ids] of the local experts
         else:
             mm.update_arg(2, parts[1])
-    back_why = f"expert layer {index}: computed rows back to the rank they came from, in their order"
+    return parts, offsets, order
+
+
+def _combine(graph: fx.Graph, index: int, region: ExpertRegion, ep: int, group: str, offsets: fx.Node,
+             parts: list[fx.Node], order: fx.Node | None) -> None:
+    """Insert the combine after the region's output (and the gathered form's unsort) and route its users there."""
+    why = f"expert layer {index}: computed rows back to the rank they came from, in their order"
     with graph.inserting_after(region.exit):
         back = graph.call_function(combine, (region.exit, parts[2], offsets), {"group": group, "size": ep})
-    back.meta["meshc.why"] = back_why
-    back.meta["meshc.comm"] = [CommRecord("all_to_all", AXIS, nbytes_out, "forward", back_why),
-                               CommRecord("all_to_all", AXIS, nbytes_out, "backward", f"{back_why}: gradients")]
+    nbytes = _payload(region.exit.meta["val"])
+    back.meta["meshc.why"] = why
+    back.meta["meshc.comm"] = [CommRecord("all_to_all", AXIS, nbytes, "forward", why),
+                               CommRecord("all_to_all", AXIS, nbytes, "backward", f"{why}: gradients")]
     out = back
     if order is not None:
         with graph.inserting_after(back):
             out = graph.call_function(unsort_rows, (back, order))
-        out.meta["meshc.why"] = f"{back_why}: unsorted"
+        out.meta["meshc.why"] = f"{why}: unsorted"
     for node in {back, out}:
         for key in ("meshc.shape", "meshc.placement"):
             if key in region.exit.meta:

@@ -32,7 +32,7 @@ import operator
 
 import torch.fx as fx
 
-from meshc.compiler.ir.placement import Shard
+from meshc.compiler.ir.placement import data_axis
 from meshc.compiler.ir.program import VALUE_META, CommRecord, Program
 from meshc.runtime.ops.collectives import grad_sync
 
@@ -74,18 +74,13 @@ def _axes(program: Program, fqn: str) -> tuple[str, ...]:
     if spec.zero in (2, 3):
         return ()
     axes = tuple(a for a in spec.grad_partial if program.mesh.size(a) > 1)
-    data = "edp" if _expert(program, fqn) else DP
+    data = data_axis(spec.placements)
     return axes + ((data,) if program.mesh.size(data) > 1 and spec.zero == 0 else ())
 
 
 def _divisor(program: Program, fqn: str) -> int:
     """What the summed gradient is divided by: dp, where this pass averages over data parallelism."""
     return program.mesh.size(DP) if program.params[fqn].zero == 0 else 1
-
-
-def _expert(program: Program, fqn: str) -> bool:
-    """An expert parameter: sharded over ep by the experts pass."""
-    return isinstance(program.params[fqn].placements.get("ep"), Shard)
 
 
 def _insert_bucket(program: Program, index: int, bucket: list[tuple[str, fx.Node]], order) -> None:

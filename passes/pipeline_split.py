@@ -63,7 +63,6 @@ def pipeline_split_pass(program: Program) -> Program:
     cost = _flops(order)
     crossing = _crossing_bytes(order, acts)
     cuts = _chosen_cuts(program, order, cost, crossing, stages)
-    _outside_expert_exchanges(order, cuts)
     stage = 0
     for i, node in enumerate(order):
         if stage < len(cuts) and i == cuts[stage]:
@@ -179,8 +178,9 @@ def _chosen_cuts(program: Program, order, cost, crossing, stages: int) -> list[i
             raise MeshcValueError(f"pipeline split: expected {stages - 1} cut(s) for pp×virtual = {stages} stages, got "
                                   f"{len(forced)} from "
                                   f"{'Plan.split_points' if program.plan.split_points else 'pipe_split()'}")
+        _outside_expert_exchanges(order, forced)
         return forced
-    spans = _exchanges(order)
+    spans = _exchanges(order)  # the automatic cuts avoid them
     candidates = [c for c in _candidates(order, cost, crossing) if not any(lo < c <= hi for lo, hi in spans)]
     if len(candidates) < stages - 1:
         raise MeshcValueError(f"pipeline split: expected at least {stages - 1} places to cut for pp×virtual = {stages} "

@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler import _torch_compat as compat
-from meshc.compiler.ir.placement import FlatShard, Shard
+from meshc.compiler.ir.placement import FlatShard, data_axis
 from meshc.compiler.ir.program import VALUE_META, CommRecord, Program
 from meshc.runtime.ops.zero import shard_size, zero_gather, zero_gather_start, zero_reduce
 
@@ -78,7 +78,7 @@ def zero_pass(program: Program) -> Program:
 
 def axis_of(spec) -> str:
     """The axis a parameter's ZeRO shards go over: dp, or edp for an expert's (sharded over ep, a part of dp)."""
-    return EXPERT_AXIS if isinstance(spec.placements.get("ep"), Shard) else AXIS
+    return data_axis(spec.placements)
 
 
 def _group(program: Program, fqn: str) -> tuple[str, int, str, int]:

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from meshc.compiler import _torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError
-from meshc.compiler.ir.placement import FlatShard, Shard, block_sizes
+from meshc.compiler.ir.placement import FlatShard, Shard, block_sizes, data_axis
 
 FORMAT = "meshc-checkpoint"
 VERSION = 1
@@ -147,8 +147,7 @@ def writes(key: str, placements: dict, sizes: dict, coords: dict, pp_owner: int)
     elements (the replicas along axes without a shard), one chosen by a hash of the key."""
     if coords.get("pp", 0) != pp_owner:
         return False
-    data = "edp" if isinstance(placements.get("ep"), (Shard, FlatShard)) else "dp"  # experts: dp = edp × ep
-    replicated = [a for a in (data, "tp")
+    replicated = [a for a in (data_axis(placements), "tp")  # experts' replicas: edp (dp = edp × ep)
                   if sizes.get(a, 1) > 1 and not isinstance(placements.get(a), (Shard, FlatShard))]
     choice = zlib.crc32(key.encode()) % max(1, math.prod(sizes[a] for a in replicated))
     for a in reversed(replicated):

@@ -68,6 +68,12 @@ def as_chunks(sizes) -> int | tuple[int, ...]:
     return len(sizes) if len(set(sizes)) <= 1 else sizes
 
 
+def data_axis(placements: dict) -> str:
+    """The axis a tensor's data-parallel replicas lie on: dp, or edp for an expert's (sharded over ep, the other
+    part of dp; compiler/ir/mesh_spec.py)."""
+    return "edp" if isinstance(placements.get("ep"), Shard) else "dp"
+
+
 def in_parts(p) -> bool:
     """Does no rank hold the whole value: S(d) (pieces) or P (summands)? `p` is a placement, None (no tensor),
     or a tuple with one per output of a multi-output op (then: any of them)."""

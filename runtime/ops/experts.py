@@ -139,9 +139,6 @@ def combine(y: torch.Tensor, received: torch.Tensor, offsets: torch.Tensor, *, g
     y: (R, H) in dispatch's output order; received: dispatch's counts; offsets: the original running counts."""
     if compat.is_fake(y):
         return y.new_empty(y.shape)  # balanced: as many rows come back as went out
-    order = _regroup(received)
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=order.device)
-    by_source = y[back]  # (source, local expert) order again
+    by_source = unsort_rows(y, _regroup(received))  # (source, local expert) order again
     sent = _counts(offsets).view(size, -1).sum(1)
     return _Exchange.apply(by_source, sent.tolist(), received.sum(1).tolist(), group)
