@@ -37,6 +37,8 @@ def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, 
     `fixed` gives placements decided by an earlier program of the same job, so that every program of a
     job shards each parameter the same way. Plan.check_trace compares the trace with the eager model first.
     """
+    if mesh.spec.size("cp") > 1:  # traced at the global sequence length; the context pass makes it local again
+        args, kwargs = whole_sequences((args, kwargs), mesh.spec.size("cp"))
     traced, tensors = trace(model, args, kwargs, mesh=mesh, plan=plan, rank=rank, prefix=prefix)
     if check_trace.wanted(plan, tensors):
         traced.notes.append(check_trace.check_trace(model, traced, tensors, args, kwargs))
@@ -65,6 +67,16 @@ def compile_rank(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, pla
 def passes_for_rank(traced: Program, rank: int) -> Program:
     """The transformed program another rank runs, from the same trace (inspection only)."""
     return run_passes(traced.replace(rank=rank))
+
+
+def whole_sequences(tree: Any, cp: int) -> Any:
+    """cp-local example inputs (mesh.shard_batch's) widened to the global sequence length: dim 1 of every
+    tensor of two or more dims repeated cp times (the trace needs only shapes and dtypes)."""
+    def widen(t):
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            return t
+        return t.repeat(1, cp, *([1] * (t.dim() - 2)))
+    return tree_map(widen, tree)
 
 
 def one_microbatch(tree: Any, m: int) -> Any:

@@ -36,7 +36,7 @@ PassFn = Callable[[Program], Program]
 
 # Every pass meshc knows, in the order build_passes runs them. DESIGN.md §3 also places context (cp) between
 # experts and tensor_parallel; it is not built, so it is not here.
-PASS_NAMES = ("shapes", "plan", "experts", "tensor_parallel", "pipeline_split", "zero", "grad_sync", "fuse_comm",
+PASS_NAMES = ("shapes", "plan", "experts", "context", "tensor_parallel", "pipeline_split", "zero", "grad_sync", "fuse_comm",
               "remat")
 
 
@@ -58,6 +58,7 @@ class PassRecord:
 
 def build_passes(program: Program) -> list[tuple[str, PassFn]]:
     """The passes this program's Plan and Mesh call for, in order, minus those the Plan disables."""
+    from meshc.passes.context import context_pass
     from meshc.passes.experts import experts_pass
     from meshc.passes.fuse_comm import fuse_comm_pass
     from meshc.passes.grad_sync import grad_sync_pass
@@ -74,6 +75,7 @@ def build_passes(program: Program) -> list[tuple[str, PassFn]]:
         raise MeshcValueError(f"Plan.disable: unknown pass {unknown[0]!r}: expected names among "
                               f"{', '.join(PASS_NAMES)}")
     wanted = [("shapes", shapes_pass), ("plan", plan_pass), ("experts", experts_pass),
+              ("context", context_pass),
               ("tensor_parallel", tensor_parallel_pass),
               ("pipeline_split", pipeline_split_pass), ("zero", zero_pass), ("grad_sync", grad_sync_pass),
               ("fuse_comm", fuse_comm_pass), ("remat", remat_pass)]

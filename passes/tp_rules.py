@@ -25,6 +25,7 @@ import torch.fx as fx
 from meshc.compiler.ir.fx_ops import grouped_mm_args, op_name, tensor_args
 from meshc.compiler.ir.placement import P, Partial, Placement, R, Replicate, Shard
 from meshc.compiler.ir.program import CommRecord
+from meshc.runtime.ops.context import context_attention
 from meshc.runtime.ops.experts import combine, dispatch
 from meshc.runtime.ops.tp_ops import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
@@ -390,9 +391,10 @@ def norm_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
 
 
 # ---------------------------------------------------------------------------------------- attention
-@handles(aten.scaled_dot_product_attention.default)
+@handles(aten.scaled_dot_product_attention.default, context_attention)
 def sdpa_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
-    """q, k, v (B, H, T, D) sharded by heads (or batch) together; a mask broadcasting there stays whole."""
+    """q, k, v (B, H, T, D) sharded by heads (or batch) together; a mask broadcasting there stays whole.
+    Context parallelism's attention (q, k, v, mask: the same arguments) shards its heads the same way."""
     qkv = [((i,), node.args[i]) for i in range(3)]
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     mask_path = (3,) if len(node.args) > 3 else ("attn_mask",)

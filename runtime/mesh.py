@@ -113,23 +113,40 @@ class Mesh:
 
     # ----------------------------------------------------------------------------- data
     def shard_batch(self, batch: Any, dim: int = 0) -> Any:
-        """This rank's dp slice of a global batch (any pytree of tensors), moved to the mesh's device.
+        """This rank's slice of a global batch (any pytree of tensors), moved to the mesh's device.
 
-        Every tp and pp rank of one dp group gets the same slice, as DDP and FSDP expect.
+        Every tp and pp rank of one dp group gets the same slice, as DDP and FSDP expect. With context
+        parallelism (cp > 1) the cp ranks of a group share one batch slice (dim `dim` split over dp/cp) and
+        split its sequences: dim 1 of every tensor of two or more dims is cut into 2·cp chunks and rank c of
+        the cp group takes chunks c and 2·cp−1−c (so that under causal attention every rank does the same
+        work); `unshard_sequence` puts such shards back in order.
         """
-        n, i = self.sizes["dp"], self.coord("dp")
+        cp = self.sizes.get("cp", 1)
+        n, i = self.sizes["dp"] // cp, self.coord("dp") // cp
 
         def take(t):
             if not isinstance(t, torch.Tensor):
                 return t
             if t.shape[dim] % n:
                 raise MeshcValueError(
-                    f"shard_batch: expected dim {dim} divisible by dp={n}, got a tensor of shape "
+                    f"shard_batch: expected dim {dim} divisible by {n} (dp={self.sizes['dp']} ranks"
+                    + (f" in groups of cp={cp}" if cp > 1 else "") + f"), got a tensor of shape "
                     f"{tuple(t.shape)}; make the global batch a multiple of {n}"
                 )
-            return t.chunk(n, dim)[i].to(self.device)
+            out = t.chunk(n, dim)[i]
+            if cp > 1 and out.dim() >= 2:
+                out = sequence_shard(out, self.coord("cp"), cp)
+            return out.to(self.device)
 
         return compat.tree_map(take, batch)
+
+    def unshard_sequence(self, shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+        """The whole sequences from the cp ranks' shards (each `shard_batch`'s zigzag layout), given in cp
+        order (for example gathered with torch.distributed.all_gather over `mesh.group("cp")`)."""
+        cp = self.sizes.get("cp", 1)
+        if len(shards) != cp:
+            raise MeshcValueError(f"unshard_sequence: expected {cp} shards (one per cp rank), got {len(shards)}")
+        return sequence_unshard(shards, dim)
 
     def describe(self) -> str:
         return self.spec.describe()
@@ -161,20 +178,22 @@ def _members(group: dist.ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def mesh(*, dp: int | None = None, ep: int = 1, tp: int = 1, pp: int = 1, timeout_s: float = 300.0,
+def mesh(*, dp: int | None = None, ep: int = 1, cp: int = 1, tp: int = 1, pp: int = 1, timeout_s: float = 300.0,
          **unknown_axes: int) -> Mesh:
-    """The mesh of this process's world: `meshc.mesh(dp=2, tp=2, pp=2)`, or `meshc.mesh(dp=4, ep=2)`.
+    """The mesh of this process's world: `meshc.mesh(dp=2, tp=2, pp=2)`, `meshc.mesh(dp=4, ep=2)` or
+    `meshc.mesh(dp=4, cp=2)`.
 
     Reads torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and initializes torch.distributed
     if nothing has yet: NCCL when CUDA is available, else gloo. Without torchrun the world is this one
     process. `dp` left unset takes what tp × pp leave of the world. `ep` (expert parallelism) is a
     sub-group of dp, not a factor of the world: experts are sharded over ep consecutive dp ranks
-    (MeshSpec). `timeout_s` bounds every collective (gloo's own default is 30 minutes).
+    (MeshSpec). `cp` (context parallelism) is one too: cp consecutive dp ranks share a batch and split its
+    sequences, dp/cp different batches are trained at once. `timeout_s` bounds every collective (gloo's own default is 30 minutes).
     """
     if unknown_axes:
         name = next(iter(unknown_axes))
-        raise MeshcValueError(f"mesh: unknown axis {name!r}: expected axes among dp, ep, tp, pp")
-    for name, value in (("ep", ep), ("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
+        raise MeshcValueError(f"mesh: unknown axis {name!r}: expected axes among dp, ep, cp, tp, pp")
+    for name, value in (("ep", ep), ("cp", cp), ("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise MeshcValueError(f"mesh: expected {name} to be a positive int, got {value!r}")
     timeout = timedelta(seconds=timeout_s)
@@ -192,7 +211,7 @@ def mesh(*, dp: int | None = None, ep: int = 1, tp: int = 1, pp: int = 1, timeou
             f"mesh: expected dp×tp×pp to equal the world size {world}, got {dp}×{tp}×{pp} = "
             f"{math.prod((dp, tp, pp))}; choose sizes whose product is {world}, or leave dp unset"
         )
-    built = Mesh({"dp": dp, "ep": ep, "tp": tp, "pp": pp}, device=device, timeout=timeout)
+    built = Mesh({"dp": dp, "ep": ep, "cp": cp, "tp": tp, "pp": pp}, device=device, timeout=timeout)
     _LAST.clear()
     _LAST.append(weakref.ref(built))
     return built
@@ -223,7 +242,7 @@ def _init_world(timeout: timedelta) -> torch.device:
     return torch.device("cpu")
 
 
-def simulated_mesh(*, dp: int = 1, ep: int = 1, tp: int = 1, pp: int = 1, rank: int = 0) -> Mesh:
+def simulated_mesh(*, dp: int = 1, ep: int = 1, cp: int = 1, tp: int = 1, pp: int = 1, rank: int = 0) -> Mesh:
     """A mesh for compiling one rank of a large world in this process, on torch's "fake" backend.
 
     Nothing is sent: collectives return garbage, so use it to inspect plans and graphs, never to train.
@@ -234,4 +253,21 @@ def simulated_mesh(*, dp: int = 1, ep: int = 1, tp: int = 1, pp: int = 1, rank: 
         raise MeshcValueError("simulated_mesh: expected no initialized torch.distributed world in this process, "
                               "got one; destroy it first (torch.distributed.destroy_process_group())")
     dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=world)
-    return Mesh({"dp": dp, "ep": ep, "tp": tp, "pp": pp}, device=torch.device("cpu"), timeout=timedelta(minutes=5))
+    return Mesh({"dp": dp, "ep": ep, "cp": cp, "tp": tp, "pp": pp}, device=torch.device("cpu"),
+                timeout=timedelta(minutes=5))
+
+
+def sequence_shard(t: torch.Tensor, index: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """Rank `index`'s part of dim `dim` under context parallelism: chunks index and 2·cp−1−index of 2·cp."""
+    if t.shape[dim] % (2 * cp):
+        raise MeshcValueError(f"shard_batch: expected the sequence (dim {dim}) divisible by 2·cp = {2 * cp} (each cp "
+                              f"rank takes two chunks, for causal load balance), got a tensor of shape "
+                              f"{tuple(t.shape)}; pad the sequences to a multiple of {2 * cp}")
+    chunks = t.chunk(2 * cp, dim)
+    return torch.cat([chunks[index], chunks[2 * cp - 1 - index]], dim)
+
+
+def sequence_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The inverse of sequence_shard over all cp ranks' shards, given in cp order."""
+    halves = [s.chunk(2, dim) for s in shards]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim)

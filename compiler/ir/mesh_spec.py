@@ -5,8 +5,11 @@ Megatron-LM places tensor parallelism inside a node), then dp, then pp outermost
 into dp (Megatron's convention): `ep` divides dp, and a rank's dp index d is split as d = edp·ep + e, so
 the `ep` group of a rank is ep consecutive dp indices (experts are sharded over it, tokens exchanged by
 all-to-all) and the `edp` group ("expert data parallel", dp/ep ranks) holds the same experts (their
-gradients are reduced over it). The sub-axes exist only when ep > 1: a mesh without experts has exactly
-the axes pp, dp, tp. What the compiler needs
+gradients are reduced over it). Context parallelism folds into dp the same way: `cp` divides dp, d = b·cp + c,
+and the cp group (cp consecutive dp indices) shares one batch and splits its sequences (the batch index b
+has no group: nothing is reduced over it alone); dp as a whole still reduces the gradients and holds the
+ZeRO shards, so cp ranks share both. The sub-axes exist only when ep > 1 (or cp > 1): a mesh without
+them has exactly the axes pp, dp, tp. What the compiler needs
 of a mesh is here: axis sizes, each rank's coordinates, the ranks of every group and the name each group
 is registered under (what torch's functional collectives take). The runtime's Mesh (runtime/mesh.py)
 builds one from the process groups it creates, with their registered names; the planner and
@@ -20,7 +23,7 @@ from typing import Mapping
 from .errors import MeshcTypeError, MeshcValueError
 
 AXES = ("pp", "dp", "tp")  # outermost first: the axes whose product is the world
-SUB_AXES = ("ep", "edp")  # dp split as edp × ep (ep innermost); present in `sizes` only when ep > 1
+SUB_AXES = ("ep", "edp", "cp")  # dp split as edp × ep or as batches × cp (innermost); in `sizes` only when > 1
 
 
 @dataclass(frozen=True)
@@ -35,12 +38,12 @@ class MeshSpec:
     def __post_init__(self) -> None:
         unknown = set(self.sizes) - set(AXES) - set(SUB_AXES)
         if unknown:
-            raise MeshcValueError(f"mesh: unknown axis {sorted(unknown)[0]!r}: expected axes among dp, ep, tp, pp")
-        sizes = {axis: int(self.sizes.get(axis, 1)) for axis in AXES + ("ep",)}
+            raise MeshcValueError(f"mesh: unknown axis {sorted(unknown)[0]!r}: expected axes among dp, ep, cp, tp, pp")
+        sizes = {axis: int(self.sizes.get(axis, 1)) for axis in AXES + ("ep", "cp")}
         for axis, n in sizes.items():
             if n < 1:
                 raise MeshcValueError(f"mesh: expected {axis} to be a positive int, got {n}")
-        ep = sizes.pop("ep")
+        ep, cp = sizes.pop("ep"), sizes.pop("cp")
         if "edp" in self.sizes and int(self.sizes["edp"]) * ep != sizes["dp"]:
             raise MeshcValueError(f"mesh: expected edp = dp/ep = {sizes['dp'] // ep}, got edp={self.sizes['edp']}; "
                                   f"give dp and ep (edp follows)")
@@ -50,6 +53,15 @@ class MeshSpec:
                                       f"sub-group of the data-parallel ranks), got dp={sizes['dp']}, ep={ep}; "
                                       f"choose dp a multiple of ep")
             sizes.update(ep=ep, edp=sizes["dp"] // ep)
+        if cp > 1:
+            if ep > 1:
+                raise MeshcValueError(f"mesh: expert parallelism (ep={ep}) with context parallelism (cp={cp}) is not "
+                                      f"supported yet; choose one of them")
+            if sizes["dp"] % cp:
+                raise MeshcValueError(f"mesh: expected cp to divide dp (context parallelism splits each sequence over a "
+                                      f"sub-group of the data-parallel ranks), got dp={sizes['dp']}, cp={cp}; "
+                                      f"choose dp a multiple of cp (dp counts every rank that shares the gradients)")
+            sizes["cp"] = cp
         object.__setattr__(self, "sizes", sizes)
 
     @property
@@ -61,7 +73,7 @@ class MeshSpec:
 
     @property
     def group_axes(self) -> tuple[str, ...]:
-        """The axes that have process groups: pp, dp, tp, and ep, edp when the mesh has experts."""
+        """The axes that have process groups: pp, dp, tp, and ep, edp (experts) or cp when the mesh has them."""
         return tuple(self.sizes)
 
     @property
@@ -82,6 +94,8 @@ class MeshSpec:
             rank, out[axis] = divmod(rank, self.sizes[axis])
         if "ep" in self.sizes:
             out["edp"], out["ep"] = divmod(out["dp"], self.sizes["ep"])
+        if "cp" in self.sizes:
+            out["cp"] = out["dp"] % self.sizes["cp"]
         return {axis: out[axis] for axis in self.sizes}
 
     def coord(self, axis: str, rank: int) -> int:
@@ -89,10 +103,13 @@ class MeshSpec:
         return self.coords(rank).get(axis, 0)  # ep, edp on a mesh without experts: 0
 
     def rank_at(self, coords: Mapping[str, int]) -> int:
-        """The rank at the given index along every axis (pp, dp, tp; or pp, edp, ep, tp)."""
+        """The rank at the given index along every axis (pp, dp, tp; or pp, edp, ep, tp; or pp, dp, cp, tp:
+        then cp replaces dp's innermost part)."""
         coords = dict(coords)
         if "ep" in self.sizes and "ep" in coords:
             coords["dp"] = coords["edp"] * self.sizes["ep"] + coords["ep"]
+        if "cp" in self.sizes and "cp" in coords:
+            coords["dp"] = coords["dp"] - coords["dp"] % self.sizes["cp"] + coords["cp"]
         rank = 0
         for axis in AXES:
             rank = rank * self.sizes[axis] + coords[axis]
@@ -104,8 +121,9 @@ class MeshSpec:
         c = self.coords(rank)
         if axis in SUB_AXES and axis not in self.sizes:
             return (rank,)
-        if axis == "dp" and "ep" in c:  # dp moves both of its parts
-            c.pop("ep"), c.pop("edp")
+        if axis == "dp":  # dp moves both of its parts
+            for part in ("ep", "edp", "cp"):
+                c.pop(part, None)
         return tuple(self.rank_at({**c, axis: i}) for i in range(self.sizes[axis]))
 
     def all_groups(self, axis: str) -> list[tuple[int, ...]]:
@@ -123,6 +141,8 @@ class MeshSpec:
 
     def describe(self) -> str:
         dp = f"dp={self.sizes['dp']}" + (f" (ep={self.sizes['ep']} × edp={self.sizes['edp']})" if "ep" in self.sizes else "")
+        if "cp" in self.sizes:
+            dp += f" (cp={self.sizes['cp']} × {self.sizes['dp'] // self.sizes['cp']} batch)"
         axes = " × ".join([dp] + [f"{a}={self.sizes[a]}" for a in ("tp", "pp")])
         where = f", {self.backend} on {self.device_type}" if self.backend != "none" else ", no process group"
         return f"{axes} ({self.world_size} ranks{where})"
@@ -148,8 +168,8 @@ def parse_sizes(text: str) -> dict[str, int]:
         name, sep, value = part.partition("=")
         if not sep or not value.strip().isdigit():
             raise MeshcValueError(f"mesh: expected 'axis=size' pairs such as dp=2,tp=2, got {part!r}")
-        if name.strip() not in AXES + ("ep",):
-            raise MeshcValueError(f"mesh: unknown axis {name.strip()!r}: expected axes among dp, ep, tp, pp")
+        if name.strip() not in AXES + ("ep", "cp"):
+            raise MeshcValueError(f"mesh: unknown axis {name.strip()!r}: expected axes among dp, ep, cp, tp, pp")
         sizes[name.strip()] = int(value)
     return sizes
 

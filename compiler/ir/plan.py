@@ -14,6 +14,7 @@ import torch
 from .errors import MeshcTypeError, MeshcValueError
 
 
+CP_ATTENTION = ("ring", "all_gather", "all_to_all")
 TP_STYLES = ("colwise", "rowwise", "vocab", "replicate")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
@@ -39,6 +40,10 @@ class Plan:
             dim (norms, dropout, residual adds on sequence shards): all-gather before column-parallel
             and reduce-scatter after row-parallel layers instead of all-reduce.
         vocab_parallel: shard the token embedding and the LM head over the vocabulary.
+        cp_attention: how attention sees the whole sequence under context parallelism (a mesh with cp > 1):
+            "ring" (K/V chunks passed around the cp ring, overlapping the local block's attention; no
+            rank holds the whole sequence's K/V), "all_gather" (K/V gathered whole on every rank) or
+            "all_to_all" (DeepSpeed-Ulysses: heads exchanged for sequence; needs heads divisible by cp).
         zero: ZeRO stage on the dp axis. 1: optimizer states sharded (each rank updates its slice of
             the parameters, gradients reduce-scattered and updated slices all-gathered at the step);
             2: gradients too (reduce-scattered in backward as buckets complete); 3: parameters too
@@ -103,6 +108,7 @@ class Plan:
     min_tp_coverage: float | None = None
     sequence_parallel: bool = False
     vocab_parallel: bool = False
+    cp_attention: str = "ring"
     zero: int = 0
     zero_bucket_mb: float = 25.0
     zero_keep_last: bool = True
@@ -143,6 +149,9 @@ class Plan:
                 self.min_tp_coverage, (int, float)) or not 0 < self.min_tp_coverage <= 1):
             raise MeshcValueError(f"Plan.min_tp_coverage: expected a fraction in (0, 1] of the blocks' weight bytes, "
                                   f"got {self.min_tp_coverage!r}; e.g. min_tp_coverage=0.9, or None for a warning only")
+        if self.cp_attention not in CP_ATTENTION:
+            raise MeshcValueError(f"Plan.cp_attention: expected one of {', '.join(CP_ATTENTION)}, got "
+                                  f"{self.cp_attention!r}")
         if self.zero not in (0, 1, 2, 3):
             raise MeshcValueError(f"Plan.zero: expected a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
         if not isinstance(self.zero_bucket_mb, (int, float)) or self.zero_bucket_mb <= 0:

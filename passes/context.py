@@ -1,0 +1,273 @@
+"""context: context parallelism, every activation sharded on the sequence over the cp axis, attention kept exact.
+
+Purpose: long sequences. The inputs' dim 1 (the sequence; mesh.shard_batch's zigzag layout, runtime/ops/sequence.py)
+is split over cp; placements propagate op by op with the same rules as tensor parallelism (tp_table), so
+pointwise ops, norms, linears and MLPs run on sequence shards without communication. Values that mix positions
+get what their rule asks: scaled_dot_product_attention becomes meshc's context attention (Plan.cp_attention:
+ring, all-gather of K/V, or Ulysses all-to-all; runtime/ops/context.py), causal by global positions; a
+replicated value computed from positions (rotary tables, learned position embeddings, masks) is sliced to this
+rank's positions where it meets sharded values, so positions are global without rewriting them; an op without
+a rule (a cumulative sum over the sequence, written-out attention's scores) gets its inputs gathered whole:
+correct, and the notes say where. Graph outputs keep their sequence shards: the loss is each rank's own
+tokens' mean, averaged over dp (which holds cp) like data parallelism's, and so are the gradients (cp ranks
+hold the same parameters), which is why redistributions on cp use data-parallel backward (sequence.py).
+
+Requires: "meshc.shape" (shapes pass) on a graph traced at the global sequence length (compile_program
+    traces cp-local example inputs widened cp times on dim 1).
+Ensures: node.meta["meshc.placement"]["cp"] on every value; "cp" in Program.local_axes; "meshc.shape" and "val"
+    are cp-local from here on (the passes after this one see one cp rank's program); inserted nodes carry
+    "meshc.why" and CommRecords on axis cp. With cp = 1, no change.
+
+Before (cp=2):
+    %sdpa = aten.scaled_dot_product_attention(%q, %k, %v, None, 0.0, True)        (2, 4, 64, 8)
+After:
+    %sdpa = meshc.runtime.ops.context.context_attention(%q, %k, %v, None, causal=True, method='ring', ...)
+                                                                                    (2, 4, 32, 8)  cp:S(2)
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
+from meshc.compiler.ir.fx_ops import get_arg, op_name, set_arg
+from meshc.compiler.ir.placement import Partial, R, Replicate, Shard
+from meshc.compiler.ir.program import CommRecord, Program
+from meshc.runtime.ops import context as attention
+from meshc.runtime.ops import sequence as seq
+
+from .tensor_parallel import refresh_vals
+from .tp_rules import Decision, RuleCtx
+from .tp_table import infer
+
+AXIS = "cp"
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+COMM_FNS = (seq.seq_slice, seq.seq_gather, seq.seq_reduce, seq.seq_reduce_scatter)
+
+
+def context_pass(program: Program) -> Program:
+    program = program.copy()
+    n = program.mesh.size(AXIS)
+    if n == 1:
+        program.notes.append("cp = 1: nothing to shard")
+        return program
+    mesh, rank = program.mesh, program.rank
+    ctx = RuleCtx(n, {}, axis=AXIS, index=mesh.coord(AXIS, rank), group=mesh.group_name(AXIS, rank))
+    red = _Redistributor(program, ctx)
+    grad = _needs_grad(program)
+    for node in list(program.gm.graph.nodes):
+        if node.op == "placeholder":
+            ctx.placements[node] = _input_placement(node, n) if node.meta.get("meshc.role") == "input" else R
+        elif node.op == "call_function":
+            _place(program, node, ctx, red, grad)
+        elif node.op == "output":
+            _partial_outputs(node, ctx, red)
+    for node, p in ctx.placements.items():
+        if p is not None:
+            node.meta["meshc.placement"] = {**node.meta.get("meshc.placement", {}), AXIS: p}
+            node.meta["meshc.shape"] = _local_shape(node.meta.get("meshc.shape"), p, n)
+    _local_inputs(program)
+    program.gm.graph.lint()
+    program.gm.recompile()
+    program.local_axes = program.local_axes | {AXIS}
+    refresh_vals(program)
+    rings = sum(1 for nd in program.gm.graph.nodes if nd.target is attention.context_attention)
+    program.notes.append(f"cp={n}: {rings} attention(s) made {program.plan.cp_attention}; inserted "
+                         f"{red.census() or 'no redistribution'}")
+    return program
+
+
+def _input_placement(node: fx.Node, n: int):
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
+        return R
+    size = int(val.shape[1])
+    if size % (2 * n):
+        raise MeshcValueError(f"cp sharding: input {node.name} of shape {tuple(val.shape)}: its sequence (dim 1) of "
+                              f"{size} is not divisible by 2·cp = {2 * n} (each cp rank holds two chunks); pad the "
+                              f"sequences to a multiple of {2 * n}")
+    return Shard(1)
+
+
+def _place(program: Program, node: fx.Node, ctx: RuleCtx, red, grad) -> None:
+    dec = _attention_rule(program, node, ctx, grad) if node.target is SDPA else infer(node, ctx)
+    for path, req in dec.inputs.items():
+        src = get_arg(node, path)
+        cur = ctx.pl(src)
+        if cur != req:
+            why = dec.note or f"{op_name(node.target)} needs {req} of %{src.name} ({cur})"
+            set_arg(node, path, red.convert(src, cur, req, node, why))
+    if dec.note:
+        text = f"cp: {dec.note} at {_where(node)}: gathered whole there (correct, costs memory and communication)"
+        program.warnings.append(text)
+        warn(text, MeshcWarning)
+    ctx.placements[node] = dec.out
+    for p, shape in _pairs(dec.out, node.meta.get("meshc.shape")):
+        if isinstance(p, Shard) and (isinstance(p.chunks, tuple) or int(shape[p.dim]) % (2 * ctx.n * p.chunks)):
+            raise MeshcValueError(f"cp sharding: {node.format_node()}: dim {p.dim} of size {shape[p.dim]} "
+                                  f"({p.chunks} block(s)) does not split into 2·cp = {2 * ctx.n} chunks per block; "
+                                  f"choose cp so that 2·cp divides the sequence length")
+    if dec.rewrite:
+        dec.rewrite(node)
+
+
+def _attention_rule(program: Program, node: fx.Node, ctx: RuleCtx, grad) -> Decision:
+    """SDPA on sequence shards: q, k, v sharded on the sequence (dim -2), the mask whole; context attention."""
+    q, k, v = node.args[:3]
+    mask = get_arg(node, (3,)) if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if all(not isinstance(ctx.pl(t), (Shard, Partial)) for t in (q, k, v)):
+        return Decision({}, R)  # attention over replicated values: nothing of the sequence here
+    dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    causal = bool(node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False))
+    where = f"{node.format_node()} ({_where(node)})"
+    if dropout:
+        raise MeshcValueError(f"cp attention: {where}: attention dropout {dropout} under context parallelism is not "
+                              f"supported (each rank would drop different probabilities); set the attention "
+                              f"dropout to 0")
+    if isinstance(mask, fx.Node) and grad.get(mask):
+        raise MeshcValueError(f"cp attention: {where}: the attention mask %{mask.name} depends on parameters (a "
+                              f"learned bias); context parallelism needs a mask without gradient")
+    method = program.plan.cp_attention
+    dim = len(node.meta["meshc.shape"]) - 2
+    need = {(i,): Shard(dim) for i in range(3)}
+    if isinstance(mask, fx.Node):
+        need[(3,) if len(node.args) > 3 else ("attn_mask",)] = R
+    kv_bytes = _bytes(k) + _bytes(v)
+    n = ctx.n
+
+    def rewrite(nd: fx.Node) -> None:
+        new_mask = get_arg(nd, (3,)) if len(nd.args) > 3 else nd.kwargs.get("attn_mask")
+        nd.target = attention.context_attention
+        nd.args = tuple(nd.args[:3]) + (new_mask,)
+        nd.kwargs = {"causal": causal, "scale": node.kwargs.get("scale"), "method": method,
+                     "group": ctx.group, "size": n, "index": ctx.index}
+        why = f"context parallel ({method} attention): %{nd.name} needs every position's K and V"
+        nd.meta["meshc.why"] = why
+        nd.meta["meshc.comm"] = _attention_comms(method, kv_bytes // n, _bytes(q) // n, n, why)
+    return Decision(need, Shard(dim), rewrite=rewrite)
+
+
+def _attention_comms(method: str, kv_local: int, q_local: int, n: int, why: str) -> list[CommRecord]:
+    """What one context attention sends per rank per step (bytes of K and V held locally: kv_local)."""
+    if method == "ring":  # K and V around the ring n-1 times; backward K, V again and their gradients
+        return [CommRecord("ring", AXIS, kv_local, "forward", why, count=n - 1),
+                CommRecord("ring", AXIS, 2 * kv_local, "backward", why, count=n - 1)]
+    if method == "all_gather":
+        return [CommRecord("all_gather", AXIS, kv_local, "forward", why),
+                CommRecord("reduce_scatter", AXIS, kv_local * n, "backward", why)]
+    return [CommRecord("all_to_all", AXIS, 2 * q_local + kv_local, "forward", why),  # q, k, v in; out back
+            CommRecord("all_to_all", AXIS, 2 * q_local + kv_local, "backward", why)]
+
+
+def _partial_outputs(node: fx.Node, ctx: RuleCtx, red) -> None:
+    """Outputs keep their sequence shards (each rank's loss is over its own tokens); a partial sum is summed."""
+    outs = list(node.args[0])
+    for i, a in enumerate(outs):
+        if isinstance(a, fx.Node) and isinstance(ctx.pl(a), Partial):
+            outs[i] = red.convert(a, ctx.pl(a), R, node, "graph outputs are whole sums")
+    node.update_arg(0, tuple(outs))
+
+
+class _Redistributor:
+    """Inserts (once per value and placement) the cp redistribution a consumer needs."""
+
+    def __init__(self, program: Program, ctx: RuleCtx):
+        self.program, self.ctx = program, ctx
+        self.cache: dict[tuple[fx.Node, object], fx.Node] = {}
+        self.made: set[fx.Node] = set()
+
+    def convert(self, src: fx.Node, cur, req, consumer: fx.Node, why: str) -> fx.Node:
+        if (src, req) in self.cache:
+            return self.cache[(src, req)]
+        if isinstance(cur, Shard) and isinstance(req, Shard):
+            whole = self.convert(src, cur, R, consumer, why)
+            return self.convert(whole, R, req, consumer, why)
+        n, group, index = self.ctx.n, self.ctx.group, self.ctx.index
+        full = _bytes(src)
+        if isinstance(cur, Partial) and isinstance(req, Replicate):
+            fn, kw = seq.seq_reduce, {"group": group}
+            comm = [("all_reduce", "forward", full), ("all_reduce", "backward", full)]
+        elif isinstance(cur, Partial) and isinstance(req, Shard):
+            fn, kw = seq.seq_reduce_scatter, {"dim": req.dim, "chunks": req.chunks, "size": n, "group": group}
+            comm = [("reduce_scatter", "forward", full), ("all_gather", "backward", full // n)]
+        elif isinstance(cur, Shard) and isinstance(req, Replicate):
+            fn = seq.seq_gather
+            kw = {"dim": cur.dim, "chunks": cur.chunks, "size": n, "index": index, "group": group}
+            comm = [("all_gather", "forward", full // n), ("reduce_scatter", "backward", full)]
+        elif isinstance(cur, Replicate) and isinstance(req, Shard):
+            fn = seq.seq_slice
+            kw = {"dim": req.dim, "chunks": req.chunks, "size": n, "index": index, "group": group}
+            comm = []
+        else:
+            raise MeshcValueError(f"cp sharding: no redistribution from {cur} to {req} for {src.format_node()}")
+        with self.program.gm.graph.inserting_before(consumer):
+            node = self.program.gm.graph.call_function(fn, (src,), kw)
+        node.meta.update({k: src.meta[k] for k in ("meshc.shape", "val") if k in src.meta})
+        node.meta["meshc.why"] = f"context parallel: {why}"
+        node.meta["meshc.comm"] = [CommRecord(kind, AXIS, b, phase, f"context parallel: {why}")
+                                   for kind, phase, b in comm]
+        stack = consumer.meta.get("nn_module_stack") or src.meta.get("nn_module_stack")
+        if stack:
+            node.meta["nn_module_stack"] = stack
+        self.ctx.placements[node] = req
+        self.cache[(src, req)] = node
+        self.made.add(node)
+        return node
+
+    def census(self) -> str:
+        kinds: dict[str, int] = {}
+        for node in self.made:
+            kinds[node.target.__name__] = kinds.get(node.target.__name__, 0) + 1
+        return ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
+
+
+def _needs_grad(program: Program) -> dict[fx.Node, bool]:
+    out: dict[fx.Node, bool] = {}
+    for node in program.gm.graph.nodes:
+        if node.op == "placeholder":
+            spec = program.params.get(node.meta.get("meshc.fqn"))
+            out[node] = bool(spec and spec.requires_grad)
+        else:
+            out[node] = any(out.get(a) for a in node.all_input_nodes)
+    return out
+
+
+def _local_shape(shape, p, n: int):
+    if shape is None:
+        return None
+    if isinstance(p, tuple):
+        return tuple(_local_shape(s, q, n) for s, q in zip(shape, p))
+    if not isinstance(p, Shard) or shape and isinstance(shape[0], tuple):
+        return shape
+    return tuple(s // n if d == p.dim else s for d, s in enumerate(shape))
+
+
+def _local_inputs(program: Program) -> None:
+    """The input placeholders' example values at their cp-local shapes (what refresh_vals propagates)."""
+    mode = compat.fake_tensor_mode()
+    for node in program.placeholders("input"):
+        val = node.meta.get("val")
+        p = node.meta.get("meshc.placement", {}).get(AXIS)
+        if isinstance(val, torch.Tensor) and isinstance(p, Shard):
+            with mode:
+                node.meta["val"] = torch.empty(_local_shape(tuple(val.shape), p, program.mesh.size(AXIS)),
+                                               dtype=val.dtype, device=val.device)
+
+
+def _pairs(out, shape):
+    if isinstance(out, tuple):
+        return [(o, s) for o, s in zip(out, shape or ()) if s is not None]
+    return [(out, shape)] if shape is not None and out is not None else []
+
+
+def _bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return int(val.numel() * val.dtype.itemsize) if isinstance(val, torch.Tensor) else 0
+
+
+def _where(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    return f"%{node.name}" + (f" in {list(stack.values())[-1][0]}" if stack else "")
+
