@@ -129,6 +129,16 @@ def _attention_rule(program: Program, node: fx.Node, ctx: RuleCtx, grad) -> Deci
     if isinstance(mask, fx.Node) and grad.get(mask):
         raise MeshcValueError(f"cp attention: {where}: the attention mask %{mask.name} depends on parameters (a "
                               f"learned bias); context parallelism needs a mask without gradient")
+    for i in (1, 2):  # grouped-query attention: the ring carries the kv heads, not their copies per query head
+        copies = node.args[i]
+        kv = _unexpanded(copies, program.mesh.size("tp"))
+        if kv is not None and isinstance(ctx.pl(kv), Shard):
+            node.update_arg(i, kv)
+            while isinstance(copies, fx.Node) and not copies.users and copies is not kv:  # reshape, expand, unsqueeze
+                ctx.placements.pop(copies, None)
+                copies, dead = copies.args[0], copies
+                program.gm.graph.erase_node(dead)
+    k, v = node.args[1], node.args[2]
     method = program.plan.cp_attention
     dim = len(node.meta["meshc.shape"]) - 2
     need = {(i,): Shard(dim) for i in range(3)}
@@ -147,6 +157,25 @@ def _attention_rule(program: Program, node: fx.Node, ctx: RuleCtx, grad) -> Deci
         nd.meta["meshc.why"] = why
         nd.meta["meshc.comm"] = _attention_comms(method, kv_bytes // n, _bytes(q) // n, n, why)
     return Decision(need, Shard(dim), rewrite=rewrite)
+
+
+def _unexpanded(x, tp: int):
+    """The (B, Hkv, T, D) value behind transformers' repeat_kv, reshape(expand(unsqueeze(kv, 2), (B, Hkv, g, T, D))),
+    when tp divides Hkv (each tp rank then keeps whole groups); None for anything else."""
+    if not (isinstance(x, fx.Node) and x.target in (aten.reshape.default, aten.view.default, aten._unsafe_view.default)):
+        return None
+    ex = x.args[0]
+    if not (isinstance(ex, fx.Node) and ex.target is aten.expand.default and len(ex.users) == 1):
+        return None
+    un = ex.args[0]
+    if not (isinstance(un, fx.Node) and un.target is aten.unsqueeze.default and un.args[1] == 2 and len(un.users) == 1):
+        return None
+    kv = un.args[0]
+    shape, out = kv.meta.get("meshc.shape"), x.meta.get("meshc.shape")
+    if shape is None or out is None or len(shape) != 4 or len(out) != 4 or int(shape[1]) % tp:
+        return None
+    same = [int(a) for a in shape[::2]] == [int(b) for b in out[::2]] and int(shape[3]) == int(out[3])
+    return kv if same and int(out[1]) % int(shape[1]) == 0 else None
 
 
 def _attention_comms(method: str, kv_local: int, q_local: int, n: int, why: str) -> list[CommRecord]:

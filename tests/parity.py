@@ -18,11 +18,11 @@ def _optimizer(name: str, params):
     return cls(params, **kwargs)
 
 
-def reference(model: str, steps: int, batch: int, optimizer: str = "adamw") -> dict:
+def reference(model: str, steps: int, batch: int, optimizer: str = "adamw", seq: int = zoo.SEQ) -> dict:
     m = zoo.build(model)
     opt = _optimizer(optimizer, m.parameters())
     losses, grads0 = [], {}
-    for i, (x, y) in enumerate(zoo.batches(steps, batch)):
+    for i, (x, y) in enumerate(zoo.batches(steps, batch, seq=seq)):
         loss = zoo.lm_loss(m(x), y)
         loss.backward()
         if i == 0:

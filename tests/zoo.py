@@ -52,12 +52,12 @@ def bert(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return BertForMaskedLM(cfg)
 
 
-def builtin_gpt(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+def builtin_gpt(seed: int = 0, layers: int = 2, seq: int = SEQ) -> torch.nn.Module:
     """meshc's built-in GPT (meshc/models.py) at the zoo's vocabulary and length: tied head, LayerNorm, GELU."""
     from meshc import models
 
     torch.manual_seed(seed)
-    return models.build("gpt-tiny", vocab_size=VOCAB, seq_len=SEQ, layers=layers, dim=32)
+    return models.build("gpt-tiny", vocab_size=VOCAB, seq_len=seq, layers=layers, dim=32)
 
 
 MODELS = {"gpt": builtin_gpt, "reference": reference_transformer, "gpt2": gpt2, "llama": llama, "bert": bert}
@@ -313,3 +313,19 @@ MODELS["deepseek_v3"] = deepseek_v3
 MODELS["olmoe"] = olmoe
 MODELS["mixtral4"] = lambda seed=0: mixtral(seed, layers=4)
 MODELS["mixtral_gathered"] = lambda seed=0, layers=2: mixtral(seed, layers=layers, experts="batched_mm")
+
+
+def qwen2(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face Qwen2: Llama-style with biases on q, k and v, rotary, grouped-query attention (4 heads, 2 kv)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=LONG, use_cache=False,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return Qwen2ForCausalLM(cfg)
+
+
+LONG = 256  # the longest sequence the context-parallel tests train on
+MODELS["qwen2"] = qwen2
+MODELS["gpt_long"] = lambda seed=0: builtin_gpt(seed, seq=LONG)

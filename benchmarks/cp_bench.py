@@ -1,0 +1,376 @@
+"""Context parallelism on a Llama-shaped model: the longest sequence that fits a per-rank activation budget, the
+activation memory and the step time at one common length, for cp = 1, 2, 4 and each meshc cp_attention method,
+side by side in the same run with torch's own torch.distributed.tensor.experimental.context_parallel.
+
+    python benchmarks/cp_bench.py [--quick] [--cps 1,2,4] [--only meshc,torch] [--out cp_bench.md]
+
+Model: transformers' LlamaForCausalLM from a LlamaConfig (hidden 256, intermediate 512, 4 layers, 8 heads, 4 kv
+heads, vocabulary 1024, max_position_embeddings 2^17, attn_implementation "sdpa", no dropout), seed 0 on every
+rank; one sequence of S tokens (seed 1) per step, world = cp gloo ranks (one thread each), so there is one
+batch: meshc.mesh(dp=cp, cp=cp), mesh.shard_batch (zigzag: rank c holds chunks c and 2cp-1-c of 2cp).
+
+Activation bytes (per rank, the largest over the ranks): as in remat_memory.py, the forward runs under a dispatch
+mode that keeps a weak reference to every storage an op creates; the storages still alive when forward returns
+(the output included) are what backward will read. Parameters, compute copies, buffers and inputs exist before
+and are not counted. "mask" is the part of them in bool tensors (transformers' causal mask and slices of it).
+Longest sequence in budget: the job is compiled and measured at 256, 512, 1024, ... (doubling) until a length
+exceeds --budget MiB; then up to --refine lengths between the last fit and the first miss (multiples of 256,
+the first one where the chord between the two measurements meets the budget, then bisection) are compiled and
+measured. The answer is the longest length measured to fit: every length in the table was measured, none
+extrapolated. Step: median seconds of --steps training steps (job.step + AdamW step + zero_grad; eager:
+forward, backward, all-reduce of the gradients, AdamW) after one warm-up, at --seq tokens, ranks aligned by a
+barrier. loss 1 / loss 2: the first two steps' losses (averaged over the ranks); meshc's must equal the cp=1
+loss to ~1e-5 (step 1: the forward; step 2: also the first AdamW update, so the gradients).
+
+Peers: "torch eager" is the plain model on one rank (cp=1). "torch CP" runs the model under
+context_parallel(DeviceMesh("cpu", (cp,)), buffers=[tokens, targets, position_ids]) (its head-tail load
+balancer is the same zigzag layout), parameters replicated, gradients averaged by hand with all_reduce. Its
+rotate method (allgather by default, alltoall) is set only through set_rotate_method, which lives in the private
+module torch.distributed.tensor.experimental._attention: the project imports no private torch module outside
+compiler/_torch_compat.py, so the alltoall row says so instead of running. Where a peer fails (torch CP has no
+CPU attention kernel with a sharding rule), the row holds rank 0's first error line.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import arg_parser, last_error, launch, median_step, report, run_worker, table  # noqa: E402
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB, MAX_POS = 256, 512, 4, 8, 4, 1024, 1 << 17
+UNIT, START, CAP = 256, 256, 1 << 16  # search grid (divisible by 2·cp for cp <= 4 x 32), first length, ceiling
+MIB = 2**20
+METHODS = ("ring", "all_gather", "all_to_all")
+PRIVATE = "not configurable through public API (set_rotate_method is in torch...experimental._attention)"
+
+
+# ---------------------------------------------------------------------------------------------- model, data
+def _model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=LAYERS, hidden_size=HIDDEN, intermediate_size=INTER,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
+                      max_position_embeddings=MAX_POS, attention_dropout=0.0, use_cache=False,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg)
+
+
+def _tokens(seq: int):
+    """(inputs, next-token targets), each (1, seq), the same on every rank."""
+    import torch
+
+    tokens = torch.randint(0, VOCAB, (1, seq + 1), generator=torch.Generator().manual_seed(1))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _loss(out, y):
+    """Mean token cross-entropy (tests/zoo.py lm_loss)."""
+    import torch.nn.functional as F
+
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+def _held_after_forward(forward) -> tuple[int, int]:
+    """(bytes, bool bytes) of the storages created during `forward()` and still alive when it returns."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from meshc.compiler import _torch_compat as compat
+
+    refs: dict[int, tuple] = {}
+
+    class Meter(compat.dispatch_mode_base()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in compat.tree_flatten(out)[0]:
+                t = t.to_local() if isinstance(t, DTensor) else t
+                if hasattr(t, "untyped_storage") and t.device.type != "meta":
+                    st = t.untyped_storage()
+                    ref = StorageWeakRef(st)
+                    refs.setdefault(ref.cdata, (ref, st.nbytes(), t.dtype == torch.bool))
+            return out
+
+    with Meter():
+        out = forward()
+    alive = [(nbytes, is_bool) for ref, nbytes, is_bool in refs.values() if not ref.expired()]
+    del out
+    return sum(b for b, _ in alive), sum(b for b, m in alive if m)
+
+
+def _rank_max(*values: float) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _longest(measure, budget: float, refine: int, known: dict) -> tuple[int | None, dict]:
+    """The longest measured length whose activations fit `budget` bytes: doubling from START, then up to
+    `refine` lengths between the last fit and the first miss. `measure(seq)` -> (bytes, mask bytes);
+    `known`: lengths measured already."""
+    seen: dict[int, tuple] = {}
+
+    def fits(seq: int) -> bool:
+        seen[seq] = known[seq] if seq in known else measure(seq)
+        print(f"  S={seq}: {seen[seq][0] / MIB:.1f} MiB (mask {seen[seq][1] / MIB:.1f})", flush=True)
+        return seen[seq][0] <= budget
+
+    lo, hi, seq = None, None, START
+    while seq <= CAP:
+        if not fits(seq):
+            hi = seq
+            break
+        lo, seq = seq, seq * 2
+    for i in range(refine if lo and hi else 0):
+        if hi - lo <= UNIT:
+            break
+        if i == 0:  # where the chord meets the budget; memory is convex in S, so the chord errs short
+            guess = lo + (budget - seen[lo][0]) / (seen[hi][0] - seen[lo][0]) * (hi - lo)
+        else:
+            guess = (lo + hi) / 2
+        guess = min(max(int(guess) // UNIT * UNIT, lo + UNIT), hi - UNIT)
+        lo, hi = (guess, hi) if fits(guess) else (lo, guess)
+    return lo, seen
+
+
+def _timed_steps(one_step, cfg: dict) -> dict:
+    """Losses of the first two steps and the median seconds of cfg["steps"] steps after one warm-up."""
+    import torch.distributed as dist
+
+    losses = []
+
+    def step():
+        loss = one_step()
+        if len(losses) < 2:
+            losses.append(loss)
+
+    barrier = dist.barrier if dist.is_initialized() else None
+    seconds = median_step(step, warmup=1, steps=cfg["steps"], barrier=barrier)
+    return {"step": _rank_max(seconds)[0], "loss1": losses[0], "loss2": losses[1]}
+
+
+# ---------------------------------------------------------------------------------------------- systems
+def _meshc(cfg: dict) -> dict:
+    import torch
+
+    import meshc
+
+    cp = cfg["cp"]
+    mesh = meshc.mesh(dp=cp, cp=cp, timeout_s=600)
+    model = _model()
+    plan = meshc.Plan(cp_attention=cfg["method"])
+
+    def compiled(seq: int):
+        x, y = (mesh.shard_batch(t) for t in _tokens(seq))
+        return meshc.compile(model, mesh, example_inputs=(x,), plan=plan), x, y
+
+    def measure(seq: int, job=None, x=None):
+        if job is None:
+            job, x, _ = compiled(seq)
+        job(x)  # warm: the first call's one-time work is not an activation
+        return _rank_max(*_held_after_forward(lambda: job(x)))
+
+    job, x, y = compiled(cfg["seq"])
+    common = measure(cfg["seq"], job, x)
+    opt = job.optimizer(torch.optim.AdamW, lr=1e-4)
+
+    def one_step():
+        loss = job.step(x, y, _loss)
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    out = {"common": common, **_timed_steps(one_step, cfg)}
+    out["longest"], out["probes"] = _longest(measure, cfg["budget"] * MIB, cfg["refine"], {cfg["seq"]: out["common"]})
+    return out
+
+
+def _torch_eager(cfg: dict) -> dict:
+    import torch
+
+    model = _model()
+
+    def measure(seq: int):
+        x, _ = _tokens(seq)
+        return _rank_max(*_held_after_forward(lambda: model(input_ids=x)))
+
+    x, y = _tokens(cfg["seq"])
+    common = measure(cfg["seq"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def one_step():
+        loss = _loss(model(input_ids=x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    out = {"common": common, **_timed_steps(one_step, cfg)}
+    out["longest"], out["probes"] = _longest(measure, cfg["budget"] * MIB, cfg["refine"], {cfg["seq"]: out["common"]})
+    return out
+
+
+def _torch_cp(cfg: dict) -> dict:
+    """torch's context_parallel around forward (and backward, as its docs do), gradients averaged by hand."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cp = cfg["cp"]
+    mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    model = _model()
+    backends = [SDPBackend.MATH] if cfg["method"].endswith("math)") else list(SDPBackend)
+
+    def sharded(seq: int):
+        x, y = _tokens(seq)
+        pos = torch.arange(seq)[None]
+        return x, y, pos, context_parallel(mesh, buffers=[x, y, pos], buffer_seq_dims=[1, 1, 1],
+                                           no_restore_buffers={x, y, pos})
+
+    def measure(seq: int):
+        x, _, pos, ctx = sharded(seq)
+        with sdpa_kernel(backends), ctx:
+            return _rank_max(*_held_after_forward(lambda: model(input_ids=x, position_ids=pos)))
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def one_step():
+        x, y, pos, ctx = sharded(cfg["seq"])
+        with sdpa_kernel(backends), ctx:
+            loss = _loss(model(input_ids=x, position_ids=pos), y)
+            loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= cp
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        return loss.item() / cp
+
+    out = {**_timed_steps(one_step, cfg), "common": measure(cfg["seq"])}
+    out["longest"], out["probes"] = _longest(measure, cfg["budget"] * MIB, cfg["refine"], {cfg["seq"]: out["common"]})
+    return out
+
+
+def worker(cfg: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if cfg["system"] == "torch CP":
+        dist.init_process_group("gloo")
+    run = {"meshc": _meshc, "torch eager": _torch_eager, "torch CP": _torch_cp}[cfg["system"]]
+    t0 = time.perf_counter()
+    try:
+        out = run(cfg)
+    except Exception as e:  # rank 0's own first error line, for the row (its peers fail after it)
+        report({"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:240]})
+        raise
+    report({**out, "seconds": time.perf_counter() - t0})
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- driver
+def _configs(args) -> list[dict]:
+    base = {"seq": args.seq, "budget": args.budget, "refine": args.refine, "steps": args.steps}
+    out = []
+    for cp in args.cps:
+        if "meshc" in args.only:
+            for method in (METHODS if cp > 1 else ("-",)):
+                out.append({**base, "system": "meshc", "cp": cp, "method": "ring" if method == "-" else method,
+                            "label": method})
+        if "torch" in args.only and cp == 1:
+            out.append({**base, "system": "torch eager", "cp": 1, "method": "-", "label": "-"})
+        if "torch" in args.only and cp > 1:
+            for label in ("allgather", "allgather (sdpa math)", "alltoall"):
+                out.append({**base, "system": "torch CP", "cp": cp, "method": label, "label": label})
+    return out
+
+
+def _row(cfg: dict, out: dict, ref: dict | None) -> dict:
+    row = {"system": cfg["system"], "cp": cfg["cp"], "method": cfg["label"]}
+    if "error" in out:
+        return {**row, "note": "failed: " + out["error"]}
+    longest = out["longest"]
+    mask = out["probes"][longest][1] / MIB if longest else float("nan")
+    row.update({"longest S in budget": longest or f"< {START}",
+                f"act MiB/rank @{cfg['seq']}": out["common"][0] / MIB,
+                f"mask MiB @{cfg['seq']}": out["common"][1] / MIB,
+                "mask MiB @longest": mask, "step s": out["step"],
+                "loss 1": f"{out['loss1']:.6f}", "loss 2": f"{out['loss2']:.6f}"})
+    if ref is not None:
+        d1, d2 = abs(out["loss1"] - ref["loss1"]), abs(out["loss2"] - ref["loss2"])
+        row["|Δloss| vs cp=1 (1, 2)"] = f"{d1:.1e}, {d2:.1e}" + ("" if max(d1, d2) <= 1e-5 else "  > 1e-5!")
+    row["note"] = "probes " + " ".join(f"{s}:{b / MIB:.0f}" for s, (b, _) in sorted(out["probes"].items()))
+    return row
+
+
+def _run(cfg: dict) -> dict:
+    if cfg["system"] == "torch CP" and cfg["method"] == "alltoall":
+        return {"error": PRIVATE}
+    t0 = time.perf_counter()
+    try:
+        out = launch(os.path.abspath(__file__), cfg["cp"], cfg, timeout=1800, exit_code_ok=True)
+    except RuntimeError as e:
+        print(str(e)[-3000:], file=sys.stderr, flush=True)
+        out = {"error": last_error(str(e))}
+    print(f"{cfg['system']} cp={cfg['cp']} {cfg['label']}: {time.perf_counter() - t0:.0f} s "
+          f"{out.get('error', '')}", flush=True)
+    return out
+
+
+def main() -> None:
+    p = arg_parser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="budget 16 MiB, 1024 tokens, no refinement, 2 steps")
+    p.add_argument("--cps", default="1,2,4")
+    p.add_argument("--only", default="meshc,torch")
+    p.add_argument("--budget", type=float, default=None, help="activation MiB per rank (default 64; quick 16)")
+    p.add_argument("--seq", type=int, default=None, help="common length in tokens (default 2048; quick 1024)")
+    p.add_argument("--refine", type=int, default=None, help="lengths measured after doubling (default 2; quick 0)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 4; quick 2)")
+    p.add_argument("--out", default=None, help="also write the table (markdown) to this file")
+    args = p.parse_args()
+    if run_worker(args, worker):
+        return
+    for name, full, quick in (("budget", 64.0, 16.0), ("seq", 2048, 1024), ("refine", 2, 0), ("steps", 4, 2)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    args.cps = [int(c) for c in args.cps.split(",")]
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    t0, rows, ref = time.perf_counter(), [], None
+    for cfg in _configs(args):
+        out = _run(cfg)
+        mine = cfg["system"] == "meshc" and cfg["cp"] == 1
+        ref = out if mine and "error" not in out else ref
+        rows.append(_row(cfg, out, None if mine else ref))
+        print(rows[-1], flush=True)
+    columns = list(dict.fromkeys(k for r in rows if "step s" in r for k in r)) or ["system", "cp", "method", "note"]
+    columns = [c for c in columns if c != "note"] + ["note"]
+    text = (f"Llama ({LAYERS} layers, hidden {HIDDEN}, {HEADS} heads / {KV_HEADS} kv, vocab {VOCAB}), one "
+            f"sequence, world = cp gloo ranks, activation budget {args.budget:g} MiB/rank, common length "
+            f"{args.seq}, median of {args.steps} steps ({time.perf_counter() - t0:.0f} s in all"
+            f"{', --quick' if args.quick else ''}); probes S:MiB\n\n" + table(rows, columns))
+    print("\n" + text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
