@@ -32,6 +32,7 @@ CPU attention kernel with a sharding rule), the row holds rank 0's first error l
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -41,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import arg_parser, last_error, launch, median_step, report, run_worker, table  # noqa: E402
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB, MAX_POS = 256, 512, 4, 8, 4, 1024, 1 << 17
-UNIT, START, CAP = 256, 256, 1 << 16  # search grid (divisible by 2·cp for cp <= 4 x 32), first length, ceiling
+UNIT, START, CAP = 128, 128, 1 << 16  # search grid (divisible by 2·cp·16 for cp <= 4), first length / cp, ceiling
 MIB = 2**20
 METHODS = ("ring", "all_gather", "all_to_all")
 PRIVATE = "not configurable through public API (set_rotate_method is in torch...experimental._attention)"
@@ -77,9 +78,10 @@ def _loss(out, y):
 
 
 # ---------------------------------------------------------------------------------------------- measuring
-def _held_after_forward(forward) -> tuple[int, int]:
-    """(bytes, bool bytes) of the storages created during `forward()` and still alive when it returns."""
-    import torch
+def _held_after_forward(forward, rows: int) -> tuple[int, int]:
+    """(bytes, mask bytes) of the storages created during `forward()` and still alive when it returns; mask:
+    tensors broadcast over batch and heads with two dims of at least `rows` (the local sequence length): the
+    causal mask, its slices and the float copies SDPA makes of them (nothing else in Llama has two)."""
     from torch.distributed.tensor import DTensor
     from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -95,7 +97,8 @@ def _held_after_forward(forward) -> tuple[int, int]:
                 if hasattr(t, "untyped_storage") and t.device.type != "meta":
                     st = t.untyped_storage()
                     ref = StorageWeakRef(st)
-                    refs.setdefault(ref.cdata, (ref, st.nbytes(), t.dtype == torch.bool))
+                    mask = t.dim() >= 2 and min(t.shape[-2:]) >= rows and t.numel() == t.shape[-2] * t.shape[-1]
+                    refs.setdefault(ref.cdata, (ref, st.nbytes(), mask))
             return out
 
     with Meter():
@@ -115,8 +118,8 @@ def _rank_max(*values: float) -> list[float]:
     return t.tolist()
 
 
-def _longest(measure, budget: float, refine: int, known: dict) -> tuple[int | None, dict]:
-    """The longest measured length whose activations fit `budget` bytes: doubling from START, then up to
+def _longest(measure, budget: float, refine: int, known: dict, cp: int) -> tuple[int | None, dict]:
+    """The longest measured length whose activations fit `budget` bytes: doubling from START·cp, then up to
     `refine` lengths between the last fit and the first miss. `measure(seq)` -> (bytes, mask bytes);
     `known`: lengths measured already."""
     seen: dict[int, tuple] = {}
@@ -126,7 +129,7 @@ def _longest(measure, budget: float, refine: int, known: dict) -> tuple[int | No
         print(f"  S={seq}: {seen[seq][0] / MIB:.1f} MiB (mask {seen[seq][1] / MIB:.1f})", flush=True)
         return seen[seq][0] <= budget
 
-    lo, hi, seq = None, None, START
+    lo, hi, seq = None, None, START * cp
     while seq <= CAP:
         if not fits(seq):
             hi = seq
@@ -179,7 +182,7 @@ def _meshc(cfg: dict) -> dict:
         if job is None:
             job, x, _ = compiled(seq)
         job(x)  # warm: the first call's one-time work is not an activation
-        return _rank_max(*_held_after_forward(lambda: job(x)))
+        return _rank_max(*_held_after_forward(lambda: job(x), seq // cp))
 
     job, x, y = compiled(cfg["seq"])
     common = measure(cfg["seq"], job, x)
@@ -192,7 +195,8 @@ def _meshc(cfg: dict) -> dict:
         return loss.item()
 
     out = {"common": common, **_timed_steps(one_step, cfg)}
-    out["longest"], out["probes"] = _longest(measure, cfg["budget"] * MIB, cfg["refine"], {cfg["seq"]: out["common"]})
+    out["longest"], out["probes"] = _longest(measure, cfg["budget"] * MIB, cfg["refine"], {cfg["seq"]: out["common"]},
+                                           cfg["cp"])
     return out
 
 
@@ -203,7 +207,7 @@ def _torch_eager(cfg: dict) -> dict:
 
     def measure(seq: int):
         x, _ = _tokens(seq)
-        return _rank_max(*_held_after_forward(lambda: model(input_ids=x)))
+        return _rank_max(*_held_after_forward(lambda: model(input_ids=x), seq))
 
     x, y = _tokens(cfg["seq"])
     common = measure(cfg["seq"])
@@ -217,7 +221,8 @@ def _torch_eager(cfg: dict) -> dict:
         return loss.item()
 
     out = {"common": common, **_timed_steps(one_step, cfg)}
-    out["longest"], out["probes"] = _longest(measure, cfg["budget"] * MIB, cfg["refine"], {cfg["seq"]: out["common"]})
+    out["longest"], out["probes"] = _longest(measure, cfg["budget"] * MIB, cfg["refine"], {cfg["seq"]: out["common"]},
+                                           cfg["cp"])
     return out
 
 
@@ -232,7 +237,9 @@ def _torch_cp(cfg: dict) -> dict:
     cp = cfg["cp"]
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     model = _model()
-    backends = [SDPBackend.MATH] if cfg["method"].endswith("math)") else list(SDPBackend)
+
+    def backends():  # the default choice (on CPU: flash attention for CPU), or the math backend
+        return sdpa_kernel([SDPBackend.MATH]) if cfg["method"].endswith("math)") else contextlib.nullcontext()
 
     def sharded(seq: int):
         x, y = _tokens(seq)
@@ -242,14 +249,14 @@ def _torch_cp(cfg: dict) -> dict:
 
     def measure(seq: int):
         x, _, pos, ctx = sharded(seq)
-        with sdpa_kernel(backends), ctx:
-            return _rank_max(*_held_after_forward(lambda: model(input_ids=x, position_ids=pos)))
+        with backends(), ctx:
+            return _rank_max(*_held_after_forward(lambda: model(input_ids=x, position_ids=pos), seq // cp))
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def one_step():
         x, y, pos, ctx = sharded(cfg["seq"])
-        with sdpa_kernel(backends), ctx:
+        with backends(), ctx:
             loss = _loss(model(input_ids=x, position_ids=pos), y)
             loss.backward()
         for p in model.parameters():
@@ -262,7 +269,8 @@ def _torch_cp(cfg: dict) -> dict:
         return loss.item() / cp
 
     out = {**_timed_steps(one_step, cfg), "common": measure(cfg["seq"])}
-    out["longest"], out["probes"] = _longest(measure, cfg["budget"] * MIB, cfg["refine"], {cfg["seq"]: out["common"]})
+    out["longest"], out["probes"] = _longest(measure, cfg["budget"] * MIB, cfg["refine"], {cfg["seq"]: out["common"]},
+                                           cfg["cp"])
     return out
 
 
@@ -309,7 +317,7 @@ def _row(cfg: dict, out: dict, ref: dict | None) -> dict:
         return {**row, "note": "failed: " + out["error"]}
     longest = out["longest"]
     mask = out["probes"][longest][1] / MIB if longest else float("nan")
-    row.update({"longest S in budget": longest or f"< {START}",
+    row.update({"longest S in budget": longest or f"< {START * cfg['cp']}",
                 f"act MiB/rank @{cfg['seq']}": out["common"][0] / MIB,
                 f"mask MiB @{cfg['seq']}": out["common"][1] / MIB,
                 "mask MiB @longest": mask, "step s": out["step"],
@@ -337,10 +345,10 @@ def _run(cfg: dict) -> dict:
 
 def main() -> None:
     p = arg_parser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="budget 16 MiB, 1024 tokens, no refinement, 2 steps")
+    p.add_argument("--quick", action="store_true", help="budget 32 MiB, 1024 tokens, no refinement, 2 steps")
     p.add_argument("--cps", default="1,2,4")
     p.add_argument("--only", default="meshc,torch")
-    p.add_argument("--budget", type=float, default=None, help="activation MiB per rank (default 64; quick 16)")
+    p.add_argument("--budget", type=float, default=None, help="activation MiB per rank (default 64; quick 32)")
     p.add_argument("--seq", type=int, default=None, help="common length in tokens (default 2048; quick 1024)")
     p.add_argument("--refine", type=int, default=None, help="lengths measured after doubling (default 2; quick 0)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 4; quick 2)")
@@ -348,7 +356,7 @@ def main() -> None:
     args = p.parse_args()
     if run_worker(args, worker):
         return
-    for name, full, quick in (("budget", 64.0, 16.0), ("seq", 2048, 1024), ("refine", 2, 0), ("steps", 4, 2)):
+    for name, full, quick in (("budget", 64.0, 32.0), ("seq", 2048, 1024), ("refine", 2, 0), ("steps", 4, 2)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     args.cps = [int(c) for c in args.cps.split(",")]

@@ -40,6 +40,7 @@ from meshc.runtime.ops import sequence as seq
 from .tensor_parallel import refresh_vals
 from .tp_rules import Decision, RuleCtx
 from .tp_table import infer
+from .written_attention import as_sdpa
 
 AXIS = "cp"
 aten = torch.ops.aten
@@ -54,6 +55,9 @@ def context_pass(program: Program) -> Program:
         program.notes.append("cp = 1: nothing to shard")
         return program
     mesh, rank = program.mesh, program.rank
+    written = as_sdpa(program.gm)
+    if written:
+        program.notes.append(f"{written} written-out attention(s) (matmul, softmax, matmul) made one attention op")
     ctx = RuleCtx(n, {}, axis=AXIS, index=mesh.coord(AXIS, rank), group=mesh.group_name(AXIS, rank))
     red = _Redistributor(program, ctx)
     grad = _needs_grad(program)

@@ -30,14 +30,15 @@ def gpt2(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
-def llama(seed: int = 0, layers: int = 2, kv_heads: int = 2) -> torch.nn.Module:
-    """Hugging Face Llama: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention."""
+def llama(seed: int = 0, layers: int = 2, kv_heads: int = 2, attention: str = "sdpa") -> torch.nn.Module:
+    """Hugging Face Llama: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention (`attention="eager"`:
+    written out as matmul, softmax, matmul)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=kv_heads,
                       intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation=attention)
     return LlamaForCausalLM(cfg)
 
 
@@ -329,3 +330,4 @@ def qwen2(seed: int = 0, layers: int = 2) -> torch.nn.Module:
 LONG = 256  # the longest sequence the context-parallel tests train on
 MODELS["qwen2"] = qwen2
 MODELS["gpt_long"] = lambda seed=0: builtin_gpt(seed, seq=LONG)
+MODELS["llama_eager"] = lambda seed=0: llama(seed, attention="eager")

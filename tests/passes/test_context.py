@@ -116,3 +116,13 @@ def test_refusals_name_what_to_change():
         _compile(zoo.llama(layers=1), 4, seq=36)  # 36 tokens: 9 per rank, but not two equal chunks each
     with pytest.raises(MeshcValueError, match="Plan.cp_attention"):
         meshc.Plan(cp_attention="ulysses")
+
+
+def test_written_out_attention_becomes_context_attention():
+    """Eager attention (matmul, scale, mask add, softmax, cast, dropout 0, matmul) is found and made one op: no
+    gathered scores, the kv heads' local rows on the ring, as with SDPA."""
+    program = _compile(zoo.llama(layers=2, attention="eager"), 2)
+    attn = [n for n in program.gm.graph.nodes if n.target is context_attention]
+    assert len(attn) == 2 and all(n.kwargs["scale"] == pytest.approx(8 ** -0.5) for n in attn)
+    assert all(tuple(n.args[1].meta["val"].shape) == (BATCH, 2, SEQ // 2, 8) for n in attn)
+    assert not [n for n in program.gm.graph.nodes if n.target in (seq_gather, torch.ops.aten.softmax.int)]
