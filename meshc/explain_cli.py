@@ -56,21 +56,21 @@ def simulate(model: str, mesh: dict[str, int], *, rank: int = 0, plan: meshc.Pla
     `overrides` change the model's config (e.g. layers=8).
     """
     plan = plan or meshc.Plan(trace="non-strict")
-    sizes = {axis: int(mesh.get(axis, 1)) for axis in ("dp", "ep", "tp", "pp")}
+    sizes = {axis: int(mesh.get(axis, 1)) for axis in ("dp", "ep", "cp", "tp", "pp")}
     world = sizes["dp"] * sizes["tp"] * sizes["pp"]
     if not 0 <= rank < world:
         raise MeshcValueError(f"explain: expected a rank in [0, {world}), got {rank}")
-    dp, mb = sizes["dp"], plan.microbatches
+    dp, mb = sizes["dp"] // sizes["cp"], plan.microbatches  # cp ranks share a batch slice (and split its sequences)
     batch = batch or (8 if 8 % (dp * mb) == 0 else dp * mb)
     if batch % (dp * mb):
-        raise MeshcValueError(f"explain: expected the batch divisible by dp × microbatches = {dp * mb}, got {batch}")
+        raise MeshcValueError(f"explain: expected the batch divisible by dp/cp × microbatches = {dp * mb}, got {batch}")
     seq = seq or models.seq_len(model)
     hw = load_hardware(hardware)
     t0 = time.perf_counter()
     spec = MeshSpec(sizes)  # ep folds into dp: not a factor of the world
     with compat.fake_tensor_mode():
         net = models.build(model, seq_len=seq, **overrides)
-        tokens = torch.zeros(batch // dp, seq, dtype=torch.long)
+        tokens = torch.zeros(batch // dp, seq // sizes["cp"], dtype=torch.long)  # this rank's part (shard_batch's)
         result, _ = compile_rank(net, (tokens,), {}, mesh=spec, plan=plan, rank=rank)
     report = explain(result.program, (), result.pipeline)
     compiled = estimate_compiled(result, hw)
