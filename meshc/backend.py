@@ -103,6 +103,10 @@ class MeshcBackend:
         return self._mesh
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Any:
+        if self.mesh.size("cp") > 1:  # TorchDynamo's regions see sequence shards whose global layout they cannot know
+            raise MeshcValueError(f"meshc.backend: context parallelism (cp={self.mesh.size('cp')}) is not supported "
+                                  "behind torch.compile yet; use meshc.compile(model, mesh, ...) with cp, or a mesh "
+                                  "without cp here")
         _functions_as_ops(gm)
         runner = _Runner(self, gm)
         if not any(_symbolic(a) for a in example_inputs):  # lowered now, so that errors surface at compile time

@@ -143,6 +143,13 @@ def test_pipeline_stages_are_refused(fake_mesh):
         compiled(zoo.batches(1, 2)[0][0])
 
 
+def test_context_parallelism_is_refused(fake_mesh):
+    mesh = fake_mesh(dp=2, cp=2)
+    compiled = torch.compile(zoo.build("reference"), backend=meshc.backend(mesh))
+    with pytest.raises(Exception, match=r"context parallelism \(cp=2\).*use meshc.compile"):
+        compiled(zoo.batches(1, 2)[0][0])
+
+
 @pytest.mark.parametrize("plan", [{"zero": 1}, {"zero": 2}, {"microbatches": 2}, {"zero": 3, "inductor": True}])
 def test_whole_step_plans_are_refused(plan):
     with pytest.raises(ValueError, match="meshc.compile"):
