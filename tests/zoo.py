@@ -331,3 +331,17 @@ LONG = 256  # the longest sequence the context-parallel tests train on
 MODELS["qwen2"] = qwen2
 MODELS["gpt_long"] = lambda seed=0: builtin_gpt(seed, seq=LONG)
 MODELS["llama_eager"] = lambda seed=0: llama(seed, attention="eager")
+
+
+def mistral(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face Mistral with a sliding window of 8 tokens: a mask that is neither causal nor nothing."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MistralConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=LONG, sliding_window=8,
+                        use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return MistralForCausalLM(cfg)
+
+
+MODELS["mistral"] = mistral

@@ -1,6 +1,7 @@
 """Context parallelism against one process: the built-in GPT (learned positions, causal SDPA), transformers Llama
-(rotary, grouped-query attention, an explicit (b, 1, S, S) mask; also its eager attention, written out as
-matmul, softmax, matmul) and Qwen2 (biased q/k/v), sequences of 64 and 256.
+(rotary, grouped-query attention, a (b, 1, S, S) mask found causal at compile time; also its eager attention,
+written out as matmul, softmax, matmul), Qwen2 (biased q/k/v) and Mistral (a sliding-window mask, kept and read
+per block at global positions), sequences of 64 and 256.
 
 Each case trains 5 AdamW steps on the same global batches as the single-process reference (tests/parity.py) and
 checks losses, step-1 gradients and final parameters; it also checks what was sharded: every attention's K and V
@@ -25,13 +26,14 @@ from tests.harness import run_ranks
 
 STEPS, BATCH = 5, 4
 FAST = {"trace": "non-strict", "verify": True}
-KV_HEADS = {"gpt_long": 4, "llama": 2, "llama_eager": 2, "qwen2": 2}
+KV_HEADS = {"gpt_long": 4, "llama": 2, "llama_eager": 2, "qwen2": 2, "mistral": 2}
 HEAD_DIM, LAYERS = 8, 2
 CASES = [  # (model, sequence, mesh, plans run one after the other in one launch)
     ("gpt_long", 64, {"dp": 2, "cp": 2}, [{}]),
     ("llama", 256, {"dp": 4, "cp": 4}, [{"cp_attention": m} for m in ("ring", "all_gather", "all_to_all")]),
     ("qwen2", 64, {"dp": 4, "cp": 2, "tp": 2}, [{"cp_attention": "all_gather"}]),
     ("gpt_long", 64, {"dp": 4, "cp": 2}, [{"zero": 3}]),  # 2 batches × 2 sequence halves; ZeRO-3 over all 4
+    ("mistral", 64, {"dp": 2, "cp": 2}, [{}]),  # a sliding-window mask: read per block by global position
     ("llama_eager", 64, {"dp": 2, "cp": 2, "pp": 2}, [{"microbatches": 2}]),  # written-out attention, found
 ]
 

@@ -126,3 +126,16 @@ def test_written_out_attention_becomes_context_attention():
     assert len(attn) == 2 and all(n.kwargs["scale"] == pytest.approx(8 ** -0.5) for n in attn)
     assert all(tuple(n.args[1].meta["val"].shape) == (BATCH, 2, SEQ // 2, 8) for n in attn)
     assert not [n for n in program.gm.graph.nodes if n.target in (seq_gather, torch.ops.aten.softmax.int)]
+
+
+def test_constant_masks_become_a_causal_flag_or_stay():
+    """transformers' causal (b, 1, S, S) mask is computed from positions only: evaluated at compile time, found
+    causal, replaced by the flag and its nodes erased. Mistral's sliding-window mask is not causal: kept whole."""
+    llama = _compile(zoo.llama(layers=2), 2)
+    attn = [n for n in llama.gm.graph.nodes if n.target is context_attention]
+    assert [(n.args[3], n.kwargs["causal"]) for n in attn] == [(None, True)] * 2
+    assert not [n for n in llama.gm.graph.nodes if n.target in (torch.ops.aten.le.Tensor, torch.ops.aten.cumsum.default)]
+    mistral = _compile(zoo.build("mistral"), 2)
+    attn = [n for n in mistral.gm.graph.nodes if n.target is context_attention]
+    assert all(n.args[3] is not None and not n.kwargs["causal"] for n in attn) and len(attn) == 2
+    assert tuple(attn[0].args[3].meta["val"].shape) == (BATCH, 1, SEQ, SEQ)
