@@ -268,7 +268,9 @@ def _merge(out, lse, rows, block_out, block_lse) -> None:
 def _ring_forward(q, k, v, spec: _RingSpec, census):
     """(output (b, hq, s, dv) in q's dtype, LSE (b, hq, s, 1) fp32): K,V round the ring, blocks merged."""
     b, hq, s, _ = q.shape
-    out = torch.zeros((b, hq, s, v.shape[-1]), dtype=torch.float32, device=q.device)
+    # laid out (b, s, hq, dv) as torch's fused attention returns it: the usual transpose(1, 2).reshape(b, s, -1)
+    # after attention is then a view, not a copy kept alive for the output projection's backward
+    out = torch.zeros((b, s, hq, v.shape[-1]), dtype=torch.float32, device=q.device).transpose(1, 2)
     lse = torch.full((b, hq, s, 1), float("-inf"), dtype=torch.float32, device=q.device)
     ring = _Ring(spec, census, "forward") if spec.size > 1 else None
     kv = _pack(k, v)
