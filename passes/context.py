@@ -37,8 +37,8 @@ from meshc.compiler.ir.program import CommRecord, Program
 from meshc.runtime.ops import context as attention
 from meshc.runtime.ops import sequence as seq
 
-from .tensor_parallel import refresh_vals
 from .constant_mask import MAX_ELEMENTS, constant_nodes, mask_form
+from .tensor_parallel import refresh_vals
 from .tp_rules import Decision, RuleCtx
 from .tp_table import infer
 from .written_attention import as_sdpa
@@ -47,7 +47,6 @@ AXIS = "cp"
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
 ASSERT = aten._assert_tensor_metadata.default
-COMM_FNS = (seq.seq_slice, seq.seq_gather, seq.seq_reduce, seq.seq_reduce_scatter)
 
 
 def context_pass(program: Program) -> Program:
