@@ -10,15 +10,18 @@ rank; one sequence of S tokens (seed 1) per step, world = cp gloo ranks (one thr
 batch: meshc.mesh(dp=cp, cp=cp), mesh.shard_batch (zigzag: rank c holds chunks c and 2cp-1-c of 2cp).
 
 Activation bytes (per rank, the largest over the ranks): as in remat_memory.py, the forward runs under a dispatch
-mode that keeps a weak reference to every storage an op creates; the storages still alive when forward returns
-(the output included) are what backward will read. Parameters, compute copies, buffers and inputs exist before
-and are not counted. "mask" is the part of them in bool tensors (transformers' causal mask and slices of it).
-Longest sequence in budget: the job is compiled and measured at 256, 512, 1024, ... (doubling) until a length
-exceeds --budget MiB; then up to --refine lengths between the last fit and the first miss (multiples of 256,
-the first one where the chord between the two measurements meets the budget, then bisection) are compiled and
-measured. The answer is the longest length measured to fit: every length in the table was measured, none
-extrapolated. Step: median seconds of --steps training steps (job.step + AdamW step + zero_grad; eager:
-forward, backward, all-reduce of the gradients, AdamW) after one warm-up, at --seq tokens, ranks aligned by a
+mode that keeps a weak reference to every storage an op creates (one none of its inputs has: views and in-place
+results make none, so parameters, buffers and inputs are never counted); the storages still alive when forward
+returns (the output included) are what backward will read. "mask": the part of them in bool tensors, or float
+ones made by where, with two dims >= s (the local length): causal masks (transformers builds one when traced;
+meshc's all_gather its (s, S) rows), their rows and the float copy SDPA keeps of each for backward.
+Longest sequence in budget: measured at the common length, then at twice or half that, doubling while it fits
+(or halving until it fits), then at up to --refine lengths (multiples of 128) between the last fit and the first
+miss: first where the chord between them meets the budget, then by bisection. Each length is compiled anew
+(meshc; check_trace off, it is on for the common length's job) and measured. The answer is the longest length
+measured to fit: every length in the table was measured, none extrapolated (the note lists them, S:MiB).
+Step: median seconds of --steps training steps (meshc: job.step, AdamW step, zero_grad; torch: forward,
+backward, under CP the gradients' all-reduce, AdamW) after one warm-up, at --seq tokens, ranks aligned by a
 barrier. loss 1 / loss 2: the first two steps' losses (averaged over the ranks); meshc's must equal the cp=1
 loss to ~1e-5 (step 1: the forward; step 2: also the first AdamW update, so the gradients).
 
@@ -28,14 +31,17 @@ balancer is the same zigzag layout), parameters replicated, gradients averaged b
 rotate method (allgather by default, alltoall) is set only through set_rotate_method, which lives in the private
 module torch.distributed.tensor.experimental._attention: the project imports no private torch module outside
 compiler/_torch_compat.py, so the alltoall row says so instead of running. Where a peer fails (torch CP has no
-CPU attention kernel with a sharding rule), the row holds rank 0's first error line.
+CPU attention kernel with a sharding rule), the row holds the failing rank's own first error line.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
+import tempfile
 import time
+from dataclasses import replace
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,8 +86,9 @@ def _loss(out, y):
 # ---------------------------------------------------------------------------------------------- measuring
 def _held_after_forward(forward, rows: int) -> tuple[int, int]:
     """(bytes, mask bytes) of the storages created during `forward()` and still alive when it returns; mask:
-    tensors broadcast over batch and heads with two dims of at least `rows` (the local sequence length): the
-    causal mask, its slices and the float copies SDPA makes of them (nothing else in Llama has two)."""
+    bool tensors, and float ones made by where (SDPA's copy of a bool mask), whose last two dims are at least
+    `rows` (the local sequence length): causal masks, their rows and SDPA's float copies of them."""
+    import torch
     from torch.distributed.tensor import DTensor
     from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -89,16 +96,21 @@ def _held_after_forward(forward, rows: int) -> tuple[int, int]:
 
     refs: dict[int, tuple] = {}
 
+    def tensors(tree):
+        for t in compat.tree_flatten(tree)[0]:
+            t = t.to_local() if isinstance(t, DTensor) else t
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                yield t, StorageWeakRef(t.untyped_storage())
+
     class Meter(compat.dispatch_mode_base()):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            for t in compat.tree_flatten(out)[0]:
-                t = t.to_local() if isinstance(t, DTensor) else t
-                if hasattr(t, "untyped_storage") and t.device.type != "meta":
-                    st = t.untyped_storage()
-                    ref = StorageWeakRef(st)
-                    mask = t.dim() >= 2 and min(t.shape[-2:]) >= rows and t.numel() == t.shape[-2] * t.shape[-1]
-                    refs.setdefault(ref.cdata, (ref, st.nbytes(), mask))
+            inputs = {ref.cdata for _, ref in tensors((args, kwargs))}  # views, in-place: no new storage
+            for t, ref in tensors(out):
+                if ref.cdata not in inputs:
+                    mask = t.dim() >= 2 and min(t.shape[-2:]) >= rows and (
+                        t.dtype == torch.bool or getattr(func, "__name__", "").startswith("where"))
+                    refs.setdefault(ref.cdata, (ref, t.untyped_storage().nbytes(), mask))
             return out
 
     with Meter():
@@ -118,23 +130,30 @@ def _rank_max(*values: float) -> list[float]:
     return t.tolist()
 
 
-def _longest(measure, budget: float, refine: int, known: dict, cp: int) -> tuple[int | None, dict]:
-    """The longest measured length whose activations fit `budget` bytes: doubling from START·cp, then up to
-    `refine` lengths between the last fit and the first miss. `measure(seq)` -> (bytes, mask bytes);
-    `known`: lengths measured already."""
-    seen: dict[int, tuple] = {}
+def _longest(measure, budget: float, refine: int, seq: int, known: tuple, cp: int) -> tuple[int | None, dict]:
+    """The longest measured length whose activations fit `budget` bytes: from `seq` (measured: `known`),
+    doubling while it fits (or halving until it fits, down to START·cp), then up to `refine` lengths between
+    the last fit and the first miss. `measure(seq)` -> (bytes, mask bytes). Also {length: measured}."""
+    seen: dict[int, tuple] = {seq: known}
 
     def fits(seq: int) -> bool:
-        seen[seq] = known[seq] if seq in known else measure(seq)
-        print(f"  S={seq}: {seen[seq][0] / MIB:.1f} MiB (mask {seen[seq][1] / MIB:.1f})", flush=True)
+        if seq not in seen:
+            seen[seq] = measure(seq)
+            print(f"  S={seq}: {seen[seq][0] / MIB:.1f} MiB (mask {seen[seq][1] / MIB:.1f})", flush=True)
         return seen[seq][0] <= budget
 
-    lo, hi, seq = None, None, START * cp
-    while seq <= CAP:
-        if not fits(seq):
+    lo = hi = None
+    while True:
+        if fits(seq):
+            lo = seq
+            if hi is not None or seq * 2 > CAP:
+                break
+            seq *= 2
+        else:
             hi = seq
-            break
-        lo, seq = seq, seq * 2
+            if lo is not None or seq // 2 < START * cp:
+                break
+            seq //= 2
     for i in range(refine if lo and hi else 0):
         if hi - lo <= UNIT:
             break
@@ -152,15 +171,17 @@ def _timed_steps(one_step, cfg: dict) -> dict:
     import torch.distributed as dist
 
     losses = []
-
-    def step():
-        loss = one_step()
-        if len(losses) < 2:
-            losses.append(loss)
-
+    step = lambda: losses.append(one_step())  # noqa: E731
     barrier = dist.barrier if dist.is_initialized() else None
     seconds = median_step(step, warmup=1, steps=cfg["steps"], barrier=barrier)
-    return {"step": _rank_max(seconds)[0], "loss1": losses[0], "loss2": losses[1]}
+    return {"step": _rank_max(seconds)[0], "loss1": losses[0], "loss2": losses[1]}  # losses of steps 1 and 2
+
+
+def _finish(cfg: dict, common: list, one_step, measure) -> dict:
+    """A system's result: activations at the common length, the timed steps, the longest length in budget."""
+    out = {"common": common, **_timed_steps(one_step, cfg)}
+    out["longest"], out["probes"] = _longest(measure, cfg["budget"] * MIB, cfg["refine"], cfg["seq"], common, cfg["cp"])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- systems
@@ -174,9 +195,9 @@ def _meshc(cfg: dict) -> dict:
     model = _model()
     plan = meshc.Plan(cp_attention=cfg["method"])
 
-    def compiled(seq: int):
+    def compiled(seq: int, check: bool = False):  # check_trace (eager vs traced, one step) where steps run
         x, y = (mesh.shard_batch(t) for t in _tokens(seq))
-        return meshc.compile(model, mesh, example_inputs=(x,), plan=plan), x, y
+        return meshc.compile(model, mesh, example_inputs=(x,), plan=replace(plan, check_trace=check)), x, y
 
     def measure(seq: int, job=None, x=None):
         if job is None:
@@ -184,7 +205,7 @@ def _meshc(cfg: dict) -> dict:
         job(x)  # warm: the first call's one-time work is not an activation
         return _rank_max(*_held_after_forward(lambda: job(x), seq // cp))
 
-    job, x, y = compiled(cfg["seq"])
+    job, x, y = compiled(cfg["seq"], check=True)
     common = measure(cfg["seq"], job, x)
     opt = job.optimizer(torch.optim.AdamW, lr=1e-4)
 
@@ -194,10 +215,7 @@ def _meshc(cfg: dict) -> dict:
         opt.zero_grad()
         return loss.item()
 
-    out = {"common": common, **_timed_steps(one_step, cfg)}
-    out["longest"], out["probes"] = _longest(measure, cfg["budget"] * MIB, cfg["refine"], {cfg["seq"]: out["common"]},
-                                           cfg["cp"])
-    return out
+    return _finish(cfg, common, one_step, measure)
 
 
 def _torch_eager(cfg: dict) -> dict:
@@ -220,10 +238,7 @@ def _torch_eager(cfg: dict) -> dict:
         opt.zero_grad()
         return loss.item()
 
-    out = {"common": common, **_timed_steps(one_step, cfg)}
-    out["longest"], out["probes"] = _longest(measure, cfg["budget"] * MIB, cfg["refine"], {cfg["seq"]: out["common"]},
-                                           cfg["cp"])
-    return out
+    return _finish(cfg, common, one_step, measure)
 
 
 def _torch_cp(cfg: dict) -> dict:
@@ -268,10 +283,7 @@ def _torch_cp(cfg: dict) -> dict:
         dist.all_reduce(loss)
         return loss.item() / cp
 
-    out = {**_timed_steps(one_step, cfg), "common": measure(cfg["seq"])}
-    out["longest"], out["probes"] = _longest(measure, cfg["budget"] * MIB, cfg["refine"], {cfg["seq"]: out["common"]},
-                                           cfg["cp"])
-    return out
+    return _finish(cfg, measure(cfg["seq"]), one_step, measure)
 
 
 def worker(cfg: dict) -> None:
@@ -282,13 +294,13 @@ def worker(cfg: dict) -> None:
     if cfg["system"] == "torch CP":
         dist.init_process_group("gloo")
     run = {"meshc": _meshc, "torch eager": _torch_eager, "torch CP": _torch_cp}[cfg["system"]]
-    t0 = time.perf_counter()
     try:
         out = run(cfg)
-    except Exception as e:  # rank 0's own first error line, for the row (its peers fail after it)
-        report({"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:240]})
+    except Exception as e:  # each rank's first error line, for the driver to pick the cause from
+        with open(os.path.join(cfg["errors"], os.environ.get("RANK", "0")), "w") as f:
+            f.write(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:240])
         raise
-    report({**out, "seconds": time.perf_counter() - t0})
+    report(out)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -315,8 +327,8 @@ def _row(cfg: dict, out: dict, ref: dict | None) -> dict:
     row = {"system": cfg["system"], "cp": cfg["cp"], "method": cfg["label"]}
     if "error" in out:
         return {**row, "note": "failed: " + out["error"]}
-    longest = out["longest"]
-    mask = out["probes"][longest][1] / MIB if longest else float("nan")
+    longest, probes = out["longest"], {int(k): v for k, v in out["probes"].items()}  # JSON keys are strings
+    mask = probes[longest][1] / MIB if longest else float("nan")
     row.update({"longest S in budget": longest or f"< {START * cfg['cp']}",
                 f"act MiB/rank @{cfg['seq']}": out["common"][0] / MIB,
                 f"mask MiB @{cfg['seq']}": out["common"][1] / MIB,
@@ -325,7 +337,7 @@ def _row(cfg: dict, out: dict, ref: dict | None) -> dict:
     if ref is not None:
         d1, d2 = abs(out["loss1"] - ref["loss1"]), abs(out["loss2"] - ref["loss2"])
         row["|Δloss| vs cp=1 (1, 2)"] = f"{d1:.1e}, {d2:.1e}" + ("" if max(d1, d2) <= 1e-5 else "  > 1e-5!")
-    row["note"] = "probes " + " ".join(f"{s}:{b / MIB:.0f}" for s, (b, _) in sorted(out["probes"].items()))
+    row["note"] = "probes " + " ".join(f"{s}:{b / MIB:.0f}" for s, (b, _) in sorted(probes.items()))
     return row
 
 
@@ -333,20 +345,28 @@ def _run(cfg: dict) -> dict:
     if cfg["system"] == "torch CP" and cfg["method"] == "alltoall":
         return {"error": PRIVATE}
     t0 = time.perf_counter()
-    try:
-        out = launch(os.path.abspath(__file__), cfg["cp"], cfg, timeout=1800, exit_code_ok=True)
-    except RuntimeError as e:
-        print(str(e)[-3000:], file=sys.stderr, flush=True)
-        out = {"error": last_error(str(e))}
+    with tempfile.TemporaryDirectory() as errors:
+        try:
+            out = launch(os.path.abspath(__file__), cfg["cp"], {**cfg, "errors": errors}, timeout=1800)
+        except RuntimeError as e:
+            print(str(e)[-3000:], file=sys.stderr, flush=True)
+            out = {"error": _first_error(errors) or last_error(str(e))}
     print(f"{cfg['system']} cp={cfg['cp']} {cfg['label']}: {time.perf_counter() - t0:.0f} s "
           f"{out.get('error', '')}", flush=True)
     return out
 
 
+def _first_error(folder: str) -> str | None:
+    """The failing ranks' own error, not the peers' "connection closed" that follows it: "rank r: line"."""
+    lines = {name: Path(folder, name).read_text() for name in sorted(os.listdir(folder), key=int)}
+    causes = [r for r, line in lines.items() if "Connection closed by peer" not in line] or list(lines)
+    return f"rank {causes[0]}: {lines[causes[0]]}" if causes else None
+
+
 def main() -> None:
     p = arg_parser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="budget 32 MiB, 1024 tokens, no refinement, 2 steps")
-    p.add_argument("--cps", default="1,2,4")
+    p.add_argument("--quick", action="store_true", help="cp 1, 2; 32 MiB; 1024 tokens; no refinement; 2 steps")
+    p.add_argument("--cps", default=None, help="cp sizes (default 1,2,4; quick 1,2)")
     p.add_argument("--only", default="meshc,torch")
     p.add_argument("--budget", type=float, default=None, help="activation MiB per rank (default 64; quick 32)")
     p.add_argument("--seq", type=int, default=None, help="common length in tokens (default 2048; quick 1024)")
@@ -356,11 +376,11 @@ def main() -> None:
     args = p.parse_args()
     if run_worker(args, worker):
         return
-    for name, full, quick in (("budget", 64.0, 32.0), ("seq", 2048, 1024), ("refine", 2, 0), ("steps", 4, 2)):
+    defaults = {"budget": (64.0, 32.0), "seq": (2048, 1024), "refine": (2, 0), "steps": (4, 2), "cps": ("1,2,4", "1,2")}
+    for name, (full, quick) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     args.cps = [int(c) for c in args.cps.split(",")]
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
     t0, rows, ref = time.perf_counter(), [], None
     for cfg in _configs(args):
         out = _run(cfg)
