@@ -37,7 +37,7 @@ from meshc.compiler.ir.program import CommRecord, Program
 from meshc.runtime.ops import context as attention
 from meshc.runtime.ops import sequence as seq
 
-from .constant_mask import MAX_ELEMENTS, constant_nodes, mask_form
+from .constant_mask import MAX_ELEMENTS
 from .tensor_parallel import refresh_vals
 from .tp_rules import Decision, RuleCtx
 from .tp_table import infer
@@ -46,7 +46,6 @@ from .written_attention import as_sdpa
 AXIS = "cp"
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
-ASSERT = aten._assert_tensor_metadata.default
 
 
 def context_pass(program: Program) -> Program:
@@ -61,12 +60,12 @@ def context_pass(program: Program) -> Program:
         program.notes.append(f"{written} written-out attention(s) (matmul, softmax, matmul) made one attention op")
     ctx = RuleCtx(n, {}, axis=AXIS, index=mesh.coord(AXIS, rank), group=mesh.group_name(AXIS, rank))
     red = _Redistributor(program, ctx)
-    grad, forms = _needs_grad(program), {}  # forms: what each constant mask computes (constant_mask.py)
+    grad = _needs_grad(program)
     for node in list(program.gm.graph.nodes):
         if node.op == "placeholder":
             ctx.placements[node] = _input_placement(node, n) if node.meta.get("meshc.role") == "input" else R
         elif node.op == "call_function":
-            _place(program, node, ctx, red, grad, forms)
+            _place(program, node, ctx, red, grad)
         elif node.op == "output":
             _partial_outputs(node, ctx, red)
     for node, p in ctx.placements.items():
@@ -96,8 +95,8 @@ def _input_placement(node: fx.Node, n: int):
     return Shard(1)
 
 
-def _place(program: Program, node: fx.Node, ctx: RuleCtx, red, grad, forms: dict) -> None:
-    dec = _attention_rule(program, node, ctx, grad, forms) if node.target is SDPA else infer(node, ctx)
+def _place(program: Program, node: fx.Node, ctx: RuleCtx, red, grad) -> None:
+    dec = _attention_rule(program, node, ctx, grad) if node.target is SDPA else infer(node, ctx)
     for path, req in dec.inputs.items():
         src = get_arg(node, path)
         cur = ctx.pl(src)
@@ -118,7 +117,7 @@ def _place(program: Program, node: fx.Node, ctx: RuleCtx, red, grad, forms: dict
         dec.rewrite(node)
 
 
-def _attention_rule(program: Program, node: fx.Node, ctx: RuleCtx, grad, forms: dict) -> Decision:
+def _attention_rule(program: Program, node: fx.Node, ctx: RuleCtx, grad) -> Decision:
     """SDPA on sequence shards: q, k, v sharded on the sequence (dim -2), the mask whole; context attention."""
     q, k, v = node.args[:3]
     mask = get_arg(node, (3,)) if len(node.args) > 3 else node.kwargs.get("attn_mask")
@@ -134,19 +133,11 @@ def _attention_rule(program: Program, node: fx.Node, ctx: RuleCtx, grad, forms: 
     if isinstance(mask, fx.Node) and grad.get(mask):
         raise MeshcValueError(f"cp attention: {where}: the attention mask %{mask.name} depends on parameters (a "
                               f"learned bias); context parallelism needs a mask without gradient")
-    if isinstance(mask, fx.Node):  # a mask computed from positions only: causal (or nothing) is a flag, not S² bytes
-        if mask not in forms:  # evaluated once: one mask usually serves every layer
-            forms[mask] = mask_form(mask)
-        form, numel = forms[mask]
-        if form in ("causal", "all"):
-            causal = form == "causal"
-            _drop_mask(program, node, mask)
-            mask = None
-        elif form == "unknown" and numel > MAX_ELEMENTS:
-            text = (f"cp attention: {where}: its mask %{mask.name} ({numel} elements) is kept whole on every rank "
-                    f"(too large to evaluate at compile time); it does not shrink with cp")
-            program.warnings.append(text)
-            warn(text, MeshcWarning)
+    if isinstance(mask, fx.Node) and _numel(mask) > MAX_ELEMENTS:  # the masks pass could not evaluate it
+        text = (f"cp attention: {where}: its mask %{mask.name} ({_numel(mask)} elements) is kept whole on every rank "
+                f"(too large to evaluate at compile time); it does not shrink with cp")
+        program.warnings.append(text)
+        warn(text, MeshcWarning)
     for i in (1, 2):  # grouped-query attention: the ring carries the kv heads, not their copies per query head
         copies = node.args[i]
         kv = _unexpanded(copies, program.mesh.size("tp"))
@@ -177,18 +168,9 @@ def _attention_rule(program: Program, node: fx.Node, ctx: RuleCtx, grad, forms: 
     return Decision(need, Shard(dim), rewrite=rewrite)
 
 
-def _drop_mask(program: Program, node: fx.Node, mask: fx.Node) -> None:
-    """The attention without its mask argument; the mask's nodes erased once nothing else reads them."""
-    if len(node.args) > 3:
-        node.update_arg(3, None)
-    else:
-        node.update_kwarg("attn_mask", None)
-    for dead in reversed(constant_nodes(mask) or []):
-        users = [u for u in dead.users if u.target is not ASSERT]
-        if not users:
-            for check in list(dead.users):
-                program.gm.graph.erase_node(check)
-            program.gm.graph.erase_node(dead)
+def _numel(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return int(val.numel()) if isinstance(val, torch.Tensor) else 0
 
 
 def _unexpanded(x, tp: int):
