@@ -196,3 +196,19 @@ def version(t: torch.Tensor) -> int:
     """`t`'s version counter (bumped by every in-place write, shared with its views): `t._version`. No public
     alternative; meshc reads it to tell whether an initializer wrote a tensor."""
     return t._version
+
+
+def fused_attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(output, log-sum-exp (b, h, s) fp32) of one attention block from torch's fused CPU kernel (the one SDPA
+    calls on CPU), or None off CPU. Public SDPA returns no log-sum-exp, which merging blocks needs."""
+    if q.device.type != "cpu":
+        return None
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def fused_attention_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of one block given the whole attention's output and log-sum-exp (FlashAttention-2's
+    backward: the block's probabilities are exp(scores − lse)), from torch's fused CPU kernel."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
