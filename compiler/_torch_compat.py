@@ -212,3 +212,11 @@ def fused_attention_block_backward(dout, q, k, v, out, lse, causal: bool, scale:
     backward: the block's probabilities are exp(scores − lse)), from torch's fused CPU kernel."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def real_tensors():
+    """A context in which tensors are real again under an active FakeTensorMode (a compile on fake tensors that
+    evaluates a constant, e.g. the masks pass): torch's unset_fake_temporarily, which has no public spelling."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()

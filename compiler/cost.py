@@ -9,15 +9,17 @@ Two paths give the same `Estimate`:
             the rank's graph, the schedule simulated with the stages' own costs.
 
 Terms (symbols): L layers, h hidden, a heads, k kv heads, f ffn width, V vocab, s sequence, E experts
-(K active per token), B global batch in sequences, N dp, t tp, p pp, m micro-batches, v virtual stages,
-b = B/(N·m) micro-batch size. Plan choices enter as 0/1 indicators: z1 z2 z3 (ZeRO stage), rs rf
+(K active per token), B global batch in sequences, N dp (every rank of the gradient reduction: ep's and cp's
+too), t tp, p pp, m micro-batches, v virtual stages, c cp, b = B/(N·m) micro-batch size per rank (fractional
+under cp, where c ranks share each sequence: s·b is still the rank's tokens). Plan choices enter as 0/1 indicators: z1 z2 z3 (ZeRO stage), rs rf
 (selective / full recompute), sp (sequence parallel), vp (vocabulary parallel). Bytes per parameter:
 pb (compute copy), gb (gradient), ko (optimizer: master copy and Adam's two moments); cb bytes per
 activation element. I_f, I_l: micro-batches of activations the first and last pp ranks hold at peak;
 β: the bubble, idle over busy time (closed forms below, checked against the schedule simulator).
 Mesh facts, also 0/1: o (one pp stage holds the whole model), u_t u_n u_p (the tp, dp, pp axis has more
 than one rank), q (the pipeline executor runs: pp > 1 or m > 1), x_t x_n x_p (the tp, dp, pp groups span
-nodes); c_kv: how many ways the k/v projections are split (t, or 1 where there are fewer kv heads than t).
+nodes); c_kv: how many ways the k/v projections are split (t, or 1 where there are fewer kv heads than t);
+u_c, x_c, r_c, g_c, y_c: context parallelism's (compiler/cost_cp.py).
 Indicators rather than sympy.Piecewise keep every expression a polynomial-like form that lambdify turns
 into straight-line code.
 
@@ -37,10 +39,16 @@ Formulas:
       gradients are reduced over those N/e ranks,
       and each layer's rows s·b·K·h cross e ranks by all-to-all 4 times per micro-batch (dispatch and
       combine, forward and backward), balanced routing.
+  context parallelism (c ranks of dp per batch slice, passes/context.py; not with ep): activations, FLOPs
+      and model states as above with b = B/(N·m) (each rank's s·b tokens, every parameter replicated over cp,
+      gradients reduced over all of N); T_cp, each attention layer's cp traffic (compiler/cost_cp.py):
+      ring (c−1) sends of the rank's K,V forward, twice that backward, each hidden behind one block of the
+      attention as far as `overlap` goes; all_gather an all-gather of K,V and a reduce-scatter of c·K,V (and
+      c·K,V saved without remat); all_to_all 2 exchanges of (2q + K,V); m·L/p·(forward·(1 + rf) + backward).
   bubble: GPipe and 1F1B (p−1)/m, interleaved (p−1)/(v·m), ZB-H1 (p−1)/(3m) for m ≥ p.
   in flight: GPipe m; 1F1B min(m, p) on the first rank, 1 on the last; ZB-H1 min(m, p) on both;
       interleaved min(v·m, v·p + p − 1) first and min(v·m, (v−1)·p + 1) last (stage-sets of L/(p·v) layers).
-  step time: m·t_mb·(1 + β) + T_tp + T_pp + max(0, T_dp − overlap·m·t_mb) + T_step + T_opt, with
+  step time: m·t_mb·(1 + β) + T_tp + T_ep + T_cp + T_pp + max(0, T_dp − overlap·m·t_mb) + T_step + T_opt, with
       t_mb = (3·(FLOPs/F + bytes/BW) + ops·τ)·κ, κ the profile's calibrated compute_scale (+ a forward again under full recompute, + its
       memory-bound part under selective), FLOPs per layer 2·s·b·(matmul weights) + 4·s²·b·h/t;
       T_tp: 4 collectives of s·b·h per layer and micro-batch (6 with full recompute: Megatron's f/g);
@@ -59,6 +67,7 @@ from dataclasses import dataclass, field
 import sympy
 from sympy import Max, Min
 
+from .cost_cp import CP_TERMS, cp_layer_terms, cp_numbers
 from .hardware import Hardware
 from .ir.errors import MeshcValueError
 
@@ -69,7 +78,7 @@ SYMBOLS = sympy.symbols("L h a k f V s E K P_pos B N t p m v I_f I_l beta z1 z2 
 (L, h, a, k, f, V, s, E, K, P_pos, B, N, t, p, m, v, I_f, I_l, beta,
  z1, z2, z3, rs, rf, sp, vp, pb, gb, ko, cb, o, u_t, u_n, u_p, q, c_kv, x_t, x_n, x_p, e, x_e, u_e) = SYMBOLS
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers")
-TIME_KEYS = ("compute", "recompute", "bubble", "tp", "ep", "pp", "dp", "step", "optimizer", "overhead")
+TIME_KEYS = ("compute", "recompute", "bubble", "tp", "ep", "cp", "pp", "dp", "step", "optimizer", "overhead")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,7 +178,8 @@ class Estimate:
     """Predicted per-rank memory (bytes, the fullest rank) and step time (seconds), by part.
 
     memory: params, grads, optimizer, activations, buffers (communication buckets, pipeline messages).
-    time: compute (forward + backward), recompute, bubble, tp, pp, dp (exposed), step (optimizer-step
+    time: compute (forward + backward), recompute, bubble, tp, ep, cp (context attention's traffic, exposed),
+    pp, dp (exposed), step (optimizer-step
     collectives, loss average), optimizer (the update itself), overhead (the runtime's, per step and per
     pipeline action).
     """
@@ -285,13 +295,16 @@ def _coll(hw: Hardware, kind: str, n, payload, crossing):
 
 
 @functools.lru_cache(maxsize=None)
-def formulas(hw: Hardware, flags) -> dict[str, sympy.Expr]:
+def formulas(hw: Hardware, flags, inline: bool = True) -> dict[str, sympy.Expr]:
     """Every part of memory (of the first and of the last pp rank) and of step time as a sympy expression
-    (hardware constants as numbers)."""
+    (hardware constants as numbers). Not `inline`: a layer's cp terms stand as the symbols CP_TERMS, which
+    formula_values evaluates apart (cost_cp.cp_numbers), so that plans without cp pay nothing for them."""
     gated, tied, *_ = flags
     b, t_sp, v_div = B / (N * m), 1 + sp * (t - 1), 1 + vp * (t - 1)
     first, last, layer = _stage_params(flags)
     act_layer, act_none = _activations_per_layer(flags)
+    kvd = k * h / a
+    cp_layer, cp_bytes, cp_saved = cp_layer_terms(hw, s * b, s, h, kvd, t, c_kv, cb, rf, rs) if inline else CP_TERMS
     zz = z1 + z2 + z3
     logits = s * b * V / v_div * (cb + 4)
     experts = u_e * L / p * _expert_params(flags)  # sharded over ep > 1: ZeRO divides them over N/e only
@@ -302,7 +315,6 @@ def formulas(hw: Hardware, flags) -> dict[str, sympy.Expr]:
     bucket = Min(25 * 2**20, psi * gb, evaluate=False)
     buffers = (1 - zz) * 2 * bucket * u_n + z2 * bucket + z3 * (2 * layer * pb + V * h / v_div * pb) + u_p * 2 * boundary
     # time of one micro-batch on the busiest stage
-    kvd = k * h / a
     mm = 2 * h * h / t + 2 * h * kvd / c_kv + K * (3 if gated else 2) * h * f / t
     layer_flops = 2 * s * b * mm + 4 * s * s * b * h / t
     layer_bytes = 2 * act_none + layer * pb
@@ -337,11 +349,11 @@ def formulas(hw: Hardware, flags) -> dict[str, sympy.Expr]:
         pp_time += u_p * _coll(hw, "all_reduce", 2, V * h / v_div * gb, x_p)
     compute = m * (t_mb + recompute)
     return {
-        **{f"{key}_first": value for key, value in sf.items()}, "activations_first": I_f * L / (p * v) * act_layer,
+        **{f"{key}_first": value for key, value in sf.items()}, "activations_first": I_f * L / (p * v) * (act_layer + cp_saved),
         **{f"{key}_last": value for key, value in sl.items()},
-        "activations_last": I_l * L / (p * v) * act_layer + logits * I_l / v, "buffers": buffers,
+        "activations_last": I_l * L / (p * v) * (act_layer + cp_saved) + logits * I_l / v, "buffers": buffers,
         "compute": m * t_mb, "recompute": m * recompute, "bubble": beta * compute, "tp": tp_time, "ep": ep_time,
-        "pp": pp_time,
+        "cp": m * L / p * cp_layer, "cp_bytes": m * L / p * cp_bytes, "pp": pp_time,
         "dp": Max(0, dp_bwd - hw.overlap * compute, evaluate=False), "step": dp_step,
         "optimizer_time": hw.adam_time(psi * (1 - zz + zz / N) + experts * (1 - zz + zz * e / N)),
         "overhead": hw.step_overhead + q * 2 * m * hw.action_overhead,
@@ -357,17 +369,17 @@ def _plus(x: dict, y: dict) -> dict:
 
 
 ARGS = (L, h, a, k, f, V, s, E, K, P_pos, B, N, t, p, m, v, I_f, I_l, beta, z1, z2, z3, rs, rf, sp, vp, pb, gb, ko, cb,
-        o, u_t, u_n, u_p, q, c_kv, x_t, x_n, x_p, e, x_e, u_e)
+        o, u_t, u_n, u_p, q, c_kv, x_t, x_n, x_p, e, x_e, u_e) + CP_TERMS
 PARTS = ("params", "grads", "optimizer", "activations")
 OUT_KEYS = tuple(f"{x}_{r}" for r in ("first", "last") for x in PARTS) + (
-    "buffers", "compute", "recompute", "bubble", "tp", "ep", "pp", "dp", "step", "optimizer_time", "overhead",
-    "flops", "dp_bytes", "tp_bytes", "edp_bytes", "ep_bytes")
+    "buffers", "compute", "recompute", "bubble", "tp", "ep", "cp", "pp", "dp", "step", "optimizer_time", "overhead",
+    "flops", "dp_bytes", "tp_bytes", "edp_bytes", "ep_bytes", "cp_bytes")
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_formulas(hw: Hardware, flags):
     """The formulas as one fast Python function of ARGS (sympy.lambdify)."""
-    exprs = formulas(hw, flags)
+    exprs = formulas(hw, flags, inline=False)
     return sympy.lambdify(ARGS, [exprs[key] for key in OUT_KEYS], modules="math", cse=True)
 
 
@@ -378,7 +390,7 @@ MEMORY_OUT = OUT_KEYS[:9]  # the memory parts of the first and the last pp rank,
 def compiled_memory(hw: Hardware, flags):
     """The memory formulas alone (MEMORY_OUT) as one Python function of ARGS: a few times cheaper than
     compiled_formulas, for the planner to set aside plans that cannot fit before timing them."""
-    exprs = formulas(hw, flags)
+    exprs = formulas(hw, flags, inline=False)
     return sympy.lambdify(ARGS, [exprs[key] for key in MEMORY_OUT], modules="math", cse=True)
 
 
@@ -429,27 +441,34 @@ def precision_for(param_dtype, reduce_dtype=None) -> Precision:
 
 def formula_values(shape: ModelShape, sizes: tuple, choice: tuple, batch: int, hw: Hardware,
                    precision: Precision) -> tuple:
-    """The numbers for ARGS. `sizes` (dp, tp, pp) or (dp, tp, pp, ep); `choice` (microbatches, schedule, virtual,
-    zero, remat, sequence_parallel, vocab_parallel), a Plan's fields the formulas read."""
-    n, tp, pp = sizes[:3]
-    ep = sizes[3] if len(sizes) > 3 else 1
-    mb, schedule, virtual, zero, remat, sp_, vp_ = choice
-    if batch % (n * mb):
-        raise MeshcValueError(f"cost: expected the global batch divisible by dp × microbatches = {n * mb}, got {batch}")
+    """The numbers for ARGS. `sizes` (dp, tp, pp), (dp, tp, pp, ep) or (dp, tp, pp, ep, cp); `choice`
+    (microbatches, schedule, virtual, zero, remat, sequence_parallel, vocab_parallel[, cp_attention]), a Plan's
+    fields the formulas read."""
+    n, tp, pp = sizes[0], sizes[1], sizes[2]
+    ep, cp = sizes[3] if len(sizes) > 3 else 1, sizes[4] if len(sizes) > 4 else 1
+    mb, schedule, virtual, zero, remat, sp_, vp_ = choice[:7]
+    if cp > 1 and (n % cp or ep > 1):
+        raise MeshcValueError(f"cost: expected cp dividing dp and not with ep > 1, got dp={n}, ep={ep}, cp={cp}")
+    if batch % (n // cp * mb):
+        raise MeshcValueError(f"cost: expected the global batch divisible by dp/cp × microbatches = {n // cp * mb}, "
+                              f"got {batch}")
+    kv_split = tp if shape.kv_heads >= tp else 1
+    cps = (0, 0, 0) if cp == 1 else cp_numbers(hw, shape, cp, choice[7] if len(choice) > 7 else "ring",
+                                               shape.seq * batch / (n * mb), tp, kv_split, precision.activation, remat)
     i_f, i_l, bub = schedule_terms(schedule, pp, mb, virtual)
     return (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.ffn, shape.vocab, shape.seq,
             shape.experts, shape.top_k, shape.positions, batch, n, tp, pp, mb, virtual, i_f, i_l, bub,
             int(zero == 1), int(zero == 2), int(zero == 3), int(remat == "selective"), int(remat == "full"),
             int(sp_), int(vp_), precision.param, precision.grad, precision.optimizer, precision.activation,
             int(pp == 1), int(tp > 1), int(n > 1), int(pp > 1), int(pp > 1 or mb > 1),
-            tp if shape.kv_heads >= tp else 1, int(hw.spans_nodes(1, tp)), int(hw.spans_nodes(tp, n)),
-            int(hw.spans_nodes(1, n * tp * pp) and pp > 1), ep, int(hw.spans_nodes(tp, ep)), int(ep > 1))
+            kv_split, int(hw.spans_nodes(1, tp)), int(hw.spans_nodes(tp, n)),
+            int(hw.spans_nodes(1, n * tp * pp) and pp > 1), ep, int(hw.spans_nodes(tp, ep)), int(ep > 1)) + cps
 
 
 def plan_choice(plan) -> tuple:
     """The fields of a Plan that formula_values reads, in its order."""
     return (plan.microbatches, plan.schedule, plan.virtual, plan.zero, plan.remat, plan.sequence_parallel,
-            plan.vocab_parallel)
+            plan.vocab_parallel, plan.cp_attention)
 
 
 def _pick_rank(out) -> list[float]:
@@ -458,24 +477,40 @@ def _pick_rank(out) -> list[float]:
     return firsts if sum(firsts) >= sum(lasts) else lasts
 
 
-def formula_memory(shape: ModelShape, sizes: tuple[int, int, int], choice: tuple, batch: int, hw: Hardware,
+def formula_memory(shape: ModelShape, sizes: tuple, choice: tuple, batch: int, hw: Hardware,
                    precision: Precision) -> float:
     """formula_estimate(...).total_memory from the memory formulas alone (the same sum, in the same order)."""
-    out = compiled_memory(hw, shape.flags())(*formula_values(shape, sizes, choice, batch, hw, precision))
+    values = formula_values(shape, sizes, choice, batch, hw, precision)
+    return _memory(compiled_memory(hw, shape.flags())(*values))
+
+
+def _memory(out) -> float:
     return float(sum(_pick_rank(out) + [float(out[8])]))
+
+
+def formula_functions(hw: Hardware, flags) -> tuple:
+    """(memory, estimate): formula_memory and formula_estimate of formula_values already computed, for one model's
+    flags on one profile (the planner scores many plans with them)."""
+    memory, full = compiled_memory(hw, flags), compiled_formulas(hw, flags)
+    return lambda values: _memory(memory(*values)), lambda values: _estimate(full(*values))
 
 
 def formula_estimate(shape: ModelShape, sizes: dict[str, int], plan, batch: int, hw: Hardware,
                      precision: Precision | None = None) -> Estimate:
-    """Evaluate the formulas for one plan: `sizes` {"dp", "tp", "pp"} (and "ep"), `batch` global sequences.
-    Memory is that of the fuller of the first and the last pp rank."""
-    mesh = tuple(int(sizes.get(x, 1)) for x in ("dp", "tp", "pp", "ep"))
+    """Evaluate the formulas for one plan: `sizes` {"dp", "tp", "pp"} (and "ep" or "cp"), `batch` global
+    sequences. Memory is that of the fuller of the first and the last pp rank."""
+    mesh = tuple(int(sizes.get(x, 1)) for x in ("dp", "tp", "pp", "ep", "cp"))
     values = formula_values(shape, mesh, plan_choice(plan), batch, hw, precision or precision_of(plan))
-    out = compiled_formulas(hw, shape.flags())(*values)
+    return _estimate(compiled_formulas(hw, shape.flags())(*values))
+
+
+_TIME_AT = tuple(zip(TIME_KEYS, (OUT_KEYS.index("optimizer_time" if x == "optimizer" else x) for x in TIME_KEYS)))
+_BYTES_AT = tuple((x, OUT_KEYS.index(f"{x}_bytes")) for x in ("dp", "tp", "ep", "edp", "cp"))
+
+
+def _estimate(out) -> Estimate:
     memory = dict(zip(PARTS, _pick_rank(out)))
-    named = dict(zip(OUT_KEYS[8:], out[8:]))
-    memory["buffers"] = float(named["buffers"])
-    time = {key: float(named["optimizer_time" if key == "optimizer" else key]) for key in TIME_KEYS}
-    return Estimate(source="formula", memory=memory, time=time, flops=float(named["flops"]),
-                    comm_bytes={key: float(named[f"{key}_bytes"]) for key in ("dp", "tp", "ep", "edp")
-                                if key in ("dp", "tp") or float(named[f"{key}_bytes"])})
+    memory["buffers"] = float(out[8])
+    return Estimate(source="formula", memory=memory, time={key: float(out[i]) for key, i in _TIME_AT},
+                    flops=float(out[OUT_KEYS.index("flops")]),
+                    comm_bytes={key: float(out[i]) for key, i in _BYTES_AT if key in ("dp", "tp") or out[i]})

@@ -11,6 +11,11 @@ Terms: node cost = max-free roofline: FLOPs / device FLOP/s + bytes touched / me
 op overhead per op; backward = 2 × forward in FLOPs and bytes; saved bytes = bytes of the distinct
 storages that ops keep for backward (views share their base's storage); in flight = micro-batches of
 activations a rank holds at the schedule's peak (compiler/ir/schedule_sim).
+
+Context parallelism: a context attention (passes/context.py) computes (local queries against every key) and
+communicates (its CommRecords on axis cp: cp consecutive dp ranks, tp apart); it saves its inputs and output, and
+all-gathered the whole K, V. A "ring" record is `count` α-β `send`s of `bytes` on the group's link, each hidden
+behind one block of the attention (its FLOPs / cp, twice that backward) as far as `overlap` allows (cost_cp.py).
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ SAVES_NOTHING = VIEW_NAMES | {"add", "sub", "neg", "cat", "stack", "clone", "con
 SAVES_OUTPUT = {"softmax", "_softmax", "log_softmax", "_log_softmax", "tanh", "sigmoid", "exp", "rsqrt", "relu"}
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul"}
 DATA_AXES = ("dp", "edp")  # gradient reductions, overlappable with backward; ep's all-to-all blocks like tp's
+COMPUTE_WITH_COMM = {"context_attention"}  # ops that compute and communicate (their traffic in "meshc.comm")
 
 
 def _vals(node: fx.Node) -> list[torch.Tensor]:
@@ -67,9 +73,10 @@ def node_flops(node: fx.Node) -> float:
         if name == "linear":
             x, w = args[0], args[1]
             return 2.0 * math.prod(x.shape[:-1]) * w.shape[0] * w.shape[1]
-        if name == "scaled_dot_product_attention":
+        if name in ("scaled_dot_product_attention", "context_attention"):  # context: keys of all cp ranks
             q, key, value = args[:3]
-            return 2.0 * math.prod(q.shape[:-1]) * key.shape[-2] * (q.shape[-1] + value.shape[-1])
+            keys = key.shape[-2] * (int(kwargs.get("size", 1)) if name == "context_attention" else 1)
+            return 2.0 * math.prod(q.shape[:-1]) * keys * (q.shape[-1] + value.shape[-1])
         if name == "grouped_mm_fallback":
             x, w = args[0], args[1]
             return 2.0 * x.shape[0] * w.shape[1] * w.shape[2]
@@ -90,7 +97,9 @@ def _is_compute(node: fx.Node) -> bool:
         return False
     if node.op != "call_function" or node.target is operator.getitem:
         return False
-    return not is_view(node.target) and "meshc.comm" not in node.meta and "wait_tensor" != op_short_name(node.target)
+    name = op_short_name(node.target)
+    return not is_view(node.target) and ("meshc.comm" not in node.meta or name in COMPUTE_WITH_COMM) \
+        and "wait_tensor" != name
 
 
 @dataclass
@@ -104,7 +113,7 @@ class GraphCost:
     recompute_flops: float = 0.0
     recompute_bytes: float = 0.0
     recompute_ops: int = 0
-    comms: list = field(default_factory=list)  # (CommRecord, recomputed_in_backward)
+    comms: list = field(default_factory=list)  # (CommRecord, recomputed_in_backward, FLOPs a call hides behind)
 
     def time(self, hw: Hardware) -> tuple[float, float]:
         """(forward + backward seconds, recompute seconds) of compute, without communication."""
@@ -126,9 +135,22 @@ def graph_cost(gm: fx.GraphModule) -> GraphCost:
         _add_node(node, cost)
         for base in _saved_by(node, acts, grads):
             saved[base] = _nbytes(base)
-        cost.comms += [(r, False) for r in node.meta.get("meshc.comm", ()) if not _skipped_regather(node, r, grads)]
-    cost.saved = float(sum(saved.values()))
+        if node in grads and node.op == "call_function" and node.kwargs.get("method") == "all_gather" and \
+                op_short_name(node.target) in COMPUTE_WITH_COMM:  # the gathered K and V, saved for backward
+            cost.saved += (int(node.kwargs.get("size", 1)) - 1) * sum(_nbytes(x) for x in node.args[1:3])
+        _add_comms(cost, node, [r for r in node.meta.get("meshc.comm", ()) if not _skipped_regather(node, r, grads)])
+    cost.saved += float(sum(saved.values()))
     return cost
+
+
+def _add_comms(cost: GraphCost, node: fx.Node, records, recomputed=lambda record: False) -> None:
+    """`node`'s records into cost.comms, a ring hop with the FLOPs of the attention block it overlaps."""
+    block = 0.0
+    if any(r.kind == "ring" for r in records):
+        block = node_flops(node) / max(int(node.kwargs.get("size", 1)), 1)
+    for r in records:
+        hide = (2 * block if r.phase == "backward" else block) if r.kind == "ring" else 0.0
+        cost.comms.append((r, recomputed(r), hide))
 
 
 def _skipped_regather(node: fx.Node, record, grads: set[fx.Node]) -> bool:
@@ -216,9 +238,11 @@ def _base(node: fx.Node) -> fx.Node:
 
 def _saved_by(node: fx.Node, acts: set[fx.Node], grads: set[fx.Node]) -> list[fx.Node]:
     """The activation storages `node` keeps for its backward (autograd's saved tensors, by op)."""
-    if node.op != "call_function" or node not in grads or "meshc.comm" in node.meta:
+    if node.op != "call_function" or node not in grads:
         return []
     name = op_short_name(node.target)
+    if "meshc.comm" in node.meta and name not in COMPUTE_WITH_COMM:
+        return []
     if name in SAVES_NOTHING or node.target is operator.getitem:
         return []
     if name in SAVES_OUTPUT:
@@ -229,7 +253,7 @@ def _saved_by(node: fx.Node, acts: set[fx.Node], grads: set[fx.Node]) -> list[fx
         keep = ([first] if second in grads else []) + ([second] if first in grads or name == "div" else [])
     else:
         keep = list(node.all_input_nodes)
-    if name == "scaled_dot_product_attention":
+    if name in ("scaled_dot_product_attention", "context_attention"):
         keep.append(node)
     return [_base(x) for x in keep if x in acts]
 
@@ -256,7 +280,7 @@ def _remat_block(gm: fx.GraphModule, node: fx.Node, acts: set[fx.Node], cost: Gr
             cost.recompute_flops += node_flops(inner)
             cost.recompute_bytes += sum(_nbytes(a) for a in inner.all_input_nodes) + _nbytes(inner)
             cost.recompute_ops += 1
-        cost.comms += [(r, policy == "full" and r.phase == "forward" and r.axis not in DATA_AXES) for r in records]
+        _add_comms(cost, inner, records, lambda r: policy == "full" and r.phase == "forward" and r.axis not in DATA_AXES)
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -288,9 +312,11 @@ def model_state_bytes(specs, sizes: dict[str, int], plan) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------- time
 def comm_time(record, sizes: dict[str, int], hw: Hardware) -> float:
     """Seconds of one CommRecord (all its calls) on the link its axis uses."""
-    tp, ep = sizes.get("tp", 1), sizes.get("ep", 1)  # ep: consecutive dp ranks; edp: every ep-th of them
-    stride = {"tp": 1, "dp": tp, "ep": tp, "edp": tp * ep, "pp": tp * sizes.get("dp", 1)}.get(record.axis, 1)
+    tp, ep = sizes.get("tp", 1), sizes.get("ep", 1)  # ep, cp: consecutive dp ranks; edp: every ep-th of them
+    stride = {"tp": 1, "dp": tp, "ep": tp, "cp": tp, "edp": tp * ep, "pp": tp * sizes.get("dp", 1)}.get(record.axis, 1)
     n = sizes.get(record.axis, 1)
+    if record.kind == "ring":  # `count` hops to the next rank of the group, all ranks at once: the slowest link's
+        return record.count * hw.link(stride, n).time("send", 2, record.bytes) if n > 1 else 0.0
     if record.kind == "send":
         link = hw.link(1, stride * n) if n > 1 else hw.intra
         return record.count * link.time("send", 2, record.bytes)
@@ -306,13 +332,18 @@ class StageTimes:
     dp: float  # data-parallel collectives per micro-batch
     compute: float
     ep: float = 0.0  # expert all-to-alls (blocking, like tp's; part of forward and backward above)
+    cp: float = 0.0  # context attention's traffic not hidden behind its blocks (part of forward and backward too)
 
 
 def stage_times(cost: GraphCost, sizes: dict[str, int], hw: Hardware) -> StageTimes:
     work, again = cost.time(hw)
-    tp_fwd = tp_bwd = dp = ep = 0.0
-    for record, recomputed in cost.comms:
+    tp_fwd = tp_bwd = dp = 0.0
+    by_axis = {"ep": 0.0, "cp": 0.0}
+    for record, recomputed, hide in cost.comms:
         seconds = comm_time(record, sizes, hw)
+        if record.kind == "ring" and seconds:  # each hop overlaps one block of the attention
+            hidden = hw.overlap * hide / hw.flops * hw.compute_scale
+            seconds = record.count * max(0.0, seconds / record.count - hidden)
         if record.axis in DATA_AXES:
             dp += seconds
             continue
@@ -321,10 +352,10 @@ def stage_times(cost: GraphCost, sizes: dict[str, int], hw: Hardware) -> StageTi
             tp_bwd += seconds if recomputed else 0.0
         elif record.phase == "backward":
             tp_bwd += seconds
-        if record.axis == "ep":
-            ep += seconds * (2 if recomputed else 1)
+        if record.axis in by_axis:
+            by_axis[record.axis] += seconds * (2 if recomputed else 1)
     return StageTimes(forward=work / 3 + tp_fwd, backward=2 * work / 3 + again + tp_bwd, recompute=again,
-                      tp=tp_fwd + tp_bwd - ep, dp=dp, compute=work, ep=ep)
+                      tp=tp_fwd + tp_bwd - by_axis["ep"] - by_axis["cp"], dp=dp, compute=work, **by_axis)
 
 
 # ---------------------------------------------------------------------------------------------- estimate
@@ -356,7 +387,7 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
     dp = m * sum(times[i].dp for i in local)
     time = {"compute": m * sum(times[i].compute for i in local), "recompute": m * sum(times[i].recompute for i in local),
             "bubble": max(makespan - busy[busiest], 0.0), "tp": m * sum(times[i].tp for i in local),
-            "ep": m * sum(times[i].ep for i in local), "pp": 0.0,
+            "ep": m * sum(times[i].ep for i in local), "cp": m * sum(times[i].cp for i in local), "pp": 0.0,
             "dp": max(dp - hw.overlap * busy[busiest], 0.0), "step": step,
             "optimizer": hw.adam_time(max(r[1] for r in ranks)),
             "overhead": hw.step_overhead + (2 * m * len(local) * hw.action_overhead if schedule is not None else 0.0)}
@@ -463,7 +494,7 @@ def comm_bytes(program, pipeline=None) -> dict[tuple[str, str], float]:
     else:
         graphs, m = [s.gm for s in pipeline.local.values()], pipeline.schedule.microbatches
     for gm in graphs:
-        for record, _ in graph_cost(gm).comms:
+        for record, *_ in graph_cost(gm).comms:
             add(record, m)
         if pipeline is not None:
             for s in pipeline.local.values():

@@ -1,12 +1,15 @@
 """`meshc plan` and `meshc calibrate`: choose a plan for a model on N devices; measure this machine.
 
     meshc plan --model llama-70b --gpus 1024 --memory 80GB [--batch 1024] [--seq 8192] [--hardware h100]
+    meshc plan --model llama-8b --gpus 8 --batch 1 --seq 131072       (one long sequence: context parallelism)
     meshc plan --model gpt-tiny --gpus 2 --hardware cpu --compiled     (score the real graphs, small models)
     meshc calibrate [--out ~/.cache/meshc/cpu-gloo.json] [--nproc 2] [--quick]
 
-`meshc plan` enumerates every dp × tp × pp factorization of the device count with every ZeRO stage,
-micro-batch count, schedule, remat policy, sequence and vocabulary parallelism, keeps the plans that fit
-in the memory given, and prints the best as a table with the reason for each one's rank.
+`meshc plan` enumerates every dp × tp × pp factorization of the device count, with expert parallelism (ep of
+dp) for a model with experts or context parallelism (cp of dp: each sequence split over cp ranks, which lets
+a batch smaller than dp × micro-batches be trained) for one without, and every ZeRO stage, micro-batch count,
+schedule, remat policy, sequence and vocabulary parallelism and cp attention; keeps the plans that fit in the
+memory given, and prints the best as a table with the reason for each one's rank.
 """
 from __future__ import annotations
 
@@ -89,9 +92,11 @@ def run_plan(args: argparse.Namespace) -> int:
             (", offload_params=True" if p.offload_params else "")
     c = best.candidate
     ep = f", ep={c.ep}" if c.ep > 1 else ""
+    ep += f", cp={c.cp}" if c.cp > 1 else ""
+    cp = f", cp_attention={p.cp_attention!r}" if c.cp > 1 else ""
     print(f"\nbest: meshc.mesh(dp={c.dp}{ep}, tp={c.tp}, pp={c.pp}) with "
           f"meshc.Plan(zero={p.zero}, microbatches={p.microbatches}, schedule={p.schedule!r}, virtual={p.virtual}, "
-          f"remat={p.remat!r}, sequence_parallel={p.sequence_parallel}, vocab_parallel={p.vocab_parallel}"
+          f"remat={p.remat!r}, sequence_parallel={p.sequence_parallel}, vocab_parallel={p.vocab_parallel}{cp}"
           + (f", param_dtype=torch.{str(dtype).split('.')[-1]}" if dtype is not None else "") + offload + ")")
     if p.offload and not args.compiled:
         print(_offload_trade(best, shape, args.gpus, batch, hw, memory, search))

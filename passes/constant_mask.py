@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from meshc.compiler import _torch_compat as compat
+
 MAX_ELEMENTS = 1 << 28  # 256 Mi elements: a boolean (1, 1, 16384, 16384) mask
 
 
@@ -40,9 +42,13 @@ def mask_form(mask: fx.Node) -> tuple[str, int]:
     if nodes is None or not isinstance(val, torch.Tensor) or val.dim() < 2 or numel > MAX_ELEMENTS:
         return "unknown", numel
     try:
-        value = _evaluate(nodes)
+        with compat.real_tensors():  # a compile on fake tensors (meshc explain) evaluates the same constant
+            return _compare(_evaluate(nodes)), numel
     except Exception:  # noqa: BLE001 - an op that cannot run here: the mask stays as it is
         return "unknown", numel
+
+
+def _compare(value: torch.Tensor) -> str:
     rows, cols = value.shape[-2:]
     causal = torch.ones(rows, cols, dtype=torch.bool).tril()
     if value.dtype == torch.bool:
@@ -50,15 +56,15 @@ def mask_form(mask: fx.Node) -> tuple[str, int]:
     elif value.is_floating_point():
         low = torch.finfo(value.dtype).min / 2
         if not bool(((value == 0) | (value <= low)).all()):
-            return "other", numel
+            return "other"
         allowed = value == 0
     else:
-        return "other", numel
+        return "other"
     if bool(allowed.all()):
-        return "all", numel
+        return "all"
     if rows == cols and bool((allowed == causal).all()):
-        return "causal", numel
-    return "other", numel
+        return "causal"
+    return "other"
 
 
 def _evaluate(nodes: list[fx.Node]) -> torch.Tensor:

@@ -164,7 +164,10 @@ def _attention_rule(program: Program, node: fx.Node, ctx: RuleCtx, grad) -> Deci
                      "group": ctx.group, "size": n, "index": ctx.index}
         why = f"context parallel ({method} attention): %{nd.name} needs every position's K and V"
         nd.meta["meshc.why"] = why
-        nd.meta["meshc.comm"] = _attention_comms(method, kv_bytes // n, _bytes(q) // n, n, why)
+        heads, kv_heads = int(q.meta["meshc.shape"][1]), int(k.meta["meshc.shape"][1])
+        kv_sent = kv_bytes // n * (heads // kv_heads if method == "all_to_all" and kv_heads % n else 1)
+        item = k.meta["val"].dtype.itemsize
+        nd.meta["meshc.comm"] = _attention_comms(method, kv_sent, _bytes(q) // n, n, why, item)
     return Decision(need, Shard(dim), rewrite=rewrite)
 
 
@@ -192,11 +195,12 @@ def _unexpanded(x, tp: int):
     return kv if same and int(out[1]) % int(shape[1]) == 0 else None
 
 
-def _attention_comms(method: str, kv_local: int, q_local: int, n: int, why: str) -> list[CommRecord]:
-    """What one context attention sends per rank per step (bytes of K and V held locally: kv_local)."""
-    if method == "ring":  # K and V around the ring n-1 times; backward K, V again and their gradients
+def _attention_comms(method: str, kv_local: int, q_local: int, n: int, why: str, item: int) -> list[CommRecord]:
+    """What one context attention sends per rank per step (bytes of K and V held locally: kv_local; item: their
+    element size)."""
+    if method == "ring":  # K and V around the ring n-1 times; backward K, V again and their gradients (in fp32)
         return [CommRecord("ring", AXIS, kv_local, "forward", why, count=n - 1),
-                CommRecord("ring", AXIS, 2 * kv_local, "backward", why, count=n - 1)]
+                CommRecord("ring", AXIS, kv_local + kv_local * 4 // item, "backward", why, count=n - 1)]
     if method == "all_gather":
         return [CommRecord("all_gather", AXIS, kv_local, "forward", why),
                 CommRecord("reduce_scatter", AXIS, kv_local * n, "backward", why)]

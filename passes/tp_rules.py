@@ -15,6 +15,7 @@ file's rules, tp_views' VIEW_RULES the view-like ops', and tp_table builds the o
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -415,7 +416,13 @@ def sdpa_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
         want = R if d < 0 or _shape(mask)[d] == 1 else Shard(d, head.chunks)
         if ctx.pl(mask) != want:
             req[mask_path] = want
+    if node.target is context_attention:  # its records (context pass) counted every head: this rank sends 1/n
+        return Decision(req, head, rewrite=lambda nd: _records_over(nd, ctx.n))
     return Decision(req, head)
+
+
+def _records_over(node: fx.Node, n: int) -> None:
+    node.meta["meshc.comm"] = [dataclasses.replace(r, bytes=r.bytes // n) for r in node.meta.get("meshc.comm", ())]
 
 
 # ---------------------------------------------------------------------------------------- embedding

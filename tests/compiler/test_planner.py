@@ -171,3 +171,35 @@ def test_moe_models_get_expert_parallelism():
     assert eps <= {1, 2, 4, 8} and len(eps) > 1
     dense = plan_model(models.shape("llama-8b", seq=4096), 16, 64, H100, 40e9, BF16)
     assert {r.candidate.ep for r in dense.ranked} == {1}
+
+
+def test_one_long_sequence_gets_context_parallelism():
+    """Llama-8B at 131,072 tokens, a global batch of one sequence on 8 H100s: without cp dp must be 1 (the batch
+    divides by dp × m), so the sequence can only be split by tp; with cp every rank holds 1/8 of it and the planner
+    picks cp=8. Without remat every plan without cp needs over 100 GB: there only a cp plan fits."""
+    shape = models.shape("llama-8b", seq=131072)
+    with_cp = plan_model(shape, 8, 1, H100, 80e9, BF16)
+    without = plan_model(shape, 8, 1, H100, 80e9, dataclasses.replace(BF16, context=False))
+    best = with_cp.best.candidate
+    assert (best.dp, best.cp) == (8, 8) and best.plan.cp_attention in ("ring", "all_to_all")
+    assert with_cp.best.estimate.step_time < without.best.estimate.step_time
+    assert {r.candidate.dp for r in without.ranked} == {1} and "cp=8(" in with_cp.table(1)
+    lean = dataclasses.replace(BF16, remat=("none", "selective"), schedules=("1f1b",), offload=False)
+    assert not plan_model(shape, 8, 1, H100, 90e9, dataclasses.replace(lean, context=False)).ranked
+    assert plan_model(shape, 8, 1, H100, 90e9, lean).best.candidate.cp == 8
+
+
+def test_context_parallelism_only_where_it_can_run():
+    """cp is offered only with 2·cp dividing the sequence (8,008 tokens: cp 1, 2 or 4 of 16 ranks), only as the
+    smallest cp that lets dp/cp × m divide the batch, and never to a model with experts (ep and cp together are
+    refused)."""
+    shape = models.shape("llama-8b", seq=8008)
+    result = plan_model(shape, 16, 2, H100, 80e9, BF16)
+    cps = {r.candidate.cp for r in result.ranked}
+    assert cps == {1, 2, 4} and all(shape.seq % (2 * r.candidate.cp) == 0 for r in result.ranked)
+    for r in result.ranked:
+        c = r.candidate
+        assert 2 % (c.dp // c.cp * c.plan.microbatches) == 0
+        assert c.cp == 1 or 2 % (c.dp // (c.cp // 2) * c.plan.microbatches), c.describe()  # half the cp would not do
+    moe = plan_model(models.shape("mixtral-8x7b", seq=4096), 64, 8, H100, search=BF16)
+    assert {r.candidate.cp for r in moe.ranked} == {1} and moe.ranked
