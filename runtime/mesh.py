@@ -128,11 +128,9 @@ class Mesh:
             if not isinstance(t, torch.Tensor):
                 return t
             if t.shape[dim] % n:
-                raise MeshcValueError(
-                    f"shard_batch: expected dim {dim} divisible by {n} (dp={self.sizes['dp']} ranks"
-                    + (f" in groups of cp={cp}" if cp > 1 else "") + f"), got a tensor of shape "
-                    f"{tuple(t.shape)}; make the global batch a multiple of {n}"
-                )
+                over = f"dp={n}" if cp == 1 else f"dp/cp = {n} (dp={self.sizes['dp']} ranks in groups of cp={cp})"
+                raise MeshcValueError(f"shard_batch: expected dim {dim} divisible by {over}, got a tensor of shape "
+                                      f"{tuple(t.shape)}; make the global batch a multiple of {n}")
             out = t.chunk(n, dim)[i]
             if cp > 1 and out.dim() >= 2:
                 out = sequence_shard(out, self.coord("cp"), cp)

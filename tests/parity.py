@@ -5,6 +5,8 @@ Both return {"losses": [...], "grads0": {fqn: grad after step 1}, "params": {fqn
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import meshc
@@ -18,7 +20,9 @@ def _optimizer(name: str, params):
     return cls(params, **kwargs)
 
 
+@functools.lru_cache(maxsize=16)
 def reference(model: str, steps: int, batch: int, optimizer: str = "adamw", seq: int = zoo.SEQ) -> dict:
+    """One process training `model` on the global batches (the same for every mesh: cached, read-only)."""
     m = zoo.build(model)
     opt = _optimizer(optimizer, m.parameters())
     losses, grads0 = [], {}

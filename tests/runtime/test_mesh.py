@@ -25,12 +25,14 @@ def test_sizes_must_multiply_to_world(single_mesh):
 
 
 def test_unknown_axis_and_bad_sizes(single_mesh):
-    with pytest.raises(ValueError, match="unknown axis 'cp': expected axes among dp, ep, tp, pp"):
-        meshc.mesh(cp=2)
+    with pytest.raises(ValueError, match="unknown axis 'sp': expected axes among dp, ep, cp, tp, pp"):
+        meshc.mesh(sp=2)
+    with pytest.raises(ValueError, match="expected cp to divide dp"):
+        meshc.mesh(cp=2)  # a world of one
     with pytest.raises(ValueError, match="expected tp to be a positive int, got 0"):
         meshc.mesh(tp=0)
-    with pytest.raises(ValueError, match="unknown axis 'cp'"):
-        parse_sizes("dp=2,cp=2")
+    with pytest.raises(ValueError, match="unknown axis 'sp'"):
+        parse_sizes("dp=2,sp=2")
     with pytest.raises(ValueError, match="expected ep to divide dp"):
         MeshSpec({"dp": 6, "ep": 4})
     with pytest.raises(ValueError, match="'axis=size' pairs"):
