@@ -31,14 +31,14 @@ import torch.fx as fx
 
 from meshc.compiler import _torch_compat as compat
 from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
-from meshc.compiler.ir.fx_ops import get_arg, op_name, set_arg
+from meshc.compiler.ir.fx_ops import get_arg
 from meshc.compiler.ir.placement import Partial, R, Replicate, Shard
 from meshc.compiler.ir.program import CommRecord, Program
 from meshc.runtime.ops import context as attention
 from meshc.runtime.ops import sequence as seq
 
 from .constant_mask import MAX_ELEMENTS
-from .tensor_parallel import refresh_vals
+from .tensor_parallel import redistribute_inputs, refresh_vals
 from .tp_rules import Decision, RuleCtx
 from .tp_table import infer
 from .written_attention import as_sdpa
@@ -97,12 +97,7 @@ def _input_placement(node: fx.Node, n: int):
 
 def _place(program: Program, node: fx.Node, ctx: RuleCtx, red, grad) -> None:
     dec = _attention_rule(program, node, ctx, grad) if node.target is SDPA else infer(node, ctx)
-    for path, req in dec.inputs.items():
-        src = get_arg(node, path)
-        cur = ctx.pl(src)
-        if cur != req:
-            why = dec.note or f"{op_name(node.target)} needs {req} of %{src.name} ({cur})"
-            set_arg(node, path, red.convert(src, cur, req, node, why))
+    redistribute_inputs(node, dec, ctx, red)
     if dec.note:
         text = f"cp: {dec.note} at {_where(node)}: gathered whole there (correct, costs memory and communication)"
         program.warnings.append(text)

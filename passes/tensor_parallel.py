@@ -95,12 +95,7 @@ def _place(program, node, ctx, red, origin) -> None:
                               f"{dec.indivisible[0]}={ctx.n}{because}. "
                               f"Choose tp dividing that size, or keep the parameter replicated on tp "
                               f"(Plan(tp={{'<module glob>': 'replicate'}})).")
-    for path, req in dec.inputs.items():
-        src = get_arg(node, path)
-        cur = ctx.pl(src)
-        if cur != req:
-            why = dec.note or f"{op_name(node.target)} needs {req} of %{src.name} ({cur})"
-            set_arg(node, path, red.convert(src, cur, req, node, why))
+    redistribute_inputs(node, dec, ctx, red)
     if dec.note:
         text = f"tp: {dec.note} at {_where(node)}: replicated there (correct, costs communication)"
         program.warnings.append(text)
@@ -114,6 +109,17 @@ def _place(program, node, ctx, red, origin) -> None:
         check_divisible(shape, placement, ctx.n, AXIS, f"{node.format_node()} ({_where(node)})", why)
     if dec.rewrite:  # local size arguments; the vocab-parallel embedding and loss
         dec.rewrite(node)
+
+
+def redistribute_inputs(node: fx.Node, dec, ctx: RuleCtx, red) -> None:
+    """Each input of `node` whose placement differs from what its rule's decision requires is replaced by the
+    redistribution `red.convert` inserts (tensor_parallel's and context's redistributors alike)."""
+    for path, req in dec.inputs.items():
+        src = get_arg(node, path)
+        cur = ctx.pl(src)
+        if cur != req:
+            why = dec.note or f"{op_name(node.target)} needs {req} of %{src.name} ({cur})"
+            set_arg(node, path, red.convert(src, cur, req, node, why))
 
 
 def _flat(out, shape):
