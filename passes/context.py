@@ -38,7 +38,7 @@ from meshc.runtime.ops import context as attention
 from meshc.runtime.ops import sequence as seq
 
 from .constant_mask import MAX_ELEMENTS
-from .tensor_parallel import redistribute_inputs, refresh_vals
+from .tensor_parallel import needs_grad, placement_shapes, redistribute_inputs, refresh_vals, where
 from .tp_rules import Decision, RuleCtx
 from .tp_table import infer
 from .written_attention import as_sdpa
@@ -60,7 +60,7 @@ def context_pass(program: Program) -> Program:
         program.notes.append(f"{written} written-out attention(s) (matmul, softmax, matmul) made one attention op")
     ctx = RuleCtx(n, {}, axis=AXIS, index=mesh.coord(AXIS, rank), group=mesh.group_name(AXIS, rank))
     red = _Redistributor(program, ctx)
-    grad = _needs_grad(program)
+    grad = needs_grad(program, floating_only=False)  # any mask built from a parameter is refused
     for node in list(program.gm.graph.nodes):
         if node.op == "placeholder":
             ctx.placements[node] = _input_placement(node, n) if node.meta.get("meshc.role") == "input" else R
@@ -99,11 +99,11 @@ def _place(program: Program, node: fx.Node, ctx: RuleCtx, red, grad) -> None:
     dec = _attention_rule(program, node, ctx, grad) if node.target is SDPA else infer(node, ctx)
     redistribute_inputs(node, dec, ctx, red)
     if dec.note:
-        text = f"cp: {dec.note} at {_where(node)}: gathered whole there (correct, costs memory and communication)"
+        text = f"cp: {dec.note} at {where(node)}: gathered whole there (correct, costs memory and communication)"
         program.warnings.append(text)
         warn(text, MeshcWarning)
     ctx.placements[node] = dec.out
-    for p, shape in _pairs(dec.out, node.meta.get("meshc.shape")):
+    for p, shape in placement_shapes(dec.out, node.meta.get("meshc.shape")):
         if isinstance(p, Shard) and (isinstance(p.chunks, tuple) or int(shape[p.dim]) % (2 * ctx.n * p.chunks)):
             raise MeshcValueError(f"cp sharding: {node.format_node()}: dim {p.dim} of size {shape[p.dim]} "
                                   f"({p.chunks} block(s)) does not split into 2·cp = {2 * ctx.n} chunks per block; "
@@ -120,16 +120,16 @@ def _attention_rule(program: Program, node: fx.Node, ctx: RuleCtx, grad) -> Deci
         return Decision({}, R)  # attention over replicated values: nothing of the sequence here
     dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
     causal = bool(node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False))
-    where = f"{node.format_node()} ({_where(node)})"
+    at = f"{node.format_node()} ({where(node)})"
     if dropout:
-        raise MeshcValueError(f"cp attention: {where}: attention dropout {dropout} under context parallelism is not "
+        raise MeshcValueError(f"cp attention: {at}: attention dropout {dropout} under context parallelism is not "
                               f"supported (each rank would drop different probabilities); set the attention "
                               f"dropout to 0")
     if isinstance(mask, fx.Node) and grad.get(mask):
-        raise MeshcValueError(f"cp attention: {where}: the attention mask %{mask.name} depends on parameters (a "
+        raise MeshcValueError(f"cp attention: {at}: the attention mask %{mask.name} depends on parameters (a "
                               f"learned bias); context parallelism needs a mask without gradient")
     if isinstance(mask, fx.Node) and _numel(mask) > MAX_ELEMENTS:  # the masks pass could not evaluate it
-        text = (f"cp attention: {where}: its mask %{mask.name} ({_numel(mask)} elements) is kept whole on every rank "
+        text = (f"cp attention: {at}: its mask %{mask.name} ({_numel(mask)} elements) is kept whole on every rank "
                 f"(too large to evaluate at compile time); it does not shrink with cp")
         program.warnings.append(text)
         warn(text, MeshcWarning)
@@ -265,17 +265,6 @@ class _Redistributor:
         return ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
 
 
-def _needs_grad(program: Program) -> dict[fx.Node, bool]:
-    out: dict[fx.Node, bool] = {}
-    for node in program.gm.graph.nodes:
-        if node.op == "placeholder":
-            spec = program.params.get(node.meta.get("meshc.fqn"))
-            out[node] = bool(spec and spec.requires_grad)
-        else:
-            out[node] = any(out.get(a) for a in node.all_input_nodes)
-    return out
-
-
 def _local_shape(shape, p, n: int):
     if shape is None:
         return None
@@ -298,18 +287,6 @@ def _local_inputs(program: Program) -> None:
                                                dtype=val.dtype, device=val.device)
 
 
-def _pairs(out, shape):
-    if isinstance(out, tuple):
-        return [(o, s) for o, s in zip(out, shape or ()) if s is not None]
-    return [(out, shape)] if shape is not None and out is not None else []
-
-
 def _bytes(node: fx.Node) -> int:
     val = node.meta.get("val")
     return int(val.numel() * val.dtype.itemsize) if isinstance(val, torch.Tensor) else 0
-
-
-def _where(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    return f"%{node.name}" + (f" in {list(stack.values())[-1][0]}" if stack else "")
-

@@ -91,22 +91,22 @@ def _place(program, node, ctx, red, origin) -> None:
     if dec.indivisible:
         srcs = [origin[a] for a in node.all_input_nodes if a in origin]
         because = f"; it is sharded because {srcs[0]} is" if srcs else ""
-        raise MeshcValueError(f"tp sharding: {node.format_node()} ({_where(node)}): "
+        raise MeshcValueError(f"tp sharding: {node.format_node()} ({where(node)}): "
                               f"{dec.indivisible[0]}={ctx.n}{because}. "
                               f"Choose tp dividing that size, or keep the parameter replicated on tp "
                               f"(Plan(tp={{'<module glob>': 'replicate'}})).")
     redistribute_inputs(node, dec, ctx, red)
     if dec.note:
-        text = f"tp: {dec.note} at {_where(node)}: replicated there (correct, costs communication)"
+        text = f"tp: {dec.note} at {where(node)}: replicated there (correct, costs communication)"
         program.warnings.append(text)
         warn(text, MeshcWarning)
     ctx.placements[node] = dec.out
     srcs = [origin[a] for a in node.all_input_nodes if a in origin]
     if srcs:
         origin[node] = srcs[0]
-    for placement, shape in _flat(dec.out, node.meta.get("meshc.shape")):
+    for placement, shape in placement_shapes(dec.out, node.meta.get("meshc.shape")):
         why = f"; it is sharded because {origin[node]} is" if node in origin else ""
-        check_divisible(shape, placement, ctx.n, AXIS, f"{node.format_node()} ({_where(node)})", why)
+        check_divisible(shape, placement, ctx.n, AXIS, f"{node.format_node()} ({where(node)})", why)
     if dec.rewrite:  # local size arguments; the vocab-parallel embedding and loss
         dec.rewrite(node)
 
@@ -122,7 +122,8 @@ def redistribute_inputs(node: fx.Node, dec, ctx: RuleCtx, red) -> None:
             set_arg(node, path, red.convert(src, cur, req, node, why))
 
 
-def _flat(out, shape):
+def placement_shapes(out, shape) -> list:
+    """(placement, shape) per tensor output of a node, from its decision's `out` and its "meshc.shape"."""
     if isinstance(out, tuple):
         return [(o, s) for o, s in zip(out, shape or ()) if s is not None]
     return [(out, shape)] if shape is not None and out is not None else []
@@ -197,7 +198,7 @@ def _insert_f(program: Program, ctx: RuleCtx, red: _Redistributor) -> None:
     through grad_all_reduce (Megatron's f) so that its gradient is whole again. A parameter all of whose
     uses are sharded instead gets its partial gradient summed by the grad_sync pass, in buckets."""
     graph = program.gm.graph
-    grad = _needs_grad(program)
+    grad = needs_grad(program)
     for node in list(graph.nodes):
         if not isinstance(ctx.placements.get(node), Replicate) or not grad.get(node):
             continue
@@ -248,7 +249,9 @@ def _same_module(inserted: fx.Node, src: fx.Node, consumer: fx.Node) -> None:
         inserted.meta["nn_module_stack"] = stack
 
 
-def _needs_grad(program: Program) -> dict[fx.Node, bool]:
+def needs_grad(program: Program, floating_only: bool = True) -> dict[fx.Node, bool]:
+    """Which values depend on a trainable parameter; with `floating_only`, only floating values (those that can
+    carry a gradient) count."""
     out: dict[fx.Node, bool] = {}
     for node in program.gm.graph.nodes:
         if node.op == "placeholder":
@@ -257,7 +260,7 @@ def _needs_grad(program: Program) -> dict[fx.Node, bool]:
         else:
             val = node.meta.get("val")
             floating = isinstance(val, torch.Tensor) and val.is_floating_point() or isinstance(val, (tuple, list))
-            out[node] = bool(floating) and any(out.get(a) for a in node.all_input_nodes)
+            out[node] = bool(floating or not floating_only) and any(out.get(a) for a in node.all_input_nodes)
     return out
 
 
@@ -330,7 +333,8 @@ def refresh_vals(program: Program) -> None:
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def _where(node: fx.Node) -> str:
+def where(node: fx.Node) -> str:
+    """"%name in module.path": a node as errors and warnings name it."""
     stack = node.meta.get("nn_module_stack")
     module = list(stack.values())[-1][0] if stack else ""
     return f"%{node.name}" + (f" in {module}" if module else "")

@@ -22,6 +22,7 @@ from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.mesh_spec import AXES, MeshSpec, label
 
 from .failures import elastic_store
+from .ops.sequence import zigzag_slice
 
 
 class Mesh:
@@ -261,8 +262,7 @@ def sequence_shard(t: torch.Tensor, index: int, cp: int, dim: int = 1) -> torch.
         raise MeshcValueError(f"shard_batch: expected the sequence (dim {dim}) divisible by 2·cp = {2 * cp} (each cp "
                               f"rank takes two chunks, for causal load balance), got a tensor of shape "
                               f"{tuple(t.shape)}; pad the sequences to a multiple of {2 * cp}")
-    chunks = t.chunk(2 * cp, dim)
-    return torch.cat([chunks[index], chunks[2 * cp - 1 - index]], dim)
+    return zigzag_slice(t, dim, 1, cp, index)
 
 
 def sequence_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
