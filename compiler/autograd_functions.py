@@ -31,6 +31,7 @@ import torch
 from .ir.errors import TraceError
 
 _OPS: dict[tuple, Any] = {}  # (Function class, constants, positions) -> custom op, for the process's lifetime
+_CALLS: dict[str, Any] = {}  # the op's name ("meshc_fn::X_0") -> call(tensors): the Function's forward, run by apply
 _COUNT = itertools.count()
 _PLAIN = (type(None), bool, int, float, str)
 STATE_BYTES = torch.get_rng_state().numel()  # the CPU generator's state, as torch.get_rng_state() returns it
@@ -123,6 +124,7 @@ def _define(cls, positions: tuple, constants: tuple, n: int):
         return outs + [state]
 
     op = torch.library.custom_op(name, forward, mutates_args=(), schema="(Tensor[] tensors) -> Tensor[]")
+    _CALLS[name] = call
 
     @op.register_fake
     def _fake(tensors):
@@ -146,6 +148,15 @@ def _define(cls, positions: tuple, constants: tuple, n: int):
 
     op.register_autograd(backward, setup_context=setup_context)
     return op, single
+
+
+def function_call(target) -> Any:
+    """For a meshc_fn op (an overload or packet, as graph nodes carry it): call(tensors), which applies the
+    user's Function (its forward, and its backward under autograd) to the op's tensor arguments; else None."""
+    name = getattr(target, "name", None)
+    name = name() if callable(name) else getattr(target, "_qualified_op_name", None)
+    name = name.split(".")[0] if isinstance(name, str) else None
+    return _CALLS.get(name) if name else None
 
 
 def _identifier(text: str) -> str:

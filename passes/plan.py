@@ -24,6 +24,8 @@ Before: p_layers_0_attention_wq_weight  tp:R          After: tp:S(0)
 """
 from __future__ import annotations
 
+import operator
+
 import fnmatch
 from dataclasses import dataclass
 
@@ -376,6 +378,8 @@ def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str],
                 return _Trial([], blame[src], dec.note or f"{node.format_node()} needs it {req}")
         if reduced and isinstance(dec.out, Replicate):  # the statistic, whole: nothing sharded to follow
             continue
+        if node.target is operator.getitem and isinstance(dec.out, Replicate):  # a replicated part of a tuple
+            continue
         if isinstance(dec.out, Partial) and node.target == aten.mean.dim:
             stats.add(node)
         elif not _all_shard(dec.out):
@@ -424,8 +428,10 @@ def _indivisible(node: fx.Node, out, n: int) -> int | None:
 
 
 def _all_shard(p) -> bool:
+    """Every output sharded (a tuple may hold replicated parts beside shards: a user Function's generator
+    state), none partial."""
     xs = p if isinstance(p, tuple) else (p,)
-    return all(isinstance(x, Shard) for x in xs) if xs else False
+    return all(isinstance(x, (Shard, Replicate)) for x in xs) and any(isinstance(x, Shard) for x in xs)
 
 
 def _order(program: Program) -> dict[fx.Node, int]:

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from meshc.compiler.ir.fx_ops import grouped_mm_args, op_name, tensor_args
 from meshc.compiler.ir.placement import P, Partial, Placement, R, Replicate, Shard
-from meshc.compiler.ir.program import CommRecord
+from meshc.compiler.ir.program import OPAQUE, CommRecord
 from meshc.runtime.ops.context import context_attention
 from meshc.runtime.ops.experts import combine, dispatch
 from meshc.runtime.ops.tp_ops import vocab_parallel_cross_entropy, vocab_parallel_embedding
@@ -69,8 +69,10 @@ def no_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     tensors = tensor_args(node)
     if all(isinstance(ctx.pl(t), Replicate) for _, t in tensors):
         return Decision({}, _like(node, R))
+    opaque = node.meta.get(OPAQUE)  # a user Function that is not elementwise, and why
+    why = f" (a user autograd.Function: {opaque})" if opaque else ""
     return Decision({path: R for path, _ in tensors}, _like(node, R),
-                    note=f"no tensor-parallel rule for {op_name(node.target)}: inputs replicated")
+                    note=f"no tensor-parallel rule for {op_name(node.target)}{why}: inputs replicated")
 
 
 def _like(node: fx.Node, p: Placement):
@@ -126,6 +128,19 @@ def pointwise_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
         elif not broadcast:
             required[path] = Shard(d, s0.chunks)
     return Decision(required, Shard(out_dim, s0.chunks))
+
+
+def elementwise_function_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """A user Function the trace found elementwise (compiler/elementwise_functions.py: its arguments and
+    outputs share one shape, its forward and backward are pointwise): its tensors all take the first shard
+    among its arguments (partial ones reduced to it); the generator state it also returns stays whole."""
+    tensors = tensor_args(node)
+    pls = {path: ctx.pl(t) for path, t in tensors}
+    outputs = len(node.meta["meshc.shape"]) - 1
+    shard = next((p for p in pls.values() if isinstance(p, Shard)), None)
+    want = shard if shard is not None else R
+    required = {path: want for path, p in pls.items() if p != want}
+    return Decision(required, tuple([want] * outputs) + (R,))
 
 
 def _floating(node: fx.Node) -> bool:

@@ -17,7 +17,9 @@ Node metadata keys meshc writes (always namespaced):
     "meshc.shape"      on tensor values: the global shape as a tuple of sympy expressions (shapes pass)
     "meshc.stage"      on activations when pipelined: the pipeline stage that computes it (pipeline_split)
     "meshc.bucket"     on ZeRO gather waits and grad_sync nodes: the FQNs of the parameters in the bucket
-The constants below spell them once: ROLE ... BUCKET, META_KEYS (all of them: compiler/verify.py fails a
+    "meshc.elementwise" on a user autograd.Function's op the trace found elementwise (True)
+    "meshc.opaque"     on one it did not: why (compiler/elementwise_functions.py)
+The constants below spell them once: ROLE ... OPAQUE, META_KEYS (all of them: compiler/verify.py fails a
 "meshc.*" key outside it) and VALUE_META (what a node that stands for another's value copies from it).
 """
 from __future__ import annotations
@@ -38,7 +40,8 @@ if TYPE_CHECKING:
 
 ROLE, FQN, PLACEMENT, WHY, COMM = "meshc.role", "meshc.fqn", "meshc.placement", "meshc.why", "meshc.comm"
 SHAPE, STAGE, BUCKET = "meshc.shape", "meshc.stage", "meshc.bucket"
-META_KEYS = frozenset({ROLE, FQN, PLACEMENT, WHY, COMM, SHAPE, STAGE, BUCKET})
+ELEMENTWISE, OPAQUE = "meshc.elementwise", "meshc.opaque"
+META_KEYS = frozenset({ROLE, FQN, PLACEMENT, WHY, COMM, SHAPE, STAGE, BUCKET, ELEMENTWISE, OPAQUE})
 VALUE_META = ("val", SHAPE, PLACEMENT)  # copied by a node standing for another's value (a bucket's getitem)
 
 

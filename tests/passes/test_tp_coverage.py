@@ -109,3 +109,75 @@ def test_fused_and_interleaved_projections_shard_at_tp4(name):
     result, _ = compile_rank(model, (zoo.batches(1, 2)[0][0],), {}, mesh=MeshSpec({"tp": 4}), plan=plan, rank=0)
     local = {fqn: spec.local_shape({"tp": 4}) for fqn, spec in result.program.params.items()}
     assert block_coverage(local, model) >= 0.9
+
+
+class _Swish(torch.autograd.Function):
+    """An activation written for its backward (as BLOOM's GeLU is): elementwise in forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return g * (s + x * s * (1 - s))
+
+
+class _RowNorm(torch.autograd.Function):
+    """Not elementwise: each output reads its whole row (a reduction over the features)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x / x.abs().sum(-1, keepdim=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _Noisy(torch.autograd.Function):
+    """Not elementwise for sharding: it draws random numbers (a shard would draw other ones)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x + torch.rand_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _function_mlp(fn):
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            return x + self.down(fn.apply(self.up(x)))
+
+    return Blocks(Block)
+
+
+def test_an_elementwise_function_is_seen_through():
+    program = _compile(_function_mlp(_Swish), min_tp_coverage=1.0)
+    for i in range(2):
+        assert str(program.params[f"blocks.{i}.up.weight"].placements["tp"]) == "S(0)"
+        assert str(program.params[f"blocks.{i}.down.weight"].placements["tp"]) == "S(1)"
+    fn = [n for n in program.gm.graph.nodes if "meshc_fn" in str(n.target)]
+    assert len(fn) == 2 and all(tuple(n.args[0][0].meta["val"].shape) == (2, 4, 16) for n in fn)  # 32 / tp=2
+
+
+@pytest.mark.parametrize("fn, why", [(_RowNorm, "calls aten.sum"), (_Noisy, "calls aten.rand_like")])
+def test_an_opaque_function_keeps_its_layer_whole_and_says_why(fn, why):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        program = _compile(_function_mlp(fn))
+    report = str(explain(program))
+    assert "replicated on tp: blocks.0.up: " in report
+    assert f"(a user autograd.Function: its forward or backward {why}" in report
+    assert str(program.params["blocks.0.up.weight"].placements["tp"]) == "R"
+    assert any("shards 0.00" in str(w.message) for w in caught)
