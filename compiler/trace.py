@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 
 from .autograd_functions import functions_as_ops
+from .constant_indices import slices_for_constant_indices
 from .elementwise_functions import annotate_elementwise
 from .ir.errors import MeshcValueError, TraceError
 from .ir.mesh_spec import as_spec
@@ -88,6 +89,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, me
         _devices_from_meta(ep.graph_module, device)
     program, tensors = _program_from_export(ep, model, mesh, plan, rank, mode, prefix)
     annotate_elementwise(program.gm)  # user Functions the sharding rules may see through
+    slices_for_constant_indices(program.gm, tensors)  # x[..., [-2], :] is a slice
     if on_meta:
         _refuse_meta_constants(model, tensors)
     program.notes.append(f"trace: torch.export ({mode}) in {time.perf_counter() - t0:.2f} s, "

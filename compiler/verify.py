@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from .ir.errors import MeshcInternalError
-from .ir.placement import Shard
+from .ir.placement import Shard, local_length
 from .ir.program import META_KEYS, Program
 
 
@@ -94,7 +94,7 @@ def _local_values(program: Program):
                 continue
             want = [int(d) for d in s]
             if isinstance(p, Shard):
-                want[p.dim] //= n
+                want[p.dim] = local_length(p, want[p.dim], n)
             if isinstance(expert, Shard):
                 want[expert.dim] //= ep
             if list(v.shape) != want:

@@ -18,7 +18,7 @@ import sympy
 import torch
 
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.ir.placement import Shard
+from meshc.compiler.ir.placement import Shard, Whole, local_length
 from meshc.compiler.ir.program import Program
 
 
@@ -65,8 +65,8 @@ def divides(size: sympy.Expr, n: int) -> bool:
 
 def shard_divides(size: sympy.Expr, placement: Shard, n: int) -> bool:
     """True when every block of `placement` along a dim of `size` splits evenly over n ranks."""
-    if isinstance(placement.chunks, tuple):
-        return sum(placement.chunks) == size and all(b % n == 0 for b in placement.chunks)
+    if isinstance(placement.chunks, tuple):  # a Whole block is not split
+        return sum(placement.chunks) == size and all(b % n == 0 for b in placement.chunks if not isinstance(b, Whole))
     return divides(size, n * placement.chunks)
 
 
@@ -75,7 +75,7 @@ def local_shape(shape: tuple, placement, n: int) -> tuple:
     if not isinstance(placement, Shard):
         return tuple(shape)
     out = list(shape)
-    out[placement.dim] = out[placement.dim] / n
+    out[placement.dim] = local_length(placement, out[placement.dim], n)
     return tuple(sympy.simplify(s) for s in out)
 
 

@@ -31,9 +31,10 @@ import torch.fx as fx
 from meshc.compiler import _torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError, MeshcWarning, warn
 from meshc.compiler.ir.fx_ops import get_arg, op_name, set_arg
-from meshc.compiler.ir.placement import Partial, R, Replicate, Shard, in_parts
+from meshc.compiler.ir.placement import Partial, R, Replicate, Shard, in_parts, local_length
 from meshc.compiler.ir.program import CommRecord, Program
 from meshc.runtime.ops import collectives as C
+from meshc.runtime.ops.tp_ops import join_blocks
 
 from .shapes import check_divisible
 from .tp_rules import RuleCtx
@@ -182,7 +183,7 @@ class _Redistributor:
     def local_bytes(self, node: fx.Node, placement) -> int:
         shape = [int(s) for s in node.meta["meshc.shape"]]
         if isinstance(placement, Shard):
-            shape[placement.dim] //= self.ctx.n
+            shape[placement.dim] = local_length(placement, shape[placement.dim], self.ctx.n)
         return math.prod(shape) * node.meta["val"].dtype.itemsize
 
     def census(self) -> str:
@@ -203,7 +204,7 @@ def _insert_f(program: Program, ctx: RuleCtx, red: _Redistributor) -> None:
         if not isinstance(ctx.placements.get(node), Replicate) or not grad.get(node):
             continue
         users = [u for u in node.users if u.op == "call_function" and u.target not in COMM_FNS
-                 and in_parts(ctx.placements.get(u))]
+                 and u.target is not join_blocks and in_parts(ctx.placements.get(u))]  # joined whole: no f
         if not users:
             continue
         spec = program.params.get(node.meta.get("meshc.fqn")) if node.op == "placeholder" else None

@@ -24,11 +24,13 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler.ir.fx_ops import grouped_mm_args, op_name, tensor_args
-from meshc.compiler.ir.placement import P, Partial, Placement, R, Replicate, Shard
+from meshc.compiler.ir.placement import P, Partial, Placement, R, Replicate, Shard, has_whole
 from meshc.compiler.ir.program import OPAQUE, CommRecord
 from meshc.runtime.ops.context import context_attention
 from meshc.runtime.ops.experts import combine, dispatch
 from meshc.runtime.ops.tp_ops import vocab_parallel_cross_entropy, vocab_parallel_embedding
+
+from .tp_whole import split_whole_matmul
 
 aten = torch.ops.aten
 
@@ -224,6 +226,9 @@ def matmul_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     b_k = nb - 1 if b_t else nb - 2
     b_n = nb - 2 if b_t else nb - 1
     req: dict[tuple, Placement] = {}
+    if any(isinstance(p, Shard) and has_whole(p.chunks) for p in (pa, pb)) and not (
+            isinstance(pb, Shard) and pb.dim == b_n and (biasp is None or _ndim_of(node, biasp) == 1)):
+        return _gather_all(node, ctx, "blocks held whole on a dim other than the output's columns")
     if isinstance(pa, Partial) and isinstance(pb, Partial):
         req[bp], pb = R, R
     if isinstance(pa, Partial) or isinstance(pb, Partial):
@@ -249,7 +254,10 @@ def matmul_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
             req[ap] = R
         if biasp is not None:
             req[biasp] = Shard(0, pb.chunks) if _ndim_of(node, biasp) == 1 else R
-        return Decision(req, Shard(nout - 1, pb.chunks))
+        rewrite = None
+        if has_whole(pb.chunks):  # multi-query k and v held whole beside q's shard: one matmul per run of blocks
+            rewrite = lambda nd: split_whole_matmul(nd, ctx.placements, ctx.n, bp, b_n, biasp)  # noqa: E731
+        return Decision(req, Shard(nout - 1, pb.chunks), rewrite=rewrite)
     if a_batch and (b_batch or nb == 2):
         if b_batch and pb.dim - nb != pa.dim - na:
             req[bp] = R
@@ -409,7 +417,8 @@ def norm_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
 # ---------------------------------------------------------------------------------------- attention
 @handles(aten.scaled_dot_product_attention.default, context_attention)
 def sdpa_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
-    """q, k, v (B, H, T, D) sharded by heads (or batch) together; a mask broadcasting there stays whole.
+    """q, k, v (B, H, T, D) sharded by heads (or batch) together; a mask broadcasting there stays whole, and
+    so does a k or v of one head that SDPA broadcasts to every head of q (multi-query attention).
     Context parallelism's attention (q, k, v, mask: the same arguments) shards its heads the same way."""
     qkv = [((i,), node.args[i]) for i in range(3)]
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
@@ -423,8 +432,12 @@ def sdpa_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
             req[mask_path] = R
         return Decision(req, R, note="attention sharded on a dim other than batch or heads" if shards else None)
     for path, t in qkv:
-        if ctx.pl(t) != head:
-            req[path] = head
+        if head.dim == 1 and _shape(t)[1] == 1 < _shape(node)[1]:  # one kv head broadcast to all (multi-query)
+            want = R
+        else:
+            want = head
+        if ctx.pl(t) != want:
+            req[path] = want
     if isinstance(mask, fx.Node):
         offset = 4 - _ndim(mask)
         d = head.dim - offset

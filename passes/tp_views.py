@@ -15,7 +15,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from meshc.compiler.ir.placement import Partial, R, Replicate, Shard, as_chunks, block_sizes
+from meshc.compiler.ir.placement import (Partial, R, Replicate, Shard, Whole, as_chunks, block_sizes, has_whole,
+                                         local_blocks, local_length)
 
 from .tp_rules import Decision, RuleCtx, handles
 
@@ -59,8 +60,8 @@ def shard_through_view(src: tuple[int, ...], dst: tuple[int, ...], shard: Shard,
     for gi, gj in view_groups(src, dst):
         if shard.dim not in gi:
             continue
-        if isinstance(shard.chunks, tuple):  # unequal blocks follow only a view that keeps their dim as it is
-            return Shard(gj[0], shard.chunks) if len(gi) == len(gj) == 1 else None
+        if isinstance(shard.chunks, tuple):  # unequal blocks follow a view that keeps their dim or splits it
+            return _blocks_through_split(shard, gi, gj, dst, n)
         k = gi.index(shard.dim)
         outer = math.prod(src[d] for d in gi[:k])
         inner = math.prod(src[d] for d in gi[k + 1:])
@@ -78,10 +79,22 @@ def shard_through_view(src: tuple[int, ...], dst: tuple[int, ...], shard: Shard,
     return None
 
 
+def _blocks_through_split(shard: Shard, gi: list[int], gj: list[int], dst: tuple[int, ...], n: int) -> Shard | None:
+    """Unequal blocks of one dim viewed as (positions, rest...) (q|k|v rows as heads x head dim): the shard
+    lands on the first dim of the group, each block a whole number of positions that splits over n (a Whole
+    block need not split)."""
+    if len(gi) != 1:
+        return None
+    inner = math.prod(dst[d] for d in gj[1:])
+    if any(b % inner or (not isinstance(b, Whole) and (b // inner) % n) for b in shard.chunks):
+        return None
+    return Shard(gj[0], tuple(Whole(b // inner) if isinstance(b, Whole) else b // inner for b in shard.chunks))
+
+
 def _local(shape, placement, n) -> list[int]:
     out = [int(s) for s in shape]
     if isinstance(placement, Shard):
-        out[placement.dim] //= n
+        out[placement.dim] = local_length(placement, out[placement.dim], n)
     return out
 
 
@@ -205,16 +218,18 @@ def slice_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     if start == 0 and end == src[dim] and step == 1:
         return Decision({}, p)
     blocks = block_sizes(p.chunks, src[dim])
-    edges = [0, *itertools.accumulate(blocks)]
+    edges = [0, *itertools.accumulate(int(b) for b in blocks)]
     if step == 1 and start in edges and end in edges and start < end:  # q = qkv[..., :q_size]: whole blocks
-        held = blocks[edges.index(start):edges.index(end)]
-        n = ctx.n
+        i, j = edges.index(start), edges.index(end)
+        held = blocks[i:j]
+        local = [0, *itertools.accumulate(local_blocks(p.chunks, src[dim], ctx.n))]
 
         def rewrite(nd: fx.Node) -> None:
-            nd.update_arg(2, start // n)
+            nd.update_arg(2, local[i])
             if len(nd.args) > 3:
-                nd.update_arg(3, end // n)
-        return Decision({}, Shard(dim, as_chunks(held)), rewrite=rewrite)
+                nd.update_arg(3, local[j])
+        out = R if all(isinstance(b, Whole) for b in held) else Shard(dim, as_chunks(held))  # k of multi-query: R
+        return Decision({}, out, rewrite=rewrite)
     return Decision({(0,): R}, R, note=f"slice of the sharded dim {dim}")
 
 
@@ -242,6 +257,8 @@ def split_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     if isinstance(cut, Decision):
         return cut
     dim, parts, groups = cut
+    if has_whole(ctx.pl(node.args[0]).chunks):
+        return _split_with_whole(dim, groups, ctx.n)
 
     def rewrite(nd: fx.Node) -> None:
         if nd.target == aten.split.Tensor:
@@ -291,7 +308,21 @@ def chunk_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     if isinstance(cut, Decision):
         return cut
     dim, _, groups = cut
+    if has_whole(ctx.pl(node.args[0]).chunks):
+        return _split_with_whole(dim, groups, ctx.n)
     return Decision({}, tuple(Shard(dim, as_chunks(g)) for g in groups))
+
+
+def _split_with_whole(dim: int, groups: list[tuple[int, ...]], n: int) -> Decision:
+    """split/chunk of blocks some of which every rank holds whole: the local parts differ in size (a part of
+    Whole blocks keeps its size), so the node becomes split_with_sizes of the local sizes; a part of Whole blocks
+    only is replicated."""
+    sizes = [sum(local_blocks(g, sum(g), n)) for g in groups]
+
+    def rewrite(nd: fx.Node) -> None:
+        nd.target, nd.args = aten.split_with_sizes.default, (nd.args[0], sizes, dim)
+    out = tuple(R if all(isinstance(b, Whole) for b in g) else Shard(dim, as_chunks(g)) for g in groups)
+    return Decision({}, out, rewrite=rewrite)
 
 
 @handles(aten.unbind.int)

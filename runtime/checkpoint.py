@@ -91,7 +91,7 @@ def _save_items(job, opts: list) -> tuple[dict, dict]:
         chosen = scalar_writer(coords, owner) if scalar else writes(key, spec.placements, sizes, coords, owner)
         if chosen:
             placements = {} if scalar else spec.placements
-            items[key] = (shape, t.dtype, pieces(t.detach(), shape, placements, sizes, coords))
+            items[key] = (shape, t.dtype, pieces(t.detach(), shape, placements, sizes, coords, writer=True))
 
     for fqn, p in job.named_parameters():
         add(_model_key(fqn), "param", p, job.program.params[fqn])

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from meshc.compiler import _torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError
-from meshc.compiler.ir.placement import FlatShard, Shard, block_sizes, data_axis
+from meshc.compiler.ir.placement import FlatShard, Shard, Whole, block_sizes, data_axis, local_blocks, local_length
 
 FORMAT = "meshc-checkpoint"
 VERSION = 1
@@ -62,15 +62,18 @@ class Piece:
 
 
 # ---------------------------------------------------------------------------------------- layout
-def pieces(local: torch.Tensor, shape: tuple, placements: dict, sizes: dict, coords: dict) -> list[Piece]:
-    """The boxes of the whole tensor (global `shape`) that `local` holds on the rank at `coords`."""
+def pieces(local: torch.Tensor, shape: tuple, placements: dict, sizes: dict, coords: dict,
+           writer: bool = False) -> list[Piece]:
+    """The boxes of the whole tensor (global `shape`) that `local` holds on the rank at `coords`. With `writer`,
+    the boxes of blocks every rank of an axis holds whole (Whole chunks) only on that axis' rank 0, so that the
+    ranks' boxes tile the tensor once."""
     shape = tuple(shape)
     if math.prod(shape) == 0:
         return []
     steps, dims, lengths = [], list(shape), []
     for axis, p in placements.items():  # the slices local_shard applies, in its order
         if isinstance(p, Shard) and sizes[axis] > 1:
-            dims[p.dim] //= sizes[axis]
+            dims[p.dim] = local_length(p, dims[p.dim], sizes[axis])
             steps.append((p.dim, p.chunks, sizes[axis], coords[axis]))
             lengths.append(dims[p.dim])
     unflat = tuple(dims)
@@ -91,10 +94,12 @@ def pieces(local: torch.Tensor, shape: tuple, placements: dict, sizes: dict, coo
     for start, size, view in boxes:
         per_dim = [_segments(d, start[d], size[d], steps, lengths) for d in range(len(unflat))]
         for combo in itertools.product(*per_dim):
+            if writer and any(copy for *_, copy in combo):
+                continue
             v = view
-            for d, (loc, _, length) in enumerate(combo):
+            for d, (loc, _, length, _) in enumerate(combo):
                 v = v.narrow(d, loc - start[d], length)
-            out.append(Piece(tuple(g for _, g, _ in combo), tuple(n for _, _, n in combo), v))
+            out.append(Piece(tuple(g for _, g, _, _ in combo), tuple(n for _, _, n, _ in combo), v))
     return out
 
 
@@ -122,24 +127,33 @@ def _flat_boxes(a: int, b: int, shape: tuple) -> list[tuple[tuple, tuple, int]]:
     return out
 
 
-def _segments(dim: int, start: int, length: int, steps: list, lengths: list) -> list[tuple[int, int, int]]:
-    """Local interval [start, start+length) of `dim` as (local start, whole start, length) segments."""
-    segs = [(start, start, length)]
+def _segments(dim: int, start: int, length: int, steps: list, lengths: list) -> list[tuple[int, int, int, bool]]:
+    """Local interval [start, start+length) of `dim` as (local start, whole start, length, copy) segments; copy:
+    the segment lies in a block held whole by every rank of an axis, and this rank is not that axis' rank 0."""
+    segs = [(start, start, length, False)]
     for (d, chunks, n, k), after in reversed(list(zip(steps, lengths))):
         if d != dim:
             continue
-        local = [b // n for b in block_sizes(chunks, after * n)]  # a rank's part of each block
-        starts = list(itertools.accumulate([0] + local[:-1]))  # where each block's part begins, locally
+        blocks = block_sizes(chunks, _global_length(chunks, after, n))
+        local = local_blocks(chunks, sum(blocks), n)  # a rank's part of each block
+        starts = list(itertools.accumulate([0] + list(local[:-1])))  # where each block's part begins, locally
+        begins = list(itertools.accumulate([0] + [int(b) for b in blocks[:-1]]))  # and the block, globally
         out = []
-        for loc, cur, left in segs:
+        for loc, cur, left, copy in segs:
             while left > 0:
                 b = bisect.bisect_right(starts, cur) - 1
                 j = cur - starts[b]
                 take = min(left, local[b] - j)
-                out.append((loc, starts[b] * n + k * local[b] + j, take))
+                whole = isinstance(blocks[b], Whole)
+                out.append((loc, begins[b] + (0 if whole else k * local[b]) + j, take, copy or (whole and k != 0)))
                 loc, cur, left = loc + take, cur + take, left - take
         segs = out
     return segs
+
+
+def _global_length(chunks, local: int, n: int) -> int:
+    """The global length of a dim whose rank-local length is `local` under `chunks` over n ranks."""
+    return sum(int(b) for b in chunks) if isinstance(chunks, tuple) else local * n
 
 
 def writes(key: str, placements: dict, sizes: dict, coords: dict, pp_owner: int) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .placement import FlatShard, Shard
+from .placement import FlatShard, Shard, Whole, has_whole
 
 _INDEXED = re.compile(r"(^|\.)\d+(\.|$)")
 
@@ -49,7 +49,7 @@ def coverage(params: dict, sizes: dict[str, int], reasons: dict[str, str] | None
     fractions = {}
     for axis, n in sizes.items():
         if n > 1:
-            held = sum(_bytes(s) for s in weights if isinstance(s.placements.get(axis), (Shard, FlatShard)))
+            held = sum(_sharded_bytes(s, s.placements.get(axis)) for s in weights)
             fractions[axis] = held / total if total else 1.0
     replicated: dict[str, str] = {}
     if sizes.get("tp", 1) > 1:
@@ -58,6 +58,17 @@ def coverage(params: dict, sizes: dict[str, int], reasons: dict[str, str] | None
                 module = s.fqn.rsplit(".", 1)[0]
                 replicated.setdefault(module, (reasons or {}).get(module, "no rule of the plan tried it"))
     return Coverage(fractions, total, sorted(replicated.items()))
+
+
+def _sharded_bytes(spec, placement) -> int:
+    """The bytes of `spec` held in parts under `placement`: all of them when sharded, but the blocks every
+    rank holds whole (Whole chunks: multi-query k and v beside q's shard)."""
+    if isinstance(placement, FlatShard):
+        return _bytes(spec)
+    if not isinstance(placement, Shard):
+        return 0
+    whole = sum(int(b) for b in placement.chunks if isinstance(b, Whole)) if has_whole(placement.chunks) else 0
+    return _bytes(spec) * (int(spec.shape[placement.dim]) - whole) // int(spec.shape[placement.dim])
 
 
 def _bytes(spec) -> int:

@@ -19,14 +19,16 @@ class Shard:
     """Tensor dim `dim` split evenly over the axis. With chunks=c the dim is c equal blocks, each split
     evenly, and a rank holds its part of every block (a fused qkv projection's output is 3 blocks). Blocks of
     unequal sizes (q|k|v under grouped-query attention) are given as their global sizes, chunks=(64, 32, 32):
-    the local tensor is then this rank's 1/n of each block, in block order."""
+    the local tensor is then this rank's 1/n of each block, in block order. A block given as Whole(size) is
+    held whole by every rank (Megatron's rule for kv heads fewer than the axis: k and v replicated, q sharded,
+    inside one fused projection): chunks=(64, Whole(16), Whole(16)) holds 64/n + 16 + 16 rows per rank."""
 
     dim: int
     chunks: int | tuple[int, ...] = 1
 
     def __str__(self) -> str:
         if isinstance(self.chunks, tuple):
-            return f"S({self.dim})x({'+'.join(map(str, self.chunks))})"
+            return f"S({self.dim})x({'+'.join(map(repr, self.chunks))})"
         return f"S({self.dim})" if self.chunks == 1 else f"S({self.dim})x{self.chunks}"
 
 
@@ -55,6 +57,43 @@ def S(dim: int, chunks: int | tuple[int, ...] = 1) -> Shard:
     return Shard(dim, chunks)
 
 
+class Whole(int):
+    """A block of a shard's `chunks` that every rank of the axis holds whole (see Shard). An int (its global
+    size, so sums of chunks stay the dim's length) that compares unequal to a plain int of the same size, so
+    that S(0)x(64+16+16) and S(0)x(64+R16+R16) are different placements; `Shard(d, p.chunks)` carries it
+    along through the rules that move a shard between dims. Local sizes: local_blocks."""
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Whole) and int(self) == int(other)
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash(("whole", int(self)))
+
+    def __repr__(self) -> str:
+        return f"R{int(self)}"
+
+
+def has_whole(chunks) -> bool:
+    """Does a shard's `chunks` hold any block whole?"""
+    return isinstance(chunks, tuple) and any(isinstance(b, Whole) for b in chunks)
+
+
+def local_blocks(chunks: int | tuple[int, ...], length: int, n: int) -> tuple[int, ...]:
+    """A rank's part of each block of a dim of `length` sharded with `chunks` over n ranks: 1/n of each,
+    the whole of a Whole block."""
+    return tuple(int(b) if isinstance(b, Whole) else b // n for b in block_sizes(chunks, length))
+
+
+def local_length(placement, length, n: int):
+    """The local length of the dim `placement` shards (`length` may be a sympy expression without Whole blocks)."""
+    if has_whole(placement.chunks):
+        return sum(local_blocks(placement.chunks, length, n))
+    return length // n if isinstance(length, int) else length / n
+
+
 def block_sizes(chunks: int | tuple[int, ...], length: int) -> tuple[int, ...]:
     """The sizes of the blocks a shard's `chunks` cuts a dim of `length` into (whole-tensor sizes)."""
     if isinstance(chunks, tuple):
@@ -64,8 +103,8 @@ def block_sizes(chunks: int | tuple[int, ...], length: int) -> tuple[int, ...]:
 
 def as_chunks(sizes) -> int | tuple[int, ...]:
     """The `chunks` of a shard with blocks of these (whole-tensor) sizes: a count when they are equal."""
-    sizes = tuple(int(s) for s in sizes)
-    return len(sizes) if len(set(sizes)) <= 1 else sizes
+    sizes = tuple(s if isinstance(s, Whole) else int(s) for s in sizes)
+    return len(sizes) if len(set(sizes)) <= 1 and not has_whole(sizes) else sizes
 
 
 def data_axis(placements: dict) -> str:

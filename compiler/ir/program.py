@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from .placement import FlatShard, Placement, Replicate, Shard
+from .placement import FlatShard, Placement, Replicate, Shard, local_length
 
 if TYPE_CHECKING:
     from .mesh_spec import MeshSpec
@@ -67,7 +67,7 @@ class ParamSpec:
         shape = list(self.shape)
         for axis, p in self.placements.items():
             if isinstance(p, Shard) and (axes is None or axis in axes):
-                shape[p.dim] //= mesh_sizes[axis]
+                shape[p.dim] = local_length(p, shape[p.dim], mesh_sizes[axis])
         for axis, p in self.placements.items():
             if isinstance(p, FlatShard) and (axes is None or axis in axes):
                 shape = [-(-math.prod(shape) // mesh_sizes[axis])]

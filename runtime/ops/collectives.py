@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir.errors import MeshcInternalError
+from meshc.compiler.ir.placement import Whole, has_whole, local_blocks
 
 
 class _GradSync(torch.autograd.Function):
@@ -79,9 +81,11 @@ def gather_shard(x: torch.Tensor, dim: int, chunks: int | tuple, size: int, grou
     moved = x.movedim(dim, 0).contiguous()  # (c*b, ...)
     full = compat.all_gather(moved, size, group)  # (n*c*b, ...) in rank-major order
     rest = moved.shape[1:]
-    if isinstance(chunks, tuple):  # rank-major (n, local blocks...) -> block-major
-        parts = full.view(size, moved.shape[0], *rest).split([c // size for c in chunks], dim=1)
-        return torch.cat([p.reshape(-1, *rest) for p in parts]).movedim(0, dim)
+    if isinstance(chunks, tuple):  # rank-major (n, local blocks...) -> block-major; a Whole block: any rank's copy
+        local = local_blocks(chunks, sum(chunks), size)
+        parts = full.view(size, moved.shape[0], *rest).split(list(local), dim=1)
+        return torch.cat([p[0] if isinstance(c, Whole) else p.reshape(-1, *rest)
+                          for p, c in zip(parts, chunks)]).movedim(0, dim)
     block = moved.shape[0] // chunks
     full = full.view(size, chunks, block, *rest).transpose(0, 1).reshape(chunks * size * block, *rest)
     return full.movedim(0, dim)
@@ -90,8 +94,9 @@ def gather_shard(x: torch.Tensor, dim: int, chunks: int | tuple, size: int, grou
 def slice_shard(x: torch.Tensor, dim: int, chunks: int | tuple, size: int, index: int) -> torch.Tensor:
     moved = x.movedim(dim, 0)
     rest = moved.shape[1:]
-    if isinstance(chunks, tuple):
-        part = torch.cat([b.reshape(size, b.shape[0] // size, *rest)[index] for b in moved.split(list(chunks))])
+    if isinstance(chunks, tuple):  # this rank's part of each block, all of a Whole one
+        part = torch.cat([b if isinstance(c, Whole) else b.reshape(size, b.shape[0] // size, *rest)[index]
+                          for b, c in zip(moved.split([int(c) for c in chunks]), chunks)])
         return part.movedim(0, dim).contiguous()
     block = moved.shape[0] // (chunks * size)
     part = moved.reshape(chunks, size, block, *rest)[:, index].reshape(chunks * block, *rest)
@@ -101,6 +106,9 @@ def slice_shard(x: torch.Tensor, dim: int, chunks: int | tuple, size: int, index
 def _reduce_scatter(x: torch.Tensor, dim: int, chunks: int | tuple, size: int, group: str) -> torch.Tensor:
     moved = x.movedim(dim, 0)
     rest = moved.shape[1:]
+    if has_whole(chunks):
+        raise MeshcInternalError(f"reduce-scatter: expected blocks that all split over the axis, got {chunks}: a "
+                                 "partial sum of a block held whole needs an all-reduce")
     if isinstance(chunks, tuple):
         ordered = torch.cat([b.reshape(size, b.shape[0] // size, *rest) for b in moved.split(list(chunks))], dim=1)
         ordered = ordered.reshape(-1, *rest)  # rank-major

@@ -64,3 +64,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, 
                                  ignore_index: int = -100, reduction: int = 1, group: str) -> torch.Tensor:
     """aten.cross_entropy_loss for logits (N, V) held as (N, V/n) vocabulary shards [start, end)."""
     return _VocabParallelCrossEntropy.apply(logits, target, start, end, ignore_index, reduction, group)
+
+
+def join_blocks(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """A fused projection's local output put back together from the matmul of its sharded blocks and the one of
+    the blocks every rank holds whole (passes/tp_whole.py): torch.cat. Its own function so that the
+    tensor-parallel pass sees that a replicated part joins whole blocks (no Megatron f: its gradient is whole)."""
+    return torch.cat(parts, dim)

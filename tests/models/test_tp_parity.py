@@ -65,15 +65,20 @@ SHARDED = [("falcon_new", {}), ("falcon_new", {"sequence_parallel": True}), ("fa
            ("gptj", {"sequence_parallel": True}), ("mixtral", {}), ("mixtral", {"sequence_parallel": True}),
            ("olmoe", {}), ("olmoe", {"sequence_parallel": True}),  # q/k RMSNorm over the whole projection
            # ALiBi attention and a GeLU written as an autograd.Function (elementwise: seen through)
-           ("bloom", {}), ("bloom", {"sequence_parallel": True})]
-SHARDED = [(m, 2, p) for m, p in SHARDED] + [(m, 4, {}) for m in ("gpt_neox", "falcon_mha", "gptj")]  # 4 heads
+           ("bloom", {}), ("bloom", {"sequence_parallel": True}),
+           # multi-query k and v inside the fused projection (Falcon-7B): q sharded, k and v held whole
+           ("falcon", {}), ("falcon", {"sequence_parallel": True})]
+SHARDED = [(m, 2, p, 0.9) for m, p in SHARDED] + [(m, 4, {}, 0.9) for m in ("gpt_neox", "falcon_mha", "gptj", "falcon")]
+# Phi-3's 2 kv heads at tp=4: k and v (flat slices of qkv_proj, each viewed as heads) held whole by every rank, as
+# Megatron replicates kv heads fewer than tp, q sharded: 8/9 of this config's block bytes
+SHARDED.append(("phi3", 4, {}, 8 / 9 - 1e-9))
 
 
-@pytest.mark.parametrize("case", SHARDED, ids=[_id((m, {"tp": tp}, p)) for m, tp, p in SHARDED])
+@pytest.mark.parametrize("case", SHARDED, ids=[_id((m, {"tp": tp}, p)) for m, tp, p, _ in SHARDED])
 def test_tp_shards_fused_projections_and_matches(case):
-    model, tp, plan = case
+    model, tp, plan, floor = case
     ref = parity.reference(model, STEPS, BATCH)
     results = run_ranks(parity.meshc_rank, tp, model, STEPS, BATCH, {"tp": tp}, {**FAST, **plan}, timeout=240)
     for rank, out in enumerate(results):
-        assert parity.block_coverage(out["local_shapes"], zoo.build(model)) >= 0.9, out["report"]
+        assert parity.block_coverage(out["local_shapes"], zoo.build(model), tp) >= floor, out["report"]
         parity.assert_matches(rank, out, ref, STEPS)

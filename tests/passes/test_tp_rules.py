@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from meshc.compiler.ir.errors import MeshcInternalError
 from meshc.compiler.ir.placement import P, R, S
+from meshc.compiler.ir.placement import Whole as W
 from meshc.passes.shapes import shape_of
 from meshc.passes.tp_rules import COMPUTE_RULES, RuleCtx, no_rule, pointwise_rule
 from meshc.passes.tp_table import RULES, build_table, infer, rule_for
@@ -70,6 +71,10 @@ LONG = torch.int64
 COMPUTE = [
     # pointwise: shards align on the output dim; a replicated operand is sliced; P stays P only where linear
     ("add S+S", aten.add.Tensor, (T((2, 4)), T((2, 4))), [S(1), S(1)], 2, S(1), {}, False),
+    ("sdpa: one kv head stays whole", aten.scaled_dot_product_attention.default,
+     (T((2, 4, 3, 8)), T((2, 1, 3, 8)), T((2, 1, 3, 8))), [S(1), R, R], 2, S(1), {}, False),
+    ("matmul by whole blocks elsewhere gathers", aten.mm.default, (T((4, 64)), T((64, 8))),
+     [S(1, (32, W(16), W(16))), R], 2, R, {(0,): R, (1,): R}, True),
     ("add S+R slices R", aten.add.Tensor, (T((2, 4)), T((2, 4))), [S(1), R], 2, S(1), {(1,): S(1)}, False),
     ("add S+R broadcast bias", aten.add.Tensor, (T((2, 4)), T((4,))), [S(1), R], 2, S(1), {(1,): S(0)}, False),
     ("add S(0)+R broadcast over it", aten.add.Tensor, (T((4, 6)), T((6,))), [S(0), R], 2, S(0), {}, False),
@@ -218,6 +223,21 @@ VIEWS = [
      S(1, (32, 16, 16)), {}, False),
     ("view splitting unequal blocks gathers", aten.view.default, (T((2, 64)), [2, 4, 16]), [S(1, (32, 16, 16))], 2,
      R, {(0,): R}, True),
+    # multi-query k and v held whole beside q's shard inside one fused projection (Falcon-7B; Whole blocks)
+    ("slice q beside whole k, v", aten.slice.Tensor, (T((2, 64)), 1, 0, 32), [S(1, (32, W(16), W(16)))], 2, S(1),
+     {}, False),
+    ("slice a whole block is R", aten.slice.Tensor, (T((2, 64)), 1, 32, 48), [S(1, (32, W(16), W(16)))], 2, R, {},
+     False),
+    ("slice q and a whole k", aten.slice.Tensor, (T((2, 64)), 1, 0, 48), [S(1, (32, W(16), W(16)))], 2,
+     S(1, (32, W(16))), {}, False),
+    ("split with whole blocks", aten.split_with_sizes.default, (T((2, 64)), [32, 16, 16], 1),
+     [S(1, (32, W(16), W(16)))], 2, (S(1), R, R), {}, False),
+    ("view splits blocks into heads", aten.view.default, (T((2, 64)), [2, 4, 16]), [S(1, (32, W(16), W(16)))], 2,
+     S(1, (2, W(1), W(1))), {}, False),
+    ("view to heads, a block indivisible", aten.view.default, (T((2, 64)), [2, 4, 16]), [S(1, (32, 16, 16))], 4,
+     R, {(0,): R}, True),
+    ("pointwise keeps whole blocks", aten.mul.Tensor, (T((2, 64)), T((2, 64))), [S(1, (32, W(16), W(16))), R], 2,
+     S(1, (32, W(16), W(16))), {(1,): S(1, (32, W(16), W(16)))}, False),
     # GPT-J's interleaved rotary: stack((-x2, x1), dim=-1) of head-sharded halves
     ("stack after the shard", aten.stack.default, ([T((2, 4, 3, 8)), T((2, 4, 3, 8))], -1), [S(1), S(1)], 2,
      S(1), {}, False),
@@ -300,6 +320,34 @@ def test_slice_rewrite_keeps_the_local_block():
     node, dec = decide(aten.slice.Tensor, (T((2, 64)), 1, 32, 48), [S(1, (32, 16, 16))])
     dec.rewrite(node)
     assert node.args[2:4] == (16, 24)
+
+
+def test_slice_and_split_rewrites_count_whole_blocks_whole():
+    """q|k|v of 32+R16+R16 on tp=2 are 16+16+16 locally: k = qkv[:, 32:48] is [16:32]; the split's parts are 16 each."""
+    node, dec = decide(aten.slice.Tensor, (T((2, 64)), 1, 32, 48), [S(1, (32, W(16), W(16)))])
+    dec.rewrite(node)
+    assert node.args[2:4] == (16, 32)
+    node, dec = decide(aten.split_with_sizes.default, (T((2, 64)), [32, 16, 16], 1), [S(1, (32, W(16), W(16)))])
+    dec.rewrite(node)
+    assert node.target == aten.split_with_sizes.default and node.args[1:] == ([16, 16, 16], 1)
+
+
+def test_column_parallel_matmul_by_whole_blocks_splits_in_runs():
+    """linear(x, w) with w S(0)x(32+R16+R16): one linear of q's rows (sharded) and one of k|v's (replicated),
+    joined; x reaches only q's through f later (the tensor_parallel pass), not the join."""
+    from meshc.passes.tp_whole import split_whole_matmul
+    from meshc.runtime.ops.tp_ops import join_blocks
+
+    node, dec = decide(aten.linear.default, (T((2, 3, 8)), T((64, 8))), [R, S(0, (32, W(16), W(16)))])
+    assert dec.out == S(2, (32, W(16), W(16))) and dec.rewrite is not None
+    graph = node.graph
+    placements = dict(zip([a for a in graph.nodes if a.op == "placeholder"], [R, S(0, (32, W(16), W(16)))]))
+    placements[node] = dec.out
+    split_whole_matmul(node, placements, 2, (1,), 0, None)
+    (joined,) = [n for n in graph.nodes if n.target is join_blocks]
+    q, kv = joined.args[0]
+    assert [a.args[1:] for a in (q.args[1], kv.args[1])] == [(0, 0, 16), (0, 16, 48)]
+    assert placements[q] == S(2) and placements[kv] == R and placements[joined] == S(2, (32, W(16), W(16)))
 
 
 def test_mean_over_the_shard_rewrite_divides_by_the_axis():

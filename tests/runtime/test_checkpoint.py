@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import meshc
-from meshc.compiler.ir.placement import FlatShard, Replicate, Shard
+from meshc.compiler.ir.placement import FlatShard, Replicate, Shard, Whole
 from meshc.compiler.ir.program import ParamSpec
 from meshc.runtime import checkpoint
 from meshc.runtime.checkpoint_format import pieces, writes
@@ -50,9 +50,12 @@ def test_pieces_match_local_shard_and_writers_tile_the_whole():
         shape = [rng.randint(1, 5) for _ in range(rng.choice([0, 1, 2, 3]))]
         placements = {"dp": FlatShard() if rng.random() < 0.6 else Replicate(), "tp": Replicate()}
         if shape and rng.random() < 0.7:
-            d, chunks = rng.randrange(len(shape)), rng.choice([1, 3, "unequal"])
+            d, chunks = rng.randrange(len(shape)), rng.choice([1, 3, "unequal", "whole"])
             if chunks == "unequal":  # q|k|v blocks of their own sizes (grouped-query attention)
                 chunks = tuple(sizes["tp"] * rng.randint(1, 3) for _ in range(3))
+                shape[d] = sum(chunks)
+            elif chunks == "whole":  # q sharded, k and v held whole by every tp rank (multi-query)
+                chunks = (sizes["tp"] * rng.randint(1, 3), Whole(rng.randint(1, 2)), Whole(rng.randint(1, 2)))
                 shape[d] = sum(chunks)
             else:
                 shape[d] = chunks * sizes["tp"] * rng.randint(1, 3)
@@ -62,12 +65,16 @@ def test_pieces_match_local_shard_and_writers_tile_the_whole():
         mesh, cover = _Sizes(sizes), torch.zeros(shape)
         for rank in range(sizes["dp"] * sizes["tp"]):
             coords = mesh.coords(rank)
-            parts = pieces(local_shard(full, spec, mesh, rank), tuple(shape), placements, sizes, coords)
-            for p in parts:
+            local = local_shard(full, spec, mesh, rank)
+            held = 0
+            for p in pieces(local, tuple(shape), placements, sizes, coords):
                 box = tuple(slice(o, o + n) for o, n in zip(p.offsets, p.sizes))
                 assert torch.equal(full[box], p.view), (shape, placements, sizes, rank)
-                if writes("w", placements, sizes, coords, 0):
-                    cover[box] += 1
+                held += p.view.numel()
+            assert held == local.numel() or isinstance(placements["dp"], FlatShard)  # padding is never a piece
+            if writes("w", placements, sizes, coords, 0):
+                for p in pieces(local, tuple(shape), placements, sizes, coords, writer=True):
+                    cover[tuple(slice(o, o + n) for o, n in zip(p.offsets, p.sizes))] += 1
         assert bool((cover == 1).all()), (shape, placements, sizes)
 
 
@@ -78,6 +85,20 @@ def test_unequal_blocks_give_each_rank_its_part_of_every_block():
     mesh = _Sizes({"pp": 1, "dp": 1, "tp": 2})
     assert local_shard(full, spec, mesh, 0).tolist() == [0, 1, 4, 6]
     assert local_shard(full, spec, mesh, 1).tolist() == [2, 3, 5, 7]
+
+
+def test_whole_blocks_are_held_by_every_rank_and_written_once():
+    """S(0)x(4+R2+R2) over tp=2 (multi-query k and v beside q's shard): each rank holds its half of q and all of k
+    and v; the writers' pieces hold k and v once."""
+    full = torch.arange(8.0)
+    spec = ParamSpec("w", (8,), torch.float32, {"dp": Replicate(), "tp": Shard(0, (4, Whole(2), Whole(2)))})
+    mesh = _Sizes({"pp": 1, "dp": 1, "tp": 2})
+    assert local_shard(full, spec, mesh, 0).tolist() == [0, 1, 4, 5, 6, 7]
+    assert local_shard(full, spec, mesh, 1).tolist() == [2, 3, 4, 5, 6, 7]
+    assert spec.local_shape({"tp": 2, "dp": 1}) == (6,)
+    written = [[(p.offsets, p.sizes) for p in pieces(local_shard(full, spec, mesh, r), (8,), spec.placements,
+                                                     mesh.sizes, mesh.coords(r), writer=True)] for r in range(2)]
+    assert written == [[((0,), (2,)), ((4,), (2,)), ((6,), (2,))], [((2,), (2,))]]
 
 
 # ---------------------------------------------------------------------------------------- reshard matrix
