@@ -203,3 +203,38 @@ def test_context_parallelism_only_where_it_can_run():
         assert c.cp == 1 or 2 % (c.dp // (c.cp // 2) * c.plan.microbatches), c.describe()  # half the cp would not do
     moe = plan_model(models.shape("mixtral-8x7b", seq=4096), 64, 8, H100, search=BF16)
     assert {r.candidate.cp for r in moe.ranked} == {1} and moe.ranked
+
+
+class _SoftmaxBlock(torch.nn.Module):
+    """A block no tensor-parallel plan can split (a softmax over the features follows its one linear)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        return x + torch.softmax(self.proj(x), dim=-1)
+
+
+class _MlpBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("block, tp_share", [(_SoftmaxBlock, 1.0), (_MlpBlock, 0.5)])
+def test_compiled_scoring_sees_what_tensor_parallelism_really_shards(block, tp_share):
+    """The compiled path prices tp from the sharded graph, not from a formula that assumes every block splits:
+    a model whose blocks stay whole on tp gets no memory or FLOPs back from tp=2; an MLP gets half."""
+    from meshc.compiler.planner import _traced, estimate_plan
+    from meshc.compiler.ir.mesh_spec import MeshSpec
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(block() for _ in range(2)))
+    x, plan, cpu = torch.randn(4, 8, 64), meshc.Plan(trace="non-strict", check_trace=False), hardware.load("cpu")
+    est = {tp: estimate_plan(_traced(model, MeshSpec({"tp": tp}), 0, (x,), {}, plan, {}), plan, cpu) for tp in (1, 2)}
+    assert est[2].memory["params"] == pytest.approx(tp_share * est[1].memory["params"], rel=0.02)
+    assert est[2].flops == pytest.approx(tp_share * est[1].flops, rel=0.05)
