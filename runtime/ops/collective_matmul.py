@@ -1,16 +1,24 @@
 """Collective matmuls (asynchronous tensor parallelism): the all-gather before column-parallel linears,
 and the reduce-scatter after a row-parallel one, decomposed into chunks passed around a ring of
-point-to-point transfers, so that each transfer overlaps a matmul on the chunk already here.
+point-to-point transfers, so that each transfer overlaps a matmul.
 
     all_gather_matmul(x_local, W1, b1, W2, b2, ...)  = [linear(all_gather(x_local), Wk, bk) for each k]
     matmul_reduce_scatter(x, W)                      = reduce_scatter(linear(x, W))
 
-Forward runs the ring (n - 1 transfers, each overlapping one chunk's matmuls); backward is the
-conjugate in plain collectives: the gathered input's gradient is reduce-scattered (the all-gather was
-sequence parallel's, whose consumers are all sharded), and the reduce-scatter's gradient all-gathered.
-Runs on gloo and NCCL alike; the fuse_comm pass inserts them when Plan(collective_matmul=True).
+Two rings, both overlapped, in forward and backward alike:
+    gather_ring   chunk by chunk, the next transfer is started before the chunk at hand is multiplied.
+    scatter_ring  the partial sum of one chunk is sent on, the next chunk's product is computed while it
+                  travels, then the partial sum that arrived meanwhile is added to it.
+all_gather_matmul's forward is a gather ring and its backward a scatter ring (the gathered input's
+gradient, reduce-scattered: the all-gather was sequence parallel's, whose consumers are all sharded),
+with the weight gradients computed chunk by chunk inside it; matmul_reduce_scatter's forward is a
+scatter ring and its backward a gather ring of the output gradient. n − 1 transfers per ring.
+Runs on gloo and NCCL alike; the fuse_comm pass inserts them where Plan.collective_matmul asks or the
+cost model predicts that the overlap pays.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,12 +26,59 @@ import torch.nn.functional as F
 
 from meshc.compiler import _torch_compat as compat
 
-from .collectives import gather_shard
-
 
 def _ring(ranks: tuple, index: int):
     n = len(ranks)
     return ranks[(index + 1) % n], ranks[(index - 1) % n]
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, pg, tag: int) -> list:
+    return [dist.isend(send, nxt, group=pg, tag=tag), dist.irecv(recv, prv, group=pg, tag=tag)]
+
+
+def gather_ring(x: torch.Tensor, n: int, index: int, group: str, ranks: tuple,
+                consume: Callable[[torch.Tensor, int], None]) -> None:
+    """Pass every rank's `x` around the ring: consume(chunk, owner) runs on each of the n chunks (this
+    rank's first) while the transfer of the next one is in flight."""
+    pg = compat.resolve_process_group(group) if n > 1 else None
+    nxt, prv = _ring(ranks, index)
+    cur = x.contiguous()
+    for step in range(n):
+        works, buf = [], None
+        if step < n - 1:
+            buf = torch.empty_like(cur)
+            works = _exchange(cur, buf, nxt, prv, pg, step)
+        consume(cur, (index - step) % n)  # overlaps the transfer above
+        for work in works:
+            work.wait()
+        cur = buf
+
+
+def scatter_ring(partial: Callable[[int], torch.Tensor], n: int, index: int, group: str,
+                 ranks: tuple) -> torch.Tensor:
+    """Σ over ranks of partial(index): every rank's contribution to chunk j, computed by partial(j), summed
+    around the ring (chunk j's sum starts at rank j + 1 and ends at rank j). Each partial product is
+    computed while the previous partial sum travels."""
+    pg = compat.resolve_process_group(group) if n > 1 else None
+    nxt, prv = _ring(ranks, index)
+    acc = partial((index - 1) % n)
+    for step in range(n - 1):
+        send = acc.contiguous()
+        buf = torch.empty_like(send)
+        works = _exchange(send, buf, nxt, prv, pg, step)
+        part = partial((index - step - 2) % n)  # overlaps the transfer above
+        for work in works:
+            work.wait()
+        acc = part.add_(buf)
+    return acc
+
+
+def _rows(t: torch.Tensor, dim: int, j: int, rows: int) -> torch.Tensor:
+    return t.narrow(dim, j * rows, rows)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
 
 
 class _AllGatherMatmul(torch.autograd.Function):
@@ -31,24 +86,15 @@ class _AllGatherMatmul(torch.autograd.Function):
     def forward(ctx, x, meta, *wb):
         dim, n, index, group, ranks = meta
         rows = x.shape[dim]
-        pg = compat.resolve_process_group(group)
-        nxt, prv = _ring(ranks, index)
         weights, biases = wb[0::2], wb[1::2]
         outs = [x.new_empty((*x.shape[:dim], rows * n, *x.shape[dim + 1:-1], w.shape[0])) for w in weights]
         pieces = [None] * n
-        cur = x.contiguous()
-        for step in range(n):
-            owner = (index - step) % n
-            works, buf = [], None
-            if step < n - 1:
-                buf = torch.empty_like(cur)
-                works = [dist.isend(cur, nxt, group=pg, tag=step), dist.irecv(buf, prv, group=pg, tag=step)]
-            for out, w, b in zip(outs, weights, biases):  # overlaps the transfer above
-                out.narrow(dim, owner * rows, rows).copy_(F.linear(cur, w, b))
-            pieces[owner] = cur
-            for work in works:
-                work.wait()
-            cur = buf
+
+        def consume(chunk, owner):
+            for out, w, b in zip(outs, weights, biases):
+                _rows(out, dim, owner, rows).copy_(F.linear(chunk, w, b))
+            pieces[owner] = chunk
+        gather_ring(x, n, index, group, ranks, consume)
         ctx.meta = meta
         ctx.save_for_backward(torch.cat(pieces, dim), *wb)
         return tuple(outs)
@@ -58,19 +104,24 @@ class _AllGatherMatmul(torch.autograd.Function):
         dim, n, index, group, ranks = ctx.meta
         x_full, *wb = ctx.saved_tensors
         weights, biases = wb[0::2], wb[1::2]
-        grad_x = None
+        rows = x_full.shape[dim] // n
+        used = [(k, g) for k, g in enumerate(grads) if g is not None]
+        grad_w = {k: torch.zeros_like(weights[k]) for k, _ in used}
+
+        def partial(j):  # this rank's part of chunk j's input gradient; its weight gradients on the way
+            x_j = _flat(_rows(x_full, dim, j, rows))
+            part = None
+            for k, g in used:
+                g_j = _rows(g, dim, j, rows)
+                grad_w[k].addmm_(_flat(g_j).t(), x_j)
+                p = g_j @ weights[k]
+                part = p if part is None else part.add_(p)
+            return part
+        local = scatter_ring(partial, n, index, group, ranks)
         out = []
-        for g, w, b in zip(grads, weights, biases):
-            if g is None:
-                out += [None, None]
-                continue
-            part = g @ w  # (..., in)
-            grad_x = part if grad_x is None else grad_x + part
-            g2 = g.reshape(-1, g.shape[-1])
-            out.append(g2.t() @ x_full.reshape(-1, x_full.shape[-1]))
-            out.append(g2.sum(0) if b is not None else None)
-        moved = grad_x.movedim(dim, 0).contiguous()
-        local = compat.reduce_scatter_sum(moved, n, group).movedim(0, dim)
+        for k, (w, b) in enumerate(zip(weights, biases)):
+            g = grads[k]
+            out += [grad_w.get(k), _flat(g).sum(0) if g is not None and b is not None else None]
         return (local, None, *out)
 
 
@@ -85,33 +136,23 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def forward(ctx, x, w, meta):
         dim, n, index, group, ranks = meta
         rows = x.shape[dim] // n
-        pg = compat.resolve_process_group(group)
-        nxt, prv = _ring(ranks, index)
-        acc = None
-        for step in range(n):  # chunk j's partial sum starts at rank j+1 and ends at rank j
-            j = (index - step - 1) % n
-            part = F.linear(x.narrow(dim, j * rows, rows), w)
-            if acc is not None:
-                part = part + acc
-            if step == n - 1:
-                acc = part
-                break
-            buf = torch.empty_like(part)
-            works = [dist.isend(part.contiguous(), nxt, group=pg, tag=step), dist.irecv(buf, prv, group=pg, tag=step)]
-            for work in works:
-                work.wait()
-            acc = buf
+        out = scatter_ring(lambda j: F.linear(_rows(x, dim, j, rows), w), n, index, group, ranks)
         ctx.meta = meta
         ctx.save_for_backward(x, w)
-        return acc
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         dim, n, index, group, ranks = ctx.meta
         x, w = ctx.saved_tensors
-        full = gather_shard(grad.contiguous(), dim, 1, n, group)
-        grad_x = full @ w
-        grad_w = full.reshape(-1, full.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        rows = x.shape[dim] // n
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros_like(w)
+
+        def consume(g_j, j):  # the output gradient of chunk j, gathered: its input and weight gradients
+            _rows(grad_x, dim, j, rows).copy_(g_j @ w)
+            grad_w.addmm_(_flat(g_j).t(), _flat(_rows(x, dim, j, rows)))
+        gather_ring(grad, n, index, group, ranks, consume)
         return grad_x, grad_w, None
 
 
