@@ -55,6 +55,25 @@ def test_megatron_census_per_block(fake_mesh, name):
             assert record.bytes == B * T * H * 4
 
 
+# fused and hand-written projections (issue 14): forward, one all-reduce per row-parallel output (attention, MLP);
+# backward, one f per norm output feeding column-parallel layers (one norm shared by parallel attention and MLP
+# in GPT-J and Falcon's old layout) and, with multi-query k and v held whole, one f of each (B, T, head dim)
+FAMILIES = [("phi3", 2, 2, 0), ("gpt_neox", 2, 2, 0), ("gptj", 2, 1, 0), ("falcon_new", 2, 2, 0), ("bloom", 2, 2, 0),
+            ("falcon", 2, 1, 2)]
+
+
+@pytest.mark.parametrize("name, forward, f, kv", FAMILIES, ids=[row[0] for row in FAMILIES])
+def test_census_of_fused_projection_families(fake_mesh, name, forward, f, kv):
+    program = _program(fake_mesh(tp=2), zoo.build(name))
+    census = _census_by_block(program)
+    assert len(census) == 2
+    for block, counts in census.items():
+        assert counts == Counter({("all_reduce", "forward"): forward, ("all_reduce", "backward"): f + kv}), block
+    head_dim = H // 4  # the zoo's 4 query heads
+    sizes = Counter(r.bytes for node, r in program.comm_records() if _block(node) and r.phase == "backward")
+    assert sizes == Counter({B * T * H * 4: 2 * f, **({B * T * head_dim * 4: 2 * kv} if kv else {})})
+
+
 @pytest.mark.parametrize("name", ["reference", "gpt2", "llama"])
 def test_sequence_parallel_census_per_block(fake_mesh, name):
     program = _program(fake_mesh(tp=2), zoo.build(name), sequence_parallel=True)
