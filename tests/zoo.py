@@ -236,6 +236,19 @@ def falcon_new(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return _falcon(seed, layers, num_kv_heads=2, new_decoder_architecture=True, bias=False)
 
 
+def falcon_groups(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """The 40B layout with as many kv groups as a tp=4 mesh has ranks: 8 query heads in 4 groups of 2 (Falcon-40B:
+    128 heads in 8 groups); fewer groups than tp ranks stay replicated (Megatron refuses them)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=8,
+                       num_kv_heads=4, new_decoder_architecture=True, bias=False, alibi=False, hidden_dropout=0.0,
+                       attention_dropout=0.0, max_position_embeddings=SEQ, use_cache=False, bos_token_id=0,
+                       eos_token_id=0, pad_token_id=0)
+    return FalconForCausalLM(cfg)
+
+
 def falcon_mha(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     """Hugging Face Falcon, the old layout without multi-query: the fused QKV interleaved per head (q, k, v of
     head 0, then of head 1...), attention and MLP in parallel from one LayerNorm, biases on the linears."""
@@ -279,7 +292,7 @@ def gptj(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return GPTJForCausalLM(cfg)
 
 
-MODELS.update(t5=t5, bloom=bloom, falcon=falcon, falcon_new=falcon_new, falcon_mha=falcon_mha, phi3=phi3,
+MODELS.update(t5=t5, bloom=bloom, falcon=falcon, falcon_new=falcon_new, falcon_groups=falcon_groups, falcon_mha=falcon_mha, phi3=phi3,
               gpt_neox=gpt_neox, gptj=gptj)
 
 
