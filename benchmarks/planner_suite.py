@@ -1,0 +1,196 @@
+"""The planner against measurement over a suite: 30 (model x world x batch) cases on 2 and 4 gloo ranks.
+
+    python benchmarks/planner_suite.py [--only gpt-w2-b8s64,...] [--max-plans 8] [--rounds 3] [--steps 2]
+                                       [--profile-dir meshc-out/suite] [--out planner_suite.md]
+
+The cases are fixed here, before any tuning of the cost model against them: three models (meshc's built-in
+GPT, a transformers Llama config, a transformers Mixtral config: 4 experts, top-2) x worlds of 2 and 4 ranks x
+five (global batch, sequence) shapes. For each case:
+
+1. the planner (compiler/planner.plan_compiled, the compiled path: every dp/tp/pp mesh of the world, each plan
+   scored on the real graph of a simulated rank) ranks every plan that fits, on the profile `meshc calibrate`
+   measured for that world size on this machine at the start of the run (one per world, nothing else);
+2. a documented sample of the plans that fit is measured on `world` gloo ranks (`--max-plans`: the planner's
+   top 3 and then every k-th plan of its ranking, so the sample spans best to worst), all compiled first,
+   then timed in interleaved rounds (median of rounds x steps);
+3. per case: the planner's choice (its #1) measured over the fastest measured plan, Spearman's rank
+   correlation of predicted and measured step time, and the median |predicted / measured - 1|.
+
+The summary gives the issue's three goal figures: the share of cases whose choice is within 1.05x of the best,
+the median Spearman, and the median |error|. Mixtral's experts are sharded over tp by the plan (the compiled
+path enumerates dp/tp/pp, not ep). One thread per rank; a 2-core machine runs 4 ranks on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import launch, report, table  # noqa: E402
+from benchmarks.planner_bench import _spearman  # noqa: E402
+
+MODELS = ("gpt", "llama", "moe")
+WORLDS = (2, 4)
+SHAPES = ((8, 64), (16, 64), (8, 128), (16, 128), (32, 64))  # (global batch, sequence)
+FIELDS = ("zero", "microbatches", "schedule", "virtual", "remat", "sequence_parallel", "vocab_parallel", "fusion")
+VOCAB = 512
+
+
+def cases() -> list[dict]:
+    return [{"name": f"{m}-w{w}-b{b}s{s}", "model": m, "world": w, "batch": b, "seq": s}
+            for m in MODELS for w in WORLDS for b, s in SHAPES]
+
+
+def build(name: str, seq: int):
+    """The suite's models (4 layers each, so that pp=2 and pp=4 have blocks to split), seeded."""
+    import torch
+
+    torch.manual_seed(0)
+    if name == "gpt":
+        from meshc import models
+
+        return models.build("gpt-tiny", layers=4, seq_len=seq, vocab_size=VOCAB)
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=seq, use_cache=False, bos_token_id=0,
+                  eos_token_id=0, pad_token_id=0)
+    if name == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=384, **common))
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(intermediate_size=192, num_local_experts=4,
+                                                                      num_experts_per_tok=2, **common))
+
+
+def tokens(batch: int, seq: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    t = torch.randint(0, VOCAB, (batch, seq + 1), generator=g)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+def loss_fn(out, y):
+    import torch.nn.functional as F
+
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+def worker(config: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import meshc
+
+    torch.set_num_threads(1)
+    x, y = tokens(config["batch"], config["seq"])
+    steps = []
+    for sizes, fields in config["plans"]:
+        mesh = meshc.mesh(timeout_s=300, **sizes)
+        xs, ys = mesh.shard_batch(x), mesh.shard_batch(y)
+        job = meshc.compile(build(config["model"], config["seq"]), mesh, example_inputs=(xs,),
+                            plan=meshc.Plan(trace="non-strict", check_trace=False, **fields))
+        opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
+
+        def step(job=job, opt=opt, xs=xs, ys=ys):
+            job.step(xs, ys, loss_fn)
+            opt.step()
+            opt.zero_grad()
+        step()
+        steps.append(step)
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(config["rounds"]):
+        for i, step in enumerate(steps):
+            step()
+            for _ in range(config["steps"]):
+                dist.barrier()
+                t0 = time.perf_counter()
+                step()
+                times[i].append(time.perf_counter() - t0)
+    report({"seconds": [statistics.median(t) for t in times]})
+    dist.barrier()
+
+
+def sample(n: int, k: int) -> list[int]:
+    """Indices of the measured plans among n ranked ones: the top 3, then evenly spaced down to the last."""
+    if n <= k:
+        return list(range(n))
+    rest = k - 3
+    return list(range(3)) + sorted({3 + round(i * (n - 4) / max(rest - 1, 1)) for i in range(rest)})
+
+
+def run_case(case: dict, hw, args) -> dict:
+    import meshc
+    from meshc.compiler.planner import Search, plan_compiled
+
+    search = Search(zero=(0, 1, 2, 3), remat=("none", "full"), schedules=("1f1b", "gpipe", "zb-h1"),
+                    microbatches=(1, 2, 4), sequence_parallel=(False, True), vocab_parallel=(False,),
+                    context=False, offload=False, base=meshc.Plan(trace="non-strict", check_trace=False))
+    x, _ = tokens(case["batch"], case["seq"])
+    t0 = time.perf_counter()
+    result = plan_compiled(lambda: build(case["model"], case["seq"]), lambda dp: (x[: x.shape[0] // dp],),
+                           case["world"], hw, search=search)
+    planning = time.perf_counter() - t0
+    picked = [result.ranked[i] for i in sample(len(result.ranked), args.max_plans)]
+    plans = [(r.candidate.sizes, {f: getattr(r.candidate.plan, f) for f in FIELDS}) for r in picked]
+    config = {"model": case["model"], "batch": case["batch"], "seq": case["seq"], "plans": plans,
+              "rounds": args.rounds, "steps": args.steps}
+    measured = launch(os.path.abspath(__file__), case["world"], config, timeout=3600)["seconds"]
+    predicted = [r.estimate.step_time for r in picked]
+    errors = [abs(p / m - 1) for p, m in zip(predicted, measured)]
+    return {"case": case["name"], "fits": len(result.ranked), "measured": len(picked),
+            "choice": picked[0].candidate.describe(), "choice / best": measured[0] / min(measured),
+            "best": picked[measured.index(min(measured))].candidate.describe(),
+            "spearman": _spearman(predicted, measured), "median |error|": statistics.median(errors),
+            "planning (s)": planning, "plans": [(r.candidate.describe(), p, m) for r, p, m in
+                                                zip(picked, predicted, measured)]}
+
+
+def summary(rows: list[dict]) -> str:
+    within = sum(r["choice / best"] <= 1.05 for r in rows) / len(rows)
+    return (f"{len(rows)} cases: choice within 1.05x of the best measured in {within:.0%} (goal >= 90%); "
+            f"median Spearman {statistics.median(r['spearman'] for r in rows):.2f} (goal >= 0.9); "
+            f"median |error| {statistics.median(r['median |error|'] for r in rows):.0%} (goal <= 15%)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default="", help="comma-separated case names (default: all 30)")
+    p.add_argument("--max-plans", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--profile-dir", default=os.path.join("meshc-out", "suite"))
+    p.add_argument("--out", default=None, help="also write the tables (markdown) here")
+    p.add_argument("--worker", default=None)
+    args = p.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+    from meshc import calibrate
+    from meshc.compiler.hardware import load
+
+    chosen = [c for c in cases() if not args.only or c["name"] in args.only.split(",")]
+    profiles = {}
+    for world in sorted({c["world"] for c in chosen}):
+        path = os.path.join(args.profile_dir, f"cpu-gloo-{world}.json")
+        profiles[world] = load(path) if os.path.exists(path) else calibrate.calibrate(path, nproc=world)
+    rows = []
+    for case in chosen:
+        row = run_case(case, profiles[case["world"]], args)
+        rows.append(row)
+        print(f"{row['case']}: choice/best {row['choice / best']:.2f}, Spearman {row['spearman']:.2f}, "
+              f"median |error| {row['median |error|']:.0%} ({row['measured']} of {row['fits']} plans)", flush=True)
+    cols = ["case", "fits", "measured", "choice", "best", "choice / best", "spearman", "median |error|"]
+    text = table(rows, cols) + "\n\n" + summary(rows) + f"\n\nload average at the end: {os.getloadavg()[0]:.1f}\n"
+    print("\n" + text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
