@@ -2,8 +2,8 @@
 
 Plain DOM code, no library: the page is server-side HTML (every row, node and bar is in the markup, so a
 DOM dump or a test sees them without running scripts); the script adds only behaviour: the parameter
-filter, colouring the mesh by an axis, the hover panel of graph nodes, and links from a collective to
-its node.
+filter, colouring the mesh by an axis, the picker that shows one rank's stage graph at a time, the hover
+panel of graph nodes, and links from a collective to its node.
 """
 from __future__ import annotations
 
@@ -82,9 +82,19 @@ JS = r"""
     box.style.display = box.textContent ? "block" : "none";
   }
 
+  function pickGraph(key) {
+    document.querySelectorAll("#graph details.graph").forEach(function (d) {
+      d.classList.toggle("hidden", d.getAttribute("data-stage") !== key);
+    });
+    var pick = document.getElementById("graph-pick");
+    if (pick && pick.value !== key) { pick.value = key; }
+  }
+
   function reveal(id) {
     var el = document.getElementById(id);
     if (!el) { return; }
+    var graph = el.closest("details.graph");
+    if (graph) { pickGraph(graph.getAttribute("data-stage")); }
     for (var p = el.parentElement; p; p = p.parentElement) {
       if (p.tagName === "DETAILS") { p.open = true; }
     }
@@ -99,6 +109,8 @@ JS = r"""
       select.addEventListener("change", function () { colourMesh(select.value); });
       colourMesh(select.value);
     }
+    var pick = document.getElementById("graph-pick");
+    if (pick) { pick.addEventListener("change", function () { pickGraph(pick.value); }); }
     var filter = document.getElementById("param-filter");
     if (filter) { filter.addEventListener("input", function () { filterParams(filter.value); }); }
     document.querySelectorAll(".node").forEach(function (el) {

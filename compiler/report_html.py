@@ -7,9 +7,10 @@ JavaScript inline (compiler/report_assets.py; no network, no CDN):
                rank outlined;
   parameters   every parameter, grouped by its module tree (collapsible), filterable: global and local
                shape, placement, local bytes, and the pp rank that holds it;
-  graph        each stage graph of this rank (the whole program without a pipeline), in program order,
-               collapsed by module (node.meta["nn_module_stack"]); collectives in red with the model's own
-               source line (node.meta["stack_trace"]) that made them necessary; hover: shape, placement, why;
+  graph        the stage graph of a rank chosen in a picker (compiler/report_graph.py: every distinct graph of
+               the mesh, this rank's first), in program order, collapsed by module (node.meta["nn_module_stack"]);
+               collectives in red with the model's own source line (node.meta["stack_trace"]) that made them
+               necessary; hover: shape, placement, why;
   collectives  explain()'s census (kind, axis, bytes, count, phase, why) with the predicted time on the
                hardware profile (compiler/cost_graph.comm_time), each linked to its node;
   memory       predicted bytes per rank by part (compiler/cost_graph's estimate of the rank's pp
@@ -17,21 +18,22 @@ JavaScript inline (compiler/report_assets.py; no network, no CDN):
   schedule     the pipeline schedule simulated (compiler/ir/schedule_sim) with each stage's predicted
                forward and backward seconds: one bar per action, one row per pp rank.
 
-It reads only compile-time data (a CompiledRank and its Report), so a simulated compile draws it too.
+It reads only compile-time data (a CompiledRank and its Report), so a simulated compile draws it too; the other
+ranks' graphs are compiled from the same trace (compile.passes_for_rank).
 """
 from __future__ import annotations
 
 import html
 import json
-import re
 from pathlib import Path
 
 from . import report_assets
+from .report_graph import MAX_GRAPH_RANKS, graphs, own_stages, section_key, source_line
 from .cost_graph import comm_time, compiled_estimate, graph_cost, stage_times
 from .hardware import load as load_hardware
 from .ir.errors import MeshcValueError
 from .ir.placement import format_placements
-from .ir.program import COMM, PLACEMENT, SHAPE, WHY, CommRecord
+from .ir.program import COMM, CommRecord
 from .ir.schedule_sim import simulate
 from .show import human_bytes
 
@@ -43,29 +45,31 @@ e = html.escape
 
 
 def write_report(path, compiled, report, *, hardware="h100", measured: dict | None = None, title: str = "",
-                 trace=None) -> Path:
+                 trace=None, graph_ranks: int = MAX_GRAPH_RANKS) -> Path:
     """Write `html_report(...)` to `path` (a .html file); returns the path."""
     path = Path(path)
     if path.suffix.lower() not in (".html", ".htm"):
         raise MeshcValueError(f"report: expected a path ending in .html, got {str(path)!r}; name the file plan.html")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(html_report(compiled, report, hardware=hardware, measured=measured, title=title, trace=trace))
+    path.write_text(html_report(compiled, report, hardware=hardware, measured=measured, title=title, trace=trace,
+                                graph_ranks=graph_ranks))
     return path
 
 
 def html_report(compiled, report, *, hardware="h100", measured: dict | None = None, title: str = "",
-                trace=None) -> str:
+                trace=None, graph_ranks: int = MAX_GRAPH_RANKS) -> str:
     """The page for a CompiledRank (compiler/compile.py) and its explain() Report; `measured` is what the rank
     holds after a step (job.held_bytes(): params / grads / optimizer bytes), drawn beside the prediction;
-    `trace` (a job.trace JSON file, or its parsed dict) adds the measured timeline of its last step."""
+    `trace` (a job.trace JSON file, or its parsed dict) adds the measured timeline of its last step;
+    `graph_ranks`: how many representative ranks' graphs the picker offers (compiler/report_graph.py)."""
     hw = load_hardware(hardware)
     program = compiled.program
     title = title or f"meshc plan: rank {program.rank} of {program.mesh.world_size}"
     sections = [
         ("mesh", "Mesh", _mesh(program)),
         ("params", "Parameters", _params(program, compiled.pipeline)),
-        ("graph", "Graph", _graphs(compiled)),
-        ("collectives", "Collectives", _collectives(program, compiled.pipeline, report, hw)),
+        ("graph", "Graph", graphs(compiled, graph_ranks)),
+        ("collectives", "Collectives", _collectives(compiled, report, hw)),
         ("memory", "Memory", _memory(compiled, report, hw, measured)),
         ("schedule", "Pipeline schedule", _schedule(compiled, hw) + _measured(trace)),
     ]
@@ -151,135 +155,12 @@ def _params(program, pipeline) -> str:
             f'<div class="tree-root">{_render_tree(tree, wrap, open_depth=1)}</div>')
 
 
-# ------------------------------------------------------------------------------------------------ graph
-def _graphs(compiled) -> str:
-    pipeline = compiled.pipeline
-    if pipeline is None:
-        stages = [("program", compiled.program.gm)]
-    else:
-        stages = [(f"stage {s.index}", s.gm) for s in pipeline.local.values()]
-    out = []
-    for name, gm in stages:
-        key = name.replace(" ", "")
-        comms = sum(bool(n.meta.get(COMM)) for n in gm.graph.nodes)
-        runs = _runs([(_module_path(n), _node_html(key, n, gm), bool(n.meta.get(COMM))) for n in gm.graph.nodes])
-        out.append(f'<details class="tree graph" data-stage="{key}" open><summary>{e(name)}: '
-                   f"{len(gm.graph.nodes)} nodes, {comms} collectives</summary>"
-                   f'<div class="tree-root">{_render_runs(runs)}</div></details>')
-    return ("<p>This rank's graphs after every pass, in program order, collapsed by module "
-            "(consecutive nodes of one module form one group): click a module to expand it, hover a node for "
-            "its shape, placement and why. Collectives are red, with the line of the model that made them "
-            "necessary; ⇄ marks a group that holds one.</p>\n" + "\n".join(out))
-
-
-def _runs(nodes: list[tuple[list[str], str, bool]]) -> dict:
-    """Nodes in program order nested by module: a group per run of consecutive nodes under one module."""
-    root = {"name": "", "items": [], "nodes": 0, "comm": False}
-    stack = [root]
-    for path, text, comm in nodes:
-        names = [".".join(path[: i + 1]) for i in range(len(path))]
-        keep = 0
-        while keep < len(names) and keep + 1 < len(stack) and stack[keep + 1]["name"] == names[keep]:
-            keep += 1
-        del stack[keep + 1:]
-        for name in names[keep:]:
-            group = {"name": name, "items": [], "nodes": 0, "comm": False}
-            stack[-1]["items"].append(group)
-            stack.append(group)
-        stack[-1]["items"].append(text)
-        for group in stack:
-            group["nodes"] += 1
-            group["comm"] = group["comm"] or comm
-    return root
-
-
-def _render_runs(group: dict) -> str:
-    out = []
-    for item in group["items"]:
-        if isinstance(item, str):
-            out.append(item)
-            continue
-        cls = "has-comm" if item["comm"] else ""
-        out.append(f'<details class="tree" data-module="{e(item["name"])}"><summary class="{cls}">{e(item["name"])}'
-                   f'<span class="meta">{item["nodes"]} nodes</span></summary>{_render_runs(item)}</details>')
-    return "\n".join(out)
-
-
-def _module_path(node) -> list[str]:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ["(inputs)"] if node.op == "placeholder" else ["(step)"]
-    path = list(stack.values())[-1][0]
-    return [p for p in path.split(".") if p] if path else []
-
-
-def _node_html(key: str, node, gm) -> str:
-    comm = node.meta.get(COMM) or ()
-    shape = node.meta.get(SHAPE)
-    placement = node.meta.get(PLACEMENT)
-    info = [node.format_node() or node.name]
-    if shape is not None:
-        info.append("shape (global): (" + ", ".join(str(d) for d in shape) + ")")
-    if placement:
-        info.append(f"placement: {format_placements(placement)}")
-    for r in comm:
-        info.append(f"{r.kind} over {r.axis}, {human_bytes(r.bytes)} × {r.count}, {r.phase}")
-    if node.meta.get(WHY):
-        info.append(f"why: {node.meta[WHY]}")
-    src = ""
-    if comm:
-        line = source_line(node, gm)
-        info.append(f"source: {line}" if line else "source: (no model line: inserted for the step)")
-        src = f'<span class="src">{e(line or "")}</span>'
-    label = f"{node.name} = {_target(node)}"
-    cls = "node comm" if comm else "node"
-    return (f'<div class="{cls}" id="n-{key}-{e(node.name)}" data-node="{e(node.name)}" '
-            f'data-info="{e(chr(10).join(info))}"><span class="mono">{e(label)}</span>{src}</div>')
-
-
-def _target(node) -> str:
-    if node.op in ("placeholder", "output"):
-        return node.op
-    target = node.target
-    return getattr(target, "__name__", None) or str(target)
-
-
-def source_line(node, gm) -> str:
-    """The model's own line that made `node` necessary: its stack trace's last frame outside torch, else that
-    of the tensor its why names (%name), else of its nearest input or user that has one ("" if none)."""
-    by_name = {n.name: n for n in gm.graph.nodes}
-    named = [by_name[m] for m in re.findall(r"%(\w+)", str(node.meta.get(WHY, ""))) if m in by_name]
-    seen, queue = set(), [node, *named]
-    while queue:
-        n = queue.pop(0)
-        if n in seen:
-            continue
-        seen.add(n)
-        line = _last_frame(n.meta.get("stack_trace"))
-        if line:
-            return line
-        queue += list(n.all_input_nodes) + [u for u in n.users if u.op != "output"]
-    return ""
-
-
-def _last_frame(trace) -> str:
-    if not trace:
-        return ""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', trace)
-    own = [f for f in frames if "/torch/" not in f[0] and "site-packages" not in f[0]] or frames
-    if not own:
-        return ""
-    path, line, fn, code = own[-1]
-    return f"{Path(path).name}:{line} in {fn}: {code.strip()}"
-
-
 # ------------------------------------------------------------------------------------------ collectives
-def _collectives(program, pipeline, report, hw) -> str:
-    sizes = program.mesh.sizes
-    stages = [program.gm] if pipeline is None else [s.gm for s in pipeline.local.values()]
+def _collectives(compiled, report, hw) -> str:
+    sizes = compiled.program.mesh.sizes
     where = {}
-    for gm in stages:
-        key = "program" if pipeline is None else next(f"stage{s.index}" for s in pipeline.local.values() if s.gm is gm)
+    for stage, gm in own_stages(compiled):
+        key = section_key(stage, compiled.program.rank)
         for node in gm.graph.nodes:
             if node.meta.get(COMM):
                 where.setdefault(node.name, (key, source_line(node, gm)))

@@ -21,6 +21,9 @@ import meshc
 from meshc.compiler.explain import explain
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.schedule import Action
+from meshc.compiler import report_graph
+from meshc.compiler.compile import passes_for_rank
+from meshc.compiler.pipeline_plan import PipelinePlan
 from meshc.compiler.report_html import html_report, source_line, write_report
 from meshc import explain_cli
 from meshc.explain_cli import simulate
@@ -79,13 +82,31 @@ def test_report_content(sim, page_file):
     assert not [a for t, a in tags if a.get("src") or (t == "link")]
     assert not re.search(r"https?://", text)
     # every graph collective names the model line that made it necessary
-    graph_comms = _classed(tags, "div", "comm")
+    graph_comms = [a for a in _classed(tags, "div", "comm") if a["id"].startswith("n-s0-r0-")]
     assert len(graph_comms) == sum(1 for s in pipeline.local.values() for n in s.gm.graph.nodes
                                    if n.meta.get("meshc.comm"))
     for stage in pipeline.local.values():
         for node in stage.gm.graph.nodes:
             if node.meta.get("meshc.comm"):
                 assert re.match(r"models\.py:\d+ in \w+: ", source_line(node, stage.gm)), node.format_node()
+
+
+def test_report_rank_picker(sim, page_file):
+    """One graph section per distinct (stage, graph): tp and dp peers share theirs, every rank is in one."""
+    tags = _tags(page_file.read_text())
+    options = [a["value"] for t, a in tags if t == "option" and a.get("value", "").startswith("s")]
+    sections = _classed(tags, "details", "graph")
+    assert options == [s["data-stage"] for s in sections] == ["s0-r0", "s1-r4"]
+    assert [s["data-ranks"] for s in sections] == ["0,1,2,3", "4,5,6,7"]
+    assert ["hidden" in s["class"].split() for s in sections] == [False, True]  # this rank's stage shown first
+    # the dp peer the page does not compile runs the same graph up to group names
+    names = report_graph._group_names(sim.rank_program.program.mesh)
+    peer = passes_for_rank(sim.rank_program.traced, 2)
+    own = report_graph._normalized(sim.rank_program.pipeline.local[0].gm, names)
+    assert report_graph._normalized(PipelinePlan(peer, sim.rank_program.pipeline.plan).local[0].gm, names) == own
+    # limit=1: this rank's stage alone, and the page says how many ranks it leaves out
+    one = report_graph.graphs(sim.rank_program, limit=1)
+    assert one.count('<option value=') == 1 and "6 ranks are not drawn" in one
 
 
 def test_explain_cli_html(tmp_path, capsys):
@@ -122,7 +143,17 @@ def test_report_in_chromium(sim, page_file, tmp_path):
         assert count("#params tr.param") == len(program.params)
         assert count("#collectives tr.collective") == len(explain(program, (), pipeline).collectives)
         assert count(".timeline .tl-bar") == _actions(pipeline.schedule)
-        assert count("#graph .node") == sum(len(s.gm.graph.nodes) for s in pipeline.local.values())
+        shown = "#graph details.graph:not(.hidden)"
+        assert count(f"{shown} .node") == sum(len(s.gm.graph.nodes) for s in pipeline.local.values())
+        # the picker shows another rank's stage: stage 1 as rank 4 runs it, compiled here for that rank
+        other = PipelinePlan(passes_for_rank(sim.rank_program.traced, 4), pipeline.plan).local[1].gm
+        page.eval("(() => { const p = document.getElementById('graph-pick'); p.value = 's1-r4';"
+                  " p.dispatchEvent(new Event('change')); })()")
+        assert page.eval(f"[...document.querySelectorAll({shown!r})].map(d => d.dataset.stage)") == ["s1-r4"]
+        assert count(f"{shown} .node") == len(other.graph.nodes) != len(pipeline.local[0].gm.graph.nodes)
+        assert page.eval(f"document.querySelector('{shown} > summary').offsetHeight") > 0
+        page.eval("(() => { const p = document.getElementById('graph-pick'); p.value = 's0-r0';"
+                  " p.dispatchEvent(new Event('change')); })()")
         # a click on a collapsed module of the graph expands it and shows its nodes
         module = "#graph details.tree[data-module^='blocks']"
         assert page.eval(f"document.querySelector({module!r}).open") is False
@@ -137,10 +168,13 @@ def test_report_in_chromium(sim, page_file, tmp_path):
         assert shown == [f for f in program.params if "mlp.up" in f]
         page.eval("(() => { const f = document.getElementById('param-filter'); f.value = '';"
                   " f.dispatchEvent(new Event('input')); })()")
-        # a collective's link opens the module its node sits in
+        # a collective's link opens the module its node sits in (switching the picker back to this rank's stage)
+        page.eval("(() => { const p = document.getElementById('graph-pick'); p.value = 's1-r4';"
+                  " p.dispatchEvent(new Event('change')); })()")
         page.click("#collectives a.to-node")
         target = page.eval("document.querySelector('#collectives a.to-node').getAttribute('href').slice(1)")
         assert page.eval(f"document.getElementById({target!r}).offsetHeight") > 0
+        assert page.eval("document.getElementById('graph-pick').value") == "s0-r0"
         # the screenshot (every section): trees folded but one attention block's parameters and one mlp's nodes
         page.eval("const keep = {params: ['blocks', 'blocks.0', 'blocks.0.attn', 'blocks.0.attn.proj'],"
                   " graph: ['blocks', 'blocks.0', 'blocks.0.mlp']};"
