@@ -5,7 +5,8 @@ micro-batch; compiler/stages.py cuts it into pp × virtual stage graphs, and the
 (stage s on pp rank s % pp) with only those stages' parameters. The schedule (ir/schedule.py) is built and
 simulated here, with each stage's forward FLOPs as its cost, before anything runs. A parameter held by
 stages on several pp ranks (a tied embedding and LM head) is listed in `tied`: the runtime sums its
-gradient over those ranks after each step (runtime/pipelined.py runs the step).
+gradient over those ranks after each step (runtime/pipelined.py runs the step). Under a schedule that splits
+backward into I and W, the rank's stages give each parameter use a node of its own (compiler/zb_split.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from .ir.program import Program
 from .ir.named_schedule import schedule as make_schedule
 from .ir.schedule_sim import simulate
 from .stages import Stage, stage_graphs
+from .zb_split import private_weight_uses
 
 COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # relative cost of an action, times the stage's FLOPs
 
@@ -29,8 +31,9 @@ class PipelinePlan:
         self.pp = pp
         self.all_stages = stages
         self.coord = mesh.coord("pp", program.rank)
-        self.local = {s.index: s for s in stages if s.index % pp == self.coord}
         self.schedule = make_schedule(plan.schedule, pp, m, v)
+        split = any(a.kind == "W" for row in self.schedule.actions for a in row)  # backward in I and W halves
+        self.local = {s.index: private_weight_uses(s) if split else s for s in stages if s.index % pp == self.coord}
         self.params = {f for s in self.local.values() for f in s.params}
         self.buffers = {f for s in self.local.values() for f in s.buffers}
         holders: dict[str, set[int]] = {}

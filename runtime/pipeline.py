@@ -8,8 +8,9 @@ exactly how this executor runs each rank's program:
     F     forward of a stage on a micro-batch; the last stage's output is the micro-batch's loss
     B     backward of that micro-batch through the stage (loss scaled by 1/m: gradients accumulate
           to those of the whole batch)
-    I, W  zero-bubble halves of B: gradients of the stage's inputs first (what the previous stage
-          waits for), of its parameters later
+    I, W  zero-bubble halves of B (runtime/backward_split.py): gradients of the stage's inputs first (what
+          the previous stage waits for), keeping the gradients that reach each op with a parameter operand;
+          W later computes only the parameters' gradients from those. I + W computes what B does, once.
     SEND  isend, waited at the end of the step
 
 Point-to-point messages go over the pp group between ranks with the same dp and tp coordinates, so
@@ -29,6 +30,7 @@ from meshc.compiler.stages import Stage
 
 from meshc.compiler.ir.schedule import P2P, Action, Schedule
 from . import trace as tracing
+from .backward_split import WeightWork, backward_input, backward_weight
 from .zero_context import ZeroContext
 
 KINDS = {"F": 0, "B": 1}
@@ -53,6 +55,7 @@ class PipelineRun:
         self.outputs: dict[tuple[int, int], tuple] = {}
         self.grads_in: dict[tuple[int, int], list] = {}  # gradients of a stage's outputs
         self.grads_out: dict[tuple[int, int], list] = {}  # gradients of a stage's inputs
+        self.weight_work: dict[tuple[int, int], WeightWork] = {}  # what I kept for W
         self.losses: list[torch.Tensor] = []
         self.sends: list[Any] = []
         self.busy = 0.0  # seconds of compute actions: the rest of the step is bubble or communication
@@ -80,20 +83,17 @@ class PipelineRun:
         if a.kind == "F":
             self._forward(stage, a.microbatch)
             return
-        outs, grads = self._backward_terms(stage, key, keep=a.kind == "I")
-        leaves = [t for t in self.inputs[key] if t.requires_grad]
+        if a.kind == "W":  # the parameters' gradients, from what I kept: no activation gradient again
+            backward_weight(self.weight_work.pop(key))
+            self._release(key)
+            return
+        outs, grads = self._backward_terms(stage, key)
         if a.kind == "B":
             torch.autograd.backward(outs, grads)
             self.grads_out[key] = [t.grad for t in self.inputs[key]]
             self._release(key)
-        elif a.kind == "I":
-            got = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True) if leaves else []
-            it = iter(got)
-            self.grads_out[key] = [next(it) if t.requires_grad else None for t in self.inputs[key]]
-        else:  # W: the parameters' gradients, after the stage's input gradients went on
-            params = [p for p in self.values(stage)[: len(stage.params)] if p.requires_grad]
-            torch.autograd.backward(outs, grads, inputs=params)
-            self._release(key)
+        else:  # I: the stage inputs' gradients now (the previous stage waits for them), keeping what W needs
+            self.grads_out[key], self.weight_work[key] = backward_input(outs, grads, self.inputs[key])
         self._hand_over_grads(a)
 
     def _forward(self, stage: Stage, mb: int) -> None:
@@ -114,13 +114,12 @@ class PipelineRun:
             self.losses.append(outs[0].detach())
         self.outputs[key] = outs
 
-    def _backward_terms(self, stage: Stage, key, keep: bool) -> tuple[list, list]:
-        """What backward starts from: the loss / m on the last stage, else the outputs and their gradients
-        (kept after I, for W)."""
+    def _backward_terms(self, stage: Stage, key) -> tuple[list, list]:
+        """What backward starts from: the loss / m on the last stage, else the outputs and their gradients."""
         outs = self.outputs[key]
         if stage.last:
             return [outs[0] / self.m], [None]
-        grads = self.grads_in[key] if keep else self.grads_in.pop(key)
+        grads = self.grads_in.pop(key)
         pairs = [(o, g) for o, g, b in zip(outs, grads, stage.send) if b.grad and o.requires_grad]
         return [o for o, _ in pairs], [g if g is not None else torch.zeros_like(o) for o, g in pairs]
 
