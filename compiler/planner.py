@@ -65,11 +65,14 @@ class Candidate:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, **({"ep": self.ep} if self.ep > 1 else {}),
                 **({"cp": self.cp} if self.cp > 1 else {})}
 
+    def describe_mesh(self) -> str:
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        ep += f" cp={self.cp}({self.plan.cp_attention})" if self.cp > 1 else ""
+        return f"dp={self.dp}{ep} tp={self.tp} pp={self.pp}"
+
     def describe(self) -> str:
         p = self.plan
-        ep = f" ep={self.ep}" if self.ep > 1 else ""
-        ep += f" cp={self.cp}({p.cp_attention})" if self.cp > 1 else ""
-        parts = [f"dp={self.dp}{ep} tp={self.tp} pp={self.pp}", f"zero={p.zero}", f"m={p.microbatches}"]
+        parts = [self.describe_mesh(), f"zero={p.zero}", f"m={p.microbatches}"]
         if self.pp > 1:
             parts.append(p.schedule + (f"x{p.virtual}" if p.virtual > 1 else ""))
         parts.append(f"remat={p.remat}")
@@ -131,13 +134,19 @@ class Search:
 
 @dataclass(frozen=True, kw_only=True)
 class PlanResult:
-    """Plans that fit, best first; how many did not; the hardware and memory they were judged on."""
+    """Plans that fit, best first; how many did not; the hardware and memory they were judged on. For the
+    report (meshc plan --html): the scored plans that did not fit (`rejected_plans`, `rejected` counts these and
+    those set aside unscored), the plans that did not compile (`failed`: candidate, error) and the meshes the
+    model refuses (`excluded`: (dp, tp, pp), why)."""
 
     ranked: tuple[Ranked, ...]
     rejected: int
     smallest_rejected: Ranked | None
     memory: float
     hardware: Hardware
+    rejected_plans: tuple[Ranked, ...] = field(default=(), repr=False, compare=False)
+    failed: tuple[tuple[Candidate, str], ...] = field(default=(), repr=False, compare=False)
+    excluded: tuple[tuple[tuple[int, int, int], str], ...] = field(default=(), repr=False, compare=False)
 
     @property
     def best(self) -> Ranked:
@@ -185,15 +194,23 @@ def meshes(world: int, *, heads: int | None = None, layers: int | None = None, b
     some cp of dp with 2·cp dividing seq)."""
     if search.meshes is not None:
         return [tuple(x) for x in search.meshes]
+    return [sizes for sizes, why in mesh_verdicts(world, heads=heads, layers=layers, batch=batch, seq=seq) if not why]
+
+
+def mesh_verdicts(world: int, *, heads: int | None = None, layers: int | None = None, batch: int | None = None,
+                  seq: int | None = None) -> list[tuple[tuple[int, int, int], str]]:
+    """Every (dp, tp, pp) with dp·tp·pp = world and why meshes() refuses it ("" where it allows it)."""
     out = []
     for tp in divisors(world):
-        if heads is not None and heads % tp:
-            continue
         for pp in divisors(world // tp):
-            dp = world // (tp * pp)
-            if (layers is not None and pp > layers) or (batch is not None and not _context_sizes(dp, batch, seq)):
-                continue
-            out.append((dp, tp, pp))
+            dp, why = world // (tp * pp), []
+            if heads is not None and heads % tp:
+                why.append(f"tp={tp} does not divide the {heads} heads")
+            if layers is not None and pp > layers:
+                why.append(f"pp={pp} is more than the {layers} layers")
+            if batch is not None and not _context_sizes(dp, batch, seq):
+                why.append(f"the batch of {batch} does not divide by dp={dp}" + (" (nor by dp/cp)" if seq else ""))
+            out.append(((dp, tp, pp), "; ".join(why)))
     return out
 
 
@@ -274,7 +291,7 @@ def _schedules(pp: int, m: int, search: Search, layers: int | None) -> list[tupl
 
 
 def rank(scored: list[tuple[Candidate, Estimate]], memory: float, hw: Hardware, unscored: int = 0,
-         offload: bool = True) -> PlanResult:
+         offload: bool = True, failed: tuple = ()) -> PlanResult:
     """Keep what fits, order by step time (then memory), and say why each plan is where it is. `unscored`:
     plans the caller set aside without scoring because they cannot fit (counted as not fitting). When none
     fits and `offload`, each is tried again with its states offloaded (to host memory on GPUs, to disk)."""
@@ -292,7 +309,8 @@ def rank(scored: list[tuple[Candidate, Estimate]], memory: float, hw: Hardware, 
     smallest = min(rejected, key=lambda ce: ce[1].total_memory, default=None)
     return PlanResult(ranked=tuple(ranked), rejected=len(rejected) + unscored, memory=memory, hardware=hw,
                       smallest_rejected=Ranked(candidate=smallest[0], estimate=smallest[1], fits=False)
-                      if smallest else None)
+                      if smallest else None, failed=tuple(failed),
+                      rejected_plans=tuple(Ranked(candidate=c, estimate=e, fits=False) for c, e in rejected))
 
 
 def _by_time(plans: list[tuple[Candidate, Estimate]]) -> list[tuple[Candidate, Estimate]]:
@@ -351,7 +369,7 @@ def plan_model(shape: ModelShape, world: int, batch: int, hardware: Hardware, me
     if not prune:
         scored = [(c, formula_estimate(shape, c.sizes, c.plan, batch, hardware))
                   for c in (candidate(sizes, choice) for sizes, choice, *_ in enumerated)]
-        return rank(scored, memory, hardware, offload=search.offload)
+        return _with_excluded(rank(scored, memory, hardware, offload=search.offload), shape, world, batch, search)
     over = memory * (1 + 1e-9)  # the memory formulas alone may round apart from the full estimate: a margin
     kept: list[tuple[int, Candidate, Estimate]] = []  # (position in the enumeration, candidate, estimate)
     cannot_fit: list[tuple[float, int, tuple, tuple, tuple]] = []  # (memory, position, sizes, choice, values)
@@ -380,8 +398,18 @@ def plan_model(shape: ModelShape, world: int, batch: int, hardware: Hardware, me
         leanest = min(leanest, score(*plan).total_memory)
         rescored += 1
     kept.sort(key=lambda x: x[0])  # enumeration order, as rank() breaks ties by it
-    return rank([(c, e) for _, c, e in kept], memory, hardware, unscored=len(cannot_fit) - rescored,
-                offload=search.offload)
+    return _with_excluded(rank([(c, e) for _, c, e in kept], memory, hardware, unscored=len(cannot_fit) - rescored,
+                               offload=search.offload), shape, world, batch, search)
+
+
+def _with_excluded(result: PlanResult, shape: ModelShape, world: int, batch: int, search: Search) -> PlanResult:
+    """The result with the meshes the model refuses and why (none where search.meshes fixes them)."""
+    if search.meshes is not None:
+        return result
+    seq = shape.seq if search.context and shape.experts == 1 else None
+    refused = [(m, why) for m, why in mesh_verdicts(world, heads=shape.heads, layers=shape.layers, batch=batch,
+                                                    seq=seq) if why]
+    return dataclasses.replace(result, excluded=tuple(refused))
 
 
 def _enumerate(shape: ModelShape, world: int, batch: int, hw: Hardware, search: Search, precision,
@@ -459,9 +487,11 @@ def _traced(model, mesh, rank: int, args: tuple, kwargs: dict, plan: Plan, cache
     return cache[key]
 
 
-def _score_pruned(plans, score: Callable[[Plan], Estimate], memory: float, pp: int) -> list[tuple[Plan, Estimate]]:
+def _score_pruned(plans, score: Callable[[Plan], Estimate], memory: float, pp: int,
+                  failed: list | None = None) -> list[tuple[Plan, Estimate]]:
     """Score plans, skipping those the cost model says cannot win: recomputation (and, without pipeline
-    stages, more micro-batches) only adds time, so they are tried only while the cheaper variant does not fit."""
+    stages, more micro-batches) only adds time, so they are tried only while the cheaper variant does not fit.
+    Plans that do not compile are left out (and, given `failed`, appended to it with their error)."""
     groups: dict = {}
     for plan in plans:
         key = dataclasses.replace(plan, remat="none", microbatches=1 if pp == 1 else plan.microbatches)
@@ -474,6 +504,8 @@ def _score_pruned(plans, score: Callable[[Plan], Estimate], memory: float, pp: i
                 estimate = score(plan)
             except Exception as error:  # noqa: BLE001 - a plan that does not compile is not a candidate
                 log.info("planner: %s does not compile: %s", plan.describe(), error)
+                if failed is not None:
+                    failed.append((plan, f"{type(error).__name__}: {error}"))
                 continue
             out.append((plan, estimate))
             if estimate.total_memory <= memory:
@@ -491,7 +523,7 @@ def plan_compiled(build: Callable[[], Any], inputs: Callable[[int], tuple], worl
     from .ir.mesh_spec import MeshSpec
 
     memory = usable_memory(hardware, memory)
-    scored = []
+    scored, failed = [], []
     for sizes in meshes(world, search=search):
         mesh = MeshSpec({"dp": sizes[0], "tp": sizes[1], "pp": sizes[2]})
         model, args, cache = build(), inputs(sizes[0]), {}
@@ -499,9 +531,11 @@ def plan_compiled(build: Callable[[], Any], inputs: Callable[[int], tuple], worl
 
         def score(plan: Plan) -> Estimate:
             return estimate_plan(_traced(model, mesh, 0, args, {}, plan, cache), plan, hardware)
-        for plan, est in _score_pruned(plans_for(sizes, batch, search, layers), score, memory, sizes[2]):
+        broken: list = []
+        for plan, est in _score_pruned(plans_for(sizes, batch, search, layers), score, memory, sizes[2], broken):
             scored.append((Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan), est))
-    return rank(scored, memory, hardware, offload=search.offload)
+        failed += [(Candidate(dp=sizes[0], tp=sizes[1], pp=sizes[2], plan=plan), why) for plan, why in broken]
+    return rank(scored, memory, hardware, offload=search.offload, failed=tuple(failed))
 
 
 def auto_plan(model, mesh, args: tuple, kwargs: dict, *, hardware: Hardware | str | None = None,

@@ -3,6 +3,7 @@
     meshc plan --model llama-70b --gpus 1024 --memory 80GB [--batch 1024] [--seq 8192] [--hardware h100]
     meshc plan --model llama-8b --gpus 8 --batch 1 --seq 131072       (one long sequence: context parallelism)
     meshc plan --model gpt-tiny --gpus 2 --hardware cpu --compiled     (score the real graphs, small models)
+    meshc plan --model llama-8b --gpus 64 --html plans.html           (every plan scored, as one page)
     meshc calibrate [--out ~/.cache/meshc/cpu-gloo.json] [--nproc 2] [--quick]
 
 `meshc plan` enumerates every dp × tp × pp factorization of the device count, with expert parallelism (ep of
@@ -23,6 +24,7 @@ from meshc import models
 from meshc.compiler.hardware import default_cpu_path, load
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.planner import Search, plan_compiled, plan_model
+from meshc.compiler.report_plans import write_plans
 
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
          "tib": 2**40, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -49,6 +51,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=10, help="rows to print")
     p.add_argument("--compiled", action="store_true",
                    help="score each plan on the real graph of a simulated rank (slow; for small models)")
+    p.add_argument("--html", default=None, metavar="PATH",
+                   help="also write every scored plan (and why each was rejected or ranked) as one HTML page")
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,6 +88,9 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"meshc plan: {args.model} on {args.gpus} x {hw.name}, global batch {batch} sequences "
           f"({'compiled graphs' if args.compiled else 'formulas'}, {time.perf_counter() - t0:.1f} s)")
     print(result.table(args.top))
+    if args.html:
+        title = f"meshc plan: {args.model} on {args.gpus} x {hw.name}, global batch {batch}"
+        print(f"plans: {write_plans(args.html, result, title=title).resolve()} (open it in a browser)")
     best = result.best
     p = best.candidate.plan
     offload = ""
