@@ -289,7 +289,7 @@ def training_rows(bench: Bench) -> list[Row]:
     rows = [measure(bench, "eager", "bf16 params + AdamW", lambda: eager_row(bench, None))]
     meshc_precision = "bf16 compute, fp32 master + AdamW"
     rows.append(measure(bench, "meshc ZeRO-1", meshc_precision, lambda: meshc_row(bench, zero=1)))
-    rows.append(measure(bench, "meshc ZeRO-3 fused", meshc_precision, lambda: meshc_row(bench, zero=3)))
+    rows.append(measure(bench, "meshc ZeRO-3 fused", meshc_precision, lambda: meshc_row(bench, zero=3, fusion=True)))
     rows.append(measure(bench, "meshc ZeRO-3 unfused", meshc_precision,
                         lambda: meshc_row(bench, zero=3, fusion=False)))
     if plan_has("offload"):

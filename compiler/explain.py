@@ -43,6 +43,7 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     pipeline: list[str] = field(default_factory=list)  # stages, schedule grid, predicted bubble
     fusion: list[str] = field(default_factory=list)  # per kernel: fused k of n eligible, and why not
+    decisions: list[str] = field(default_factory=list)  # the choices left to the cost model: what, and why
     coverage: list[str] = field(default_factory=list)  # share of block weight bytes sharded per axis; replicated modules
     materialization: str = ""  # predicted peak while init_weights / load_pretrained fill this rank's shards
     offload: list[str] = field(default_factory=list)  # where Plan.offload keeps what (the job says, from its store)
@@ -82,6 +83,9 @@ class Report:
             lines += ["", "experts:"] + [f"  {line}" for line in self.experts]
         if self.pipeline:
             lines += ["", "pipeline:"] + [f"  {line}" for line in self.pipeline]
+        if self.decisions:
+            lines += ["", "decisions (the user's Plan values, else the cost model's for this device):"]
+            lines += [f"  {line}" for line in self.decisions]
         if self.fusion:
             lines += ["", "fusion:"] + [f"  {line}" for line in self.fusion]
         lines += ["", f"parameters ({len(self.params)}):",
@@ -122,8 +126,10 @@ def explain(program: Program, optimizers: list[torch.optim.Optimizer] = (), pipe
         memory={"params": params_bytes, "grads": grads_bytes, "optimizer": opt_bytes},
         optimizer_note=note, collectives=collectives, params=params, warnings=list(program.warnings),
         pipeline=_pipeline_lines(program, pipeline) if pipeline is not None else [],
-        fusion=[f"{kernel}: fused {r.fused} of {r.eligible} eligible" + "".join(f"; left {x}" for x in r.left)
+        fusion=[f"{kernel}: not fused, {r.eligible} eligible (off)" if r.off else
+                f"{kernel}: fused {r.fused} of {r.eligible} eligible" + "".join(f"; left {x}" for x in r.left)
                 for kernel, r in program.fusion.items()],
+        decisions=[d.line(key) for key, d in program.decisions.items()],
         coverage=coverage(program.params, sizes, program.tp_why).lines(),
         materialization=_materialization(held, sizes, params_bytes),
         offload=list(offload),

@@ -31,6 +31,10 @@ Terms:
     compute_scale  a real training step's compute time over the roofline's from the figures above: what
                    microbenchmarks on reused tensors miss (fresh allocations, caches, dispatch); fitted by
                    `meshc calibrate` on a small transformer's step; 1 for the GPU profiles.
+    fused_speedup  per fused kernel (fuse_comm's: bias_dropout_add_norm, bias_gelu, ...), the unfused chain's
+                   time over the fused kernel's, forward and backward, as `meshc calibrate` measured it on this
+                   device; a kernel not listed is predicted by compiler/cost_fusion.py from the traffic of
+                   each (the fusion decision: fused where this is above 1).
 """
 from __future__ import annotations
 
@@ -124,9 +128,14 @@ class Hardware:
     host_bandwidth: float = 0.0
     disk_read: float = 0.0
     disk_write: float = 0.0
+    fused_speedup: tuple[tuple[str, float], ...] = ()  # (kernel, unfused / fused time); a dict too
     description: str = ""
 
     def __post_init__(self) -> None:
+        pairs = self.fused_speedup.items() if isinstance(self.fused_speedup, dict) else self.fused_speedup
+        object.__setattr__(self, "fused_speedup", tuple(sorted((str(k), float(v)) for k, v in pairs)))
+        if any(not v > 0 for _, v in self.fused_speedup):
+            raise MeshcValueError(f"Hardware.fused_speedup: expected positive ratios, got {self.fused_speedup!r}")
         for name in ("flops", "mem_bandwidth", "memory", "compute_scale"):
             if not getattr(self, name) > 0:
                 raise MeshcValueError(f"Hardware.{name}: expected a positive number, got {getattr(self, name)!r}")
@@ -159,6 +168,7 @@ class Hardware:
         out = dataclasses.asdict(self)
         for key in ("intra", "inter"):
             out[key]["kinds"] = {kind: [bw, lat] for kind, bw, lat in out[key]["kinds"]}
+        out["fused_speedup"] = dict(self.fused_speedup)
         return out
 
     @staticmethod
@@ -206,6 +216,10 @@ PROFILES: dict[str, Hardware] = {
         name="cpu-default", flops=4e10, mem_bandwidth=5e9, op_overhead=3e-5, memory=8 * GiB, ranks_per_node=2,
         intra=Link(bandwidth=1.1e9, latency=5e-5, kinds={"all_gather": (0.25e9, 5e-5), "reduce_scatter": (0.27e9, 5e-5)}),
         inter=Link(bandwidth=1.2e8, latency=1e-4), overlap=0.0, disk_read=1e9, disk_write=5e8,
+        # measured on this project's machine (calibrate.measure_fusion, one thread, 2026-12): the kernels' CPU
+        # implementations are pure torch (the dropout mask a Philox in int64 arithmetic), 2-10x slower
+        fused_speedup={"bias_dropout_add_norm": 0.10, "bias_gelu": 0.15, "bias_swiglu": 0.37, "zero_copy": 0.48,
+                       "grad_prologue": 0.37},
         description="uncalibrated guesses for 2 CPU processes over gloo on loopback; run `meshc calibrate`"),
 }
 
@@ -258,6 +272,11 @@ def detect() -> Hardware:
                 return PROFILES[key]
         return PROFILES["h100"]
     return load("cpu")
+
+
+def for_device(device_type: str) -> Hardware:
+    """The profile a mesh of `device_type` runs on: this GPU's ("cuda"), else the CPU profile."""
+    return detect() if device_type == "cuda" else load("cpu")
 
 
 def fit_alpha_beta(samples: list[tuple[float, float, float]]) -> tuple[float, float]:

@@ -2,7 +2,8 @@
 
 A short measurement on N local processes (torchrun, gloo on loopback, one thread per process, as meshc's
 CPU jobs run): FLOP/s of linear layers forward and backward, memory bandwidth of elementwise ops, the overhead of one graph op (forward
-and backward, through torch.ops as the compiled graphs call them), and each collective's latency and
+and backward, through torch.ops as the compiled graphs call them), each fused kernel's time against the chain
+it replaces (forward and backward: the fusion decision's input, compiler/cost_fusion.py), and each collective's latency and
 bandwidth (all-reduce, all-gather, reduce-scatter through the functional collectives the graphs use;
 send as a ping-pong of isend/irecv), fitted to hardware.Link's α-β model. Every process measures at once,
 so shared memory bandwidth and cores are accounted as a job sees them. The disk that Plan.offload="nvme"
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -80,6 +83,59 @@ def _linear_rate(reps: int) -> float:
             torch.nn.functional.linear(x, w).backward(g)
     flops = sum(6.0 * m * k * n for m, k, n in LINEAR_SHAPES)
     return flops / _median_time(fwd_bwd, reps, repeat=5)  # samples of ~60 ms
+
+
+FUSION_SHAPE = (1024, 256, 512)  # (tokens, hidden, tp-local ffn) of a small model's block on one rank
+
+
+def measure_fusion(quick: bool = True) -> dict[str, float]:
+    """Unfused over fused seconds of each fused kernel fuse_comm can insert, forward and backward, on this
+    device (what the cost model's fusion decision reads): > 1 where the fused kernel is faster."""
+    reps = 5 if quick else 15
+    out = {}
+    for kernel, (unfused, fused) in _fusion_cases().items():
+        out[kernel] = _median_time(unfused, reps, repeat=4) / _median_time(fused, reps, repeat=4)
+    return out
+
+
+def _fusion_cases() -> dict:
+    """kernel -> (the chain as the traced graph runs it, the fused kernel), each a forward and backward."""
+    import torch.nn.functional as F
+
+    from meshc.kernels.bias_act import bias_gelu, bias_swiglu
+    from meshc.kernels.bias_dropout_add_norm import bias_dropout_add_norm
+    from meshc.runtime.ops.zero import _pack, unpack_bucket
+
+    tokens, hidden, ffn = FUSION_SHAPE
+    leaf = lambda *shape: torch.randn(*shape, requires_grad=True)  # noqa: E731
+    x, res, w, b, nb = leaf(tokens, hidden), leaf(tokens, hidden), leaf(hidden), leaf(hidden), leaf(hidden)
+    g, u, fb = leaf(tokens, ffn), leaf(tokens, ffn), leaf(ffn)
+
+    def norm_chain():
+        s = res + F.dropout(x + b, 0.1, True)
+        (F.layer_norm(s, (hidden,), w, nb).sum() + s.sum()).backward()
+
+    def norm_fused():
+        y, s = bias_dropout_add_norm(x, b, res, w, nb, p=0.1, norm="layernorm", eps=1e-5)
+        (y.sum() + s.sum()).backward()
+    shapes = [(hidden, hidden)] * 4 + [(ffn, hidden), (hidden, ffn), (ffn,), (hidden,)]
+    params = [torch.randn(*s) for s in shapes]
+    sizes = [-(-math.prod(s) // 2) for s in shapes]
+    meta = types.SimpleNamespace(n=2, sizes=sizes, numels=[math.prod(s) for s in shapes], shapes=shapes)
+    copies = {}
+    for fused in (False, True):
+        def copy(fused=fused):  # ZeRO-3's copy-in (cast + pack) and copy-out of a block's bucket
+            unpack_bucket(_pack(params, sizes, torch.float32, 2, fused), types.SimpleNamespace(**vars(meta),
+                                                                                               fused=fused))
+        copies[fused] = (copy, lambda fused=fused: _pack(params, sizes, torch.float32, 2, fused).div_(2))
+    return {
+        "bias_dropout_add_norm": (norm_chain, norm_fused),
+        "bias_gelu": (lambda: F.gelu(g + fb, approximate="tanh").sum().backward(),
+                      lambda: bias_gelu(g, fb, "tanh").sum().backward()),
+        "bias_swiglu": (lambda: (F.silu(g) * u).sum().backward(), lambda: bias_swiglu(g, u).sum().backward()),
+        "zero_copy": (copies[False][0], copies[True][0]),
+        "grad_prologue": (copies[False][1], copies[True][1]),
+    }
 
 
 def median_of(rounds: list[dict[str, float]]) -> dict[str, float]:
@@ -151,6 +207,7 @@ def calibrate_rank(quick: bool = True) -> dict:
     mesh = meshc.mesh(timeout_s=120)
     dist.barrier()
     compute = measure_compute(quick)
+    compute.update({f"fused.{k}": v for k, v in measure_fusion(quick).items()})
     samples = measure_links(mesh.group_name("dp"), mesh.size("dp"), quick)
     everyone = [None] * mesh.world_size
     dist.all_gather_object(everyone, compute)
@@ -259,10 +316,11 @@ def profile(compute: dict[str, float], samples: dict, ranks: int, name: str = "c
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks
     intra = Link(bandwidth=bw, latency=lat, kinds=kinds)
     inter = Link(bandwidth=bw / 10, latency=lat * 4)  # no second node to measure: a 10x slower network, guessed
+    fused = {k.split(".", 1)[1]: v for k, v in compute.items() if k.startswith("fused.")}
     hw = Hardware(name=name, flops=compute["flops"], mem_bandwidth=compute["mem_bandwidth"],
                   op_overhead=compute["op_overhead"], adam_rate=compute.get("adam_rate", 0.0),
                   memory=float(memory), ranks_per_node=ranks, intra=intra,
-                  inter=inter, overlap=0.0,
+                  inter=inter, overlap=0.0, fused_speedup=fused,
                   description=f"this machine: {ranks} processes over gloo on loopback, one thread each, measured "
                               f"by meshc calibrate on {time.strftime('%Y-%m-%d %H:%M')}")
     return hw.to_dict()

@@ -119,7 +119,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 def plan_from_args(args: argparse.Namespace) -> meshc.Plan:
     return meshc.Plan(trace="non-strict", zero=args.zero, microbatches=args.microbatches, schedule=args.schedule,
                       virtual=args.virtual, remat=args.remat, sequence_parallel=args.sp,
-                      vocab_parallel=args.vocab_parallel, param_dtype=DTYPES[args.dtype], fusion=not args.no_fusion)
+                      vocab_parallel=args.vocab_parallel, param_dtype=DTYPES[args.dtype],
+                      fusion=False if args.no_fusion else None)
 
 
 def run(args: argparse.Namespace) -> int:

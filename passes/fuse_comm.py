@@ -6,14 +6,17 @@ passes inserted and replaces it with one kernel (kernels/). Patterns are data (P
 a chain, how it must look, and how it is rewritten. A chain that is eligible but does not match is left
 as it is, with the reason in Program.fusion (explain() prints "fused k of n eligible" per kernel);
 Plan(require_fusion=True) turns any leftover into an error, Plan(fusion=False) turns the pass off.
+Which kernels run is Program.decisions' (made by the driver from the cost model, compiler/cost_fusion.py,
+where Plan.fusion / Plan.collective_matmul are None; the user's value otherwise): a kernel turned off
+counts its eligible chains and says why it is off, and leaves them as they are.
 
   bias_dropout_add_norm  reduction (all-reduce / reduce-scatter) -> [+ bias] -> [dropout] -> + residual -> norm
   bias_gelu              column-parallel matmul [+ bias] -> GeLU (exact, tanh, or GPT-2's tanh written out)
   bias_swiglu            column-parallel gate and up matmuls -> silu(gate) * up
   zero_copy              ZeRO-3 gathers: cast + pack before, copy-out after (pack_cast / unpack kernels)
   grad_prologue          ZeRO-2/3 reduce-scatters: flatten + cast + scale + pad (pack_cast kernel)
-  all_gather_matmul      sequence parallel's all-gather -> column-parallel linears   (Plan.collective_matmul)
-  matmul_reduce_scatter  row-parallel linear -> sequence parallel's reduce-scatter   (Plan.collective_matmul)
+  all_gather_matmul      sequence parallel's all-gather -> column-parallel linears   (collective_matmul)
+  matmul_reduce_scatter  row-parallel linear -> sequence parallel's reduce-scatter   (collective_matmul)
 
 Requires: tensor_parallel/zero have run ("meshc.placement" on values; their collective nodes).
 Ensures: matched chains replaced (placements and values kept on the new nodes); Program.fusion maps each
@@ -61,18 +64,35 @@ class FusionResult:
     fused: int = 0
     eligible: int = 0
     left: list[str] = field(default_factory=list)
+    off: str = ""  # why the kernel is not used at all ("" where it is)
+
+
+def wanted(program: Program, kernel: str) -> tuple[bool, str]:
+    """Whether `kernel` is used, and why: Program.decisions, else the Plan's explicit value."""
+    key = "collective_matmul" if kernel in ("all_gather_matmul", "matmul_reduce_scatter") else f"fusion.{kernel}"
+    decision = program.decisions.get(key)
+    if decision is not None:
+        return bool(decision.value), decision.why
+    value = program.plan.collective_matmul if key == "collective_matmul" else program.plan.fusion
+    if value is None:
+        return False, "left to the cost model, which the driver consults (this program has no decisions)"
+    return bool(value), f"Plan.{key.split('.')[0]}={value}"
 
 
 def fuse_comm_pass(program: Program) -> Program:
     program = program.copy()
-    if not program.plan.fusion:
+    if program.plan.fusion is False:
         program.notes.append("fusion off (Plan.fusion=False)")
         return program
     results: dict[str, FusionResult] = {}
     for pattern in PATTERNS:
         result = results.setdefault(pattern.kernel, FusionResult())
+        on, why = wanted(program, pattern.kernel)
         for anchor in pattern.anchors(program):
             result.eligible += 1
+            if not on:
+                result.off = why
+                continue
             found = pattern.match(program, anchor)
             if isinstance(found, str):
                 result.left.append(f"%{anchor.node.name}: {found}")
@@ -86,12 +106,13 @@ def fuse_comm_pass(program: Program) -> Program:
                               f"{len(left)} left:\n  " + "\n  ".join(left))
     program.gm.graph.lint()
     program.gm.recompile()
-    if program.fusion:
+    if any(r.fused for r in program.fusion.values()):
         from .tensor_parallel import refresh_vals
 
         refresh_vals(program)
     for kernel, r in program.fusion.items():
-        program.notes.append(f"{kernel}: fused {r.fused} of {r.eligible} eligible"
+        program.notes.append(f"{kernel}: not fused, {r.eligible} eligible ({r.off})" if r.off else
+                             f"{kernel}: fused {r.fused} of {r.eligible} eligible"
                              + "".join(f"\n      left {reason}" for reason in r.left))
     return program
 

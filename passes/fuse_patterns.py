@@ -418,7 +418,7 @@ def set_fused(program: Program, a: Anchor) -> None:
 
 # ------------------------------------------------------------------------------ collective matmuls
 def ag_matmul_anchors(program: Program) -> list[Anchor]:
-    if not program.plan.collective_matmul:
+    if not program.plan.sequence_parallel:
         return []
     return [Anchor(n) for n in program.gm.graph.nodes if n.op == "call_function" and n.target is C.all_gather_rs]
 
@@ -465,7 +465,7 @@ def rewrite_ag_matmul(program: Program, m: GatherMatmulMatch) -> None:
 
 
 def mm_rs_anchors(program: Program) -> list[Anchor]:
-    if not program.plan.collective_matmul:
+    if not program.plan.sequence_parallel:
         return []
     return [Anchor(n) for n in program.gm.graph.nodes if n.op == "call_function" and n.target is C.reduce_scatter]
 

@@ -19,6 +19,20 @@ TP_STYLES = ("colwise", "rowwise", "vocab", "replicate")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
+@dataclass(frozen=True)
+class Decision:
+    """One choice the compiler made for a Plan field left to it (or the user's value): what, and why.
+
+    Keys (Program.decisions): "fusion.<kernel>" for each fused kernel, "collective_matmul"."""
+
+    value: Any
+    why: str
+
+    def line(self, key: str) -> str:
+        shown = {True: "on", False: "off"}.get(self.value, self.value) if isinstance(self.value, bool) else self.value
+        return f"{key}: {shown} ({self.why})"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """How to parallelize one model.
@@ -66,11 +80,16 @@ class Plan:
             "selective" (matmul and collective outputs kept, cheap elementwise ops and softmax recomputed;
             not with schedule="zb-h1", whose two backward halves torch's selective checkpoint cannot run).
         fusion: rewrite the chains next to collectives into meshc's fused kernels (bias-dropout-add-norm,
-            bias+GeLU/SwiGLU, ZeRO copy-in/out and gradient prologue); False turns the pass off.
-        require_fusion: raise if an eligible chain stayed unfused (the error says why).
+            bias+GeLU/SwiGLU, ZeRO copy-in/out and gradient prologue). None (default): the cost model decides
+            kernel by kernel for the device at hand (fused only where it predicts the kernel faster than the
+            chain: on GPUs the Triton kernels; on CPUs, whose kernels are pure torch, only what `meshc
+            calibrate` measured faster); True or False force every kernel on or off. explain() says why.
+        require_fusion: raise if an eligible chain stayed unfused (the error says why); implies fusion on.
         collective_matmul: overlap sequence parallelism's all-gather and reduce-scatter with the matmuls
-            next to them (chunks passed around a ring of point-to-point transfers); needs
-            sequence_parallel=True and fusion=True (the fusion pass inserts them).
+            next to them (chunks passed around a ring of point-to-point transfers). None (default): the cost
+            model decides where sequence_parallel=True (on where it predicts the ring faster than the
+            collective and the matmul one after the other); True needs sequence_parallel=True and fusion not
+            False (the fusion pass inserts them).
         offload: where the optimizer's element-wise states (and, with offload_params, ZeRO-3's parameter
             shards) live between uses; needs zero >= 1. None: in the device's memory. "nvme" (ZeRO-Infinity):
             in a scratch file under offload_dir, streamed through a bounded pool of buffers during the
@@ -119,9 +138,9 @@ class Plan:
     virtual: int = 1
     split_points: tuple[str, ...] | None = None
     remat: str = "none"
-    fusion: bool = True
+    fusion: bool | None = None
     require_fusion: bool = False
-    collective_matmul: bool = False
+    collective_matmul: bool | None = None
     inductor: bool = False
     offload: str | None = None
     offload_dir: str | None = None
@@ -169,15 +188,19 @@ class Plan:
             raise MeshcValueError("Plan.reduce_dtype: expected zero >= 1 (ZeRO's reduce-scatters are what casts "
                                   "gradients), got zero=0; use zero=1, which communicates as much as plain data "
                                   "parallelism")
+        for name in ("fusion", "collective_matmul"):
+            if getattr(self, name) not in (None, True, False):
+                raise MeshcTypeError(f"Plan.{name}: expected True, False or None (the cost model decides), got "
+                                     f"{getattr(self, name)!r}")
         if self.collective_matmul and not self.sequence_parallel:
             raise MeshcValueError("Plan.collective_matmul: expected sequence_parallel=True (it overlaps sequence "
                                   "parallelism's all-gather and reduce-scatter with the matmuls next to them), got "
                                   "sequence_parallel=False; turn sequence parallelism on, or drop collective_matmul")
-        if not self.fusion and (self.collective_matmul or self.require_fusion):
+        if self.fusion is False and (self.collective_matmul or self.require_fusion):
             name = "collective_matmul" if self.collective_matmul else "require_fusion"
-            raise MeshcValueError(f"Plan.{name}: expected fusion=True (the fuse_comm pass makes the fused kernels "
-                                  "and collective matmuls, and fusion=False turns it off), got fusion=False; keep "
-                                  f"fusion on, or drop {name}")
+            raise MeshcValueError(f"Plan.{name}: expected fusion=True or None (the fuse_comm pass makes the fused "
+                                  "kernels and collective matmuls, and fusion=False turns it off), got fusion=False; "
+                                  f"keep fusion on or leave it to the cost model, or drop {name}")
         for name in ("microbatches", "virtual"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -112,6 +112,8 @@ class Program:
     stage_info: list = field(default_factory=list)  # pipeline_split's description of the stages
     stage_rates: tuple | None = None  # (FLOP/s, pp send bytes/s) pipeline_split balances stages by; None: FLOPs only
     fusion: dict = field(default_factory=dict)  # fuse_comm: kernel -> FusionResult (fused, eligible, left)
+    hardware: Any = None  # compiler/hardware.Hardware the decisions are made for; None: this device's
+    decisions: dict = field(default_factory=dict)  # plan.Decision per choice left to the cost model (driver)
     notes: list[str] = field(default_factory=list)  # what passes changed, in words
     warnings: list[str] = field(default_factory=list)  # what a user should look at
     tp_why: dict[str, str] = field(default_factory=dict)  # plan pass: module -> why it stays replicated on tp

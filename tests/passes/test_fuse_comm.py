@@ -16,6 +16,7 @@ from tests.harness import run_ranks
 
 
 def _program(mesh, model, **plan):
+    plan.setdefault("fusion", True)  # the kernels themselves (the cost model's choice: test_cost_fusion.py)
     traced, _ = trace(model, (zoo.batches(1, 2)[0][0],), mesh=mesh, plan=meshc.Plan(verify=True, trace="non-strict", **plan))
     return run_passes(traced)
 
