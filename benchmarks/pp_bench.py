@@ -2,13 +2,14 @@
 (`pipeline()` + `SplitPoint`) under the same schedule, ranks and micro-batches, in one run; and meshc's
 measured bubble against its simulator's prediction.
 
-    python benchmarks/pp_bench.py [--pp 2] [--microbatches 8] [--steps 6]
+    python benchmarks/pp_bench.py [--pp 2] [--microbatches 8] [--steps 6] [--schedules gpipe,1f1b,zb-h1]
 
 Model: torch's reference Transformer, 4 layers, dim 256, 8 heads, vocab 1024, untied head (torch's
 pipeline() cannot split a tied weight), batch 16 x 128 tokens, fp32, AdamW; gloo on loopback, one
 thread per rank. Measured bubble = (step time - compute time) / compute time on each rank (compute:
 the stage forward/backward actions), averaged over ranks; the simulator predicts it from each stage's
-forward FLOPs (backward = 2 x forward), with no communication time.
+forward FLOPs (backward = 2 x forward; zb-h1's I = W = forward), with no communication time. zb-h1 runs on
+meshc only (torch's zero-bubble schedules need several stages per rank).
 """
 from __future__ import annotations
 
@@ -90,17 +91,19 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--schedules", default="gpipe,1f1b,zb-h1")
     args = p.parse_args()
     if run_worker(args, worker):
         return
     script = os.path.abspath(__file__)
     rows = []
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in args.schedules.split(","):
         base = {"pp": args.pp, "microbatches": args.microbatches, "steps": args.steps, "schedule": schedule}
-        torch_run = launch(script, args.pp, {**base, "impl": "torch"})
+        torch_run = launch(script, args.pp, {**base, "impl": "torch"}) if schedule in ("gpipe", "1f1b") else None
         ours = launch(script, args.pp, {**base, "impl": "meshc"})
-        rows.append({"schedule": schedule, "torch.distributed.pipelining (s)": torch_run["step_s"],
-                     "meshc (s)": ours["step_s"], "meshc / torch": ours["step_s"] / torch_run["step_s"],
+        torch_s = torch_run["step_s"] if torch_run else float("nan")
+        rows.append({"schedule": schedule, "torch.distributed.pipelining (s)": torch_s,
+                     "meshc (s)": ours["step_s"], "meshc / torch": ours["step_s"] / torch_s,
                      "measured bubble": ours["bubble"], "simulated bubble": ours["predicted"],
                      "(p-1)/m": (args.pp - 1) / args.microbatches})
         print(schedule, json.dumps(torch_run), json.dumps(ours), flush=True)
