@@ -84,12 +84,13 @@ class Job:
         flat, _ = compat.tree_flatten((args, kwargs))
         flat = [self._input(x) for x in flat]
         values = self._store.graph_inputs(program) + [self._buffers[f] for f in program.buffers]
+        gm = tracing.marked(program.gm)  # with module marks while job.trace records
         if self.plan.zero >= 2:  # gathered parameters recomputed in backward; ZeRO-2 master gradients
             self.zero_stats = ZeroStats()
             with ZeroContext(self._params, self.zero_stats, release=self._release_pages()):
-                outs = program.gm(*values, *flat)
+                outs = gm(*values, *flat)
         else:
-            outs = program.gm(*values, *flat)
+            outs = gm(*values, *flat)
         n = len(program.mutated_buffers)
         with torch.no_grad():
             for fqn, value in zip(program.mutated_buffers, outs[:n]):

@@ -103,11 +103,12 @@ class PipelineRun:
             self.inputs[key] = [_leaf(t, b.grad) for t, b in zip(prev, stage.recv)]
         recv = self.inputs.setdefault(key, [])
         args = self.values(stage) + [self.micro[mb][i] for i in stage.inputs] + recv
+        gm = tracing.marked(stage.gm)  # with module marks while job.trace records, else stage.gm
         if self.zero_context is not None:
             with self.zero_context():
-                outs = stage.gm(*args)
+                outs = gm(*args)
         else:
-            outs = stage.gm(*args)
+            outs = gm(*args)
         outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
         if stage.last:  # the model's outputs: the user's loss function turns them into the loss
             outs = (self.loss_of(outs, mb),)

@@ -10,14 +10,20 @@ What it records, all with wall-clock timestamps in µs (one host's ranks share t
 
   step         each job.step (cat "step");
   compute      each pipeline action, `2F0` (cat "compute": forward or backward of a stage on a micro-batch);
+  module       inside each forward, each run of a module of the model (cat "module", named by its path, e.g.
+               `blocks.0` and within it `blocks.0.attn`, two levels deep; args: type), from marks at the module
+               boundaries of a copy of the graph that runs only while tracing (`marked`); backward actions
+               stay one event each (autograd runs them, not the graph's code);
   p2p          each pipeline send or receive, `0SEND_F3` (cat "p2p", args: bytes, peer; a receive's span
                includes its wait for the message);
   collective   each functional collective meshc's graphs and runtime call, in forward and backward (cat
                "collective", args: kind, axis, bytes: the tensor this rank contributes, as CommCensus counts);
-  wait         each wait_tensor on a collective's result, and the end-of-step wait on pipeline sends.
+  wait         each wait_tensor on a collective's result, and the end-of-step wait on pipeline sends;
+  trace        the tracer's own work inside a step: copying a graph with module marks, once per graph.
 
 Collectives are seen at dispatch (as runtime/census.py counts them), so the mode costs a Python call per
-ATen op while it is on; nothing is recorded, and nothing costs, outside `job.trace(...)`.
+ATen op while it is on, and a module mark a Python call per boundary; nothing is recorded, and nothing
+costs, outside `job.trace(...)`.
 """
 from __future__ import annotations
 
@@ -27,9 +33,11 @@ import json
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import torch.distributed as dist
+import torch.fx as fx
 
 from meshc.compiler import _torch_compat as compat
 from meshc.compiler.ir.errors import MeshcValueError
@@ -37,6 +45,8 @@ from meshc.compiler.ir.errors import MeshcValueError
 from .census import _KINDS
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("meshc_trace", default=None)
+_MARKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> its copy with module marks
+MODULE_DEPTH = 2  # module levels recorded below the root module (blocks.0, then blocks.0.attn)
 
 
 def _now_us() -> float:
@@ -57,6 +67,7 @@ class StepTrace(compat.dispatch_mode_base()):
         self.events: list[dict] = []
         self.tid = threading.get_ident() % 2**31
         self._token = None
+        self._open: list[tuple[str, str, float]] = []  # modules entered and not yet left: (path, type, start)
 
     def __enter__(self):
         self._token = _ACTIVE.set(self)
@@ -70,6 +81,18 @@ class StepTrace(compat.dispatch_mode_base()):
     def add(self, name: str, cat: str, start: float, end: float, **args) -> None:
         self.events.append({"name": name, "cat": cat, "ph": "X", "ts": start, "dur": max(end - start, 0.0),
                             "pid": self.rank, "tid": self.tid, "args": args})
+
+    def mark(self, path: str, kind: str, begin: bool) -> None:
+        """A module boundary in a marked graph: entering `path` or leaving it (marks nest, as the modules do)."""
+        now = _now_us()
+        if begin:
+            self._open.append((path, kind, now))
+            return
+        while self._open:
+            name, kind, start = self._open.pop()
+            self.add(name, "module", start, now, type=kind)
+            if name == path:
+                break
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -106,6 +129,56 @@ def region(name: str, cat: str, **args):
 
 def active() -> bool:
     return _ACTIVE.get() is not None
+
+
+def marked(gm: fx.GraphModule) -> fx.GraphModule:
+    """While a trace records: `gm` with a mark where each module run begins and ends (made once per graph, sharing
+    its parameters and submodules); otherwise `gm` itself."""
+    trace = _ACTIVE.get()
+    if trace is None:
+        return gm
+    out = _MARKED.get(gm)
+    if out is None:  # the tracer's own cost, shown as such: a few ms per graph, once per process
+        start = _now_us()
+        out = _MARKED[gm] = _with_marks(gm)
+        trace.add("marking modules", "trace", start, _now_us(), nodes=len(gm.graph.nodes))
+    return out
+
+
+def _module_mark(path: str, kind: str, begin: bool) -> None:
+    trace = _ACTIVE.get()
+    if trace is not None:
+        trace.mark(path, kind, begin)
+
+
+def _levels(node) -> list[tuple[str, str]] | None:
+    """(path, type name) of the modules `node` runs in below the root module, MODULE_DEPTH at most; None for a
+    node that names none (inputs, or one a pass inserted without a module: it stays in the current ones)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack or node.op in ("placeholder", "get_attr", "output"):
+        return None
+    inner = [(path, kind) for path, kind in stack.values() if path][:MODULE_DEPTH]
+    return [(path, getattr(kind, "__name__", str(kind)).rsplit(".", 1)[-1]) for path, kind in inner]
+
+
+def _with_marks(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    opened: list[tuple[str, str]] = []
+    for node in list(graph.nodes):
+        want = [] if node.op == "output" else _levels(node)
+        if want is None:
+            continue
+        keep = 0
+        while keep < min(len(opened), len(want)) and opened[keep] == want[keep]:
+            keep += 1
+        with graph.inserting_before(node):
+            for path, kind in reversed(opened[keep:]):
+                graph.call_function(_module_mark, (path, kind, False))
+            for path, kind in want[keep:]:
+                graph.call_function(_module_mark, (path, kind, True))
+        opened = want
+    return fx.GraphModule(gm, graph)
 
 
 @contextlib.contextmanager

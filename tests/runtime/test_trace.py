@@ -2,7 +2,9 @@
 embeddings): the merged file loads with a strict JSON parser; per rank, its compute events are its schedule's
 actions in program order, its p2p events its schedule's messages, its collectives exactly what CommCensus
 counts for the same steps (kind, axis, bytes), one step event per step; timestamps are monotone per thread
-and every event lies inside a step; job.report(..., trace=) draws the last step's measured actions.
+and every event lies inside a step; each forward action holds the runs of its stage's modules (blocks.0 on
+pp rank 0, blocks.1 on rank 1), nested inside it and in one another, in order without overlap;
+job.report(..., trace=) draws the last step's measured actions.
 (~10 s: two processes.)
 """
 from __future__ import annotations
@@ -68,12 +70,34 @@ def test_trace_two_ranks(tmp_path):
         for ev in mine:
             assert any(s["ts"] <= ev["ts"] and ev["ts"] + ev["dur"] <= s["ts"] + s["dur"] + 1 for s in steps), ev
             assert math.isfinite(ev["ts"]) and ev["dur"] >= 0
+        _check_modules(by_cat("compute"), by_cat("module"), f"blocks.{rank}", f"blocks.{1 - rank}")
 
 
     # the report embeds the measured timeline of the last step: each rank's compute actions, in order
     page = (tmp_path / "trace.html").read_text()
     measured = re.findall(r'<div class="tl-bar measured \w+" data-cat="compute"[^>]*>(\w+)</div>', page)
     assert measured == results[0]["actions"] + results[1]["actions"]
+
+
+def _check_modules(actions: list[dict], modules: list[dict], mine: str, other: str) -> None:
+    """Every module event inside one forward action; within an action, in time order, each either inside the
+    one before it or after its end (a tree); each forward runs the block of its stage and not the other's."""
+    end = lambda ev: ev["ts"] + ev["dur"]
+    inside = {i: [] for i, a in enumerate(actions) if "F" in a["name"]}
+    for ev in modules:
+        holder = [i for i in inside if actions[i]["ts"] <= ev["ts"] and end(ev) <= end(actions[i])]
+        assert len(holder) == 1, ev
+        inside[holder[0]].append(ev)
+    for events in inside.values():
+        names = [ev["name"] for ev in events]
+        assert mine in names and other not in names and f"{mine}.attn" in names, names
+        assert [ev["ts"] for ev in events] == sorted(ev["ts"] for ev in events)
+        for i, a in enumerate(events):
+            for b in events[i + 1:]:
+                assert end(b) <= end(a) or b["ts"] >= end(a), (a, b)  # nested or after, never overlapping
+        block = next(ev for ev in events if ev["name"] == mine)
+        assert any(ev["name"] == f"{mine}.attn" and block["ts"] <= ev["ts"] and end(ev) <= end(block)
+                   for ev in events)
 
 
 def test_trace_path_must_be_json(tmp_path):
