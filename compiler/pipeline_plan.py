@@ -58,7 +58,10 @@ class PipelinePlan:
     def _cost(self, action) -> float:
         info = self.program.stage_info
         flops = info[action.stage].flops if info else 1.0
-        return COST[action.kind] * max(flops, 1.0)
+        kind = action.kind
+        if action.stage == 0 and kind in ("I", "W"):  # the first stage's inputs need no gradient: I is empty, W is B
+            kind = "B" if kind == "W" else None
+        return (COST[kind] if kind else 0.0) * max(flops, 1.0)
 
 
 def whole_stage(program: Program) -> Stage:
