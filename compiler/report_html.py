@@ -16,7 +16,8 @@ JavaScript inline (compiler/report_assets.py; no network, no CDN):
   memory       predicted bytes per rank by part (compiler/cost_graph's estimate of the rank's pp
                coordinate) and, when given, what the rank measured;
   schedule     the pipeline schedule simulated (compiler/ir/schedule_sim) with each stage's predicted
-               forward and backward seconds: one bar per action, one row per pp rank.
+               forward and backward seconds: one bar per action, one row per pp rank; given a job.trace file,
+               its last step measured: actions, messages, collectives, and the top-level modules of forwards.
 
 It reads only compile-time data (a CompiledRank and its Report), so a simulated compile draws it too; the other
 ranks' graphs are compiled from the same trace (compile.passes_for_rank).
@@ -40,6 +41,7 @@ from .show import human_bytes
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
 PART_COLOURS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#59a14f", "activations": "#e15759",
                 "buffers": "#b07aa1"}
+PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2", "#edc948", "#9c755f")
 MAX_MEMORY_ROWS = 64  # one bar per rank up to this world size, else one per pp rank
 e = html.escape
 
@@ -266,18 +268,32 @@ def _measured(trace) -> str:
         if not steps:
             continue
         last = max(steps, key=lambda ev: ev["ts"])
-        inside = [ev for ev in events if ev["pid"] == pid and ev["cat"] in ("compute", "p2p", "collective")
-                  and last["ts"] <= ev["ts"] <= last["ts"] + last["dur"]]
-        rows.append((names.get(pid, f"rank {pid}"), last, inside))
+        inside = [ev for ev in events if ev["pid"] == pid and last["ts"] <= ev["ts"] <= last["ts"] + last["dur"]]
+        modules = [ev for ev in inside if ev["cat"] == "module" and ev["args"].get("depth") == 1]
+        inside = [ev for ev in inside if ev["cat"] in ("compute", "p2p", "collective")]
+        rows.append((names.get(pid, f"rank {pid}"), last, inside, modules))
         longest = max(longest, last["dur"])
     span = longest or 1.0
     out = []
-    for name, last, inside in rows:
+    for name, last, inside, modules in rows:
         bars = "".join(
             f'<div class="tl-bar measured {ev["name"][1] if ev["cat"] == "compute" else ev["cat"]}" '
             f'data-cat="{e(ev["cat"])}" style="left:{100 * (ev["ts"] - last["ts"]) / span:.4f}%;'
             f'width:{100 * ev["dur"] / span:.4f}%" title="{e(ev["name"])}: {ev["dur"] / 1e3:.3f} ms">'
             f'{e(ev["name"]) if ev["cat"] == "compute" else ""}</div>' for ev in inside)
         out.append(f'<div class="tl-row measured"><span class="tl-label">{e(name.split(" (")[0])}</span>{bars}</div>')
+        if modules:
+            out.append(_module_row(modules, last["ts"], span))
     return (f"<p>Measured (job.trace, the last traced step: {span / 1e3:.1f} ms at the longest): compute actions, "
-            f'messages (grey) and collectives (red) of each rank.</p>\n<div class="timeline measured">{"".join(out)}</div>')
+            "messages (grey) and collectives (red) of each rank, and under them the model's top-level modules in "
+            f'its forward actions.</p>\n<div class="timeline measured">{"".join(out)}</div>')
+
+
+def _module_row(modules: list[dict], start: float, span: float) -> str:
+    colour = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(sorted({ev["name"] for ev in modules}))}
+    bars = "".join(
+        f'<div class="tl-bar measured module" data-module="{e(ev["name"])}" style="left:'
+        f'{100 * (ev["ts"] - start) / span:.4f}%;width:{100 * ev["dur"] / span:.4f}%;'
+        f'background:{colour[ev["name"]]}" '
+        f'title="{e(ev["name"])} ({e(ev["args"].get("type", ""))}): {ev["dur"] / 1e3:.3f} ms"></div>' for ev in modules)
+    return f'<div class="tl-row measured modules"><span class="tl-label">modules</span>{bars}</div>'

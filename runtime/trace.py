@@ -11,7 +11,7 @@ What it records, all with wall-clock timestamps in µs (one host's ranks share t
   step         each job.step (cat "step");
   compute      each pipeline action, `2F0` (cat "compute": forward or backward of a stage on a micro-batch);
   module       inside each forward, each run of a module of the model (cat "module", named by its path, e.g.
-               `blocks.0` and within it `blocks.0.attn`, two levels deep; args: type), from marks at the module
+               `blocks.0` and within it `blocks.0.attn`, two levels deep; args: type, depth), from marks at the module
                boundaries of a copy of the graph that runs only while tracing (`marked`); backward actions
                stay one event each (autograd runs them, not the graph's code);
   p2p          each pipeline send or receive, `0SEND_F3` (cat "p2p", args: bytes, peer; a receive's span
@@ -90,7 +90,7 @@ class StepTrace(compat.dispatch_mode_base()):
             return
         while self._open:
             name, kind, start = self._open.pop()
-            self.add(name, "module", start, now, type=kind)
+            self.add(name, "module", start, now, type=kind, depth=len(self._open) + 1)
             if name == path:
                 break
 

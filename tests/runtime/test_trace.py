@@ -77,6 +77,13 @@ def test_trace_two_ranks(tmp_path):
     page = (tmp_path / "trace.html").read_text()
     measured = re.findall(r'<div class="tl-bar measured \w+" data-cat="compute"[^>]*>(\w+)</div>', page)
     assert measured == results[0]["actions"] + results[1]["actions"]
+    # and, under each rank's actions, the top-level modules its forwards ran in that step
+    last = {r: max((ev for ev in events if ev["pid"] == r and ev["cat"] == "step"), key=lambda ev: ev["ts"])
+            for r in (0, 1)}
+    tops = [ev["name"] for r in (0, 1) for ev in events if ev["pid"] == r and ev["cat"] == "module"
+            and ev["args"]["depth"] == 1 and last[r]["ts"] <= ev["ts"] <= last[r]["ts"] + last[r]["dur"]]
+    assert re.findall(r'class="tl-bar measured module" data-module="([^"]+)"', page) == tops
+    assert tops.count("blocks.0") == tops.count("blocks.1") == 2  # one per micro-batch's forward
 
 
 def _check_modules(actions: list[dict], modules: list[dict], mine: str, other: str) -> None:
