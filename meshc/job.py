@@ -403,15 +403,15 @@ class Job:
                  "the optimizer step, next bucket read while one updates"]
         return lines, (lambda t: not any(o.is_offloaded(t) for o in offs))
 
-    def report(self, path, *, hardware=None, trace=None) -> str:
+    def report(self, path, *, hardware=None, trace=None, graph_ranks: int = 16) -> str:
         """Write the plan as one self-contained HTML page (compiler/report_html.py: mesh, sharding map, graphs,
         collectives, memory, pipeline schedule) to `path`, predicted on `hardware` (default: this device's
         profile); after a call or step, the bytes this rank holds (measured: gradients until zero_grad) are drawn
-        beside the prediction; `trace`, a file job.trace wrote, adds its last step's measured timeline. Returns
-        the path."""
+        beside the prediction; `trace`, a file job.trace wrote, adds its last step's measured timeline. The graph
+        picker compiles up to `graph_ranks` representative ranks (1: this rank's graphs only). Returns the path."""
         measured = self.held_bytes() if hasattr(self, "_last") else None
         return str(write_report(path, self.compiled, self.explain(), hardware=hardware or detect_hardware(),
-                                measured=measured, trace=trace))
+                                measured=measured, trace=trace, graph_ranks=graph_ranks))
 
     def trace(self, path):
         """A context manager that records the steps run inside it on every rank (runtime/trace.py: each step,
