@@ -38,7 +38,7 @@ def _find(candidates, runs, **want) -> dict:
 
 def main() -> None:
     from meshc.compiler import hardware
-    from meshc.compiler.planner import plan_compiled
+    from meshc.compiler.planner_compiled import plan_compiled
     from tests.compiler import cost_runs
 
     x, _ = cost_runs.batch()

@@ -7,7 +7,7 @@ The cases are fixed here, before any tuning of the cost model against them: thre
 GPT, a transformers Llama config, a transformers Mixtral config: 4 experts, top-2) x worlds of 2 and 4 ranks x
 five (global batch, sequence) shapes. For each case:
 
-1. the planner (compiler/planner.plan_compiled, the compiled path: every dp/tp/pp mesh of the world, each plan
+1. the planner (compiler/planner_compiled.plan_compiled, the compiled path: every dp/tp/pp mesh of the world, each plan
    scored on the real graph of a simulated rank) ranks every plan that fits, on the profile `meshc calibrate`
    measured for that world size on this machine at the start of the run (one per world, nothing else);
 2. a documented sample of the plans that fit is measured on `world` gloo ranks (`--max-plans`: the planner's
@@ -125,7 +125,8 @@ def sample(n: int, k: int) -> list[int]:
 
 def run_case(case: dict, hw, args) -> dict:
     import meshc
-    from meshc.compiler.planner import Search, plan_compiled
+    from meshc.compiler.planner import Search
+    from meshc.compiler.planner_compiled import plan_compiled
 
     search = Search(zero=(0, 1, 2, 3), remat=("none", "full"), schedules=("1f1b", "gpipe", "zb-h1"),
                     microbatches=(1, 2, 4), sequence_parallel=(False, True), vocab_parallel=(False,),

@@ -23,7 +23,8 @@ import torch
 from meshc import models
 from meshc.compiler.hardware import default_cpu_path, load
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.planner import Search, plan_compiled, plan_model
+from meshc.compiler.planner import Search, plan_model
+from meshc.compiler.planner_compiled import plan_compiled
 from meshc.compiler.report_plans import write_plans
 
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,

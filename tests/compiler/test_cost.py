@@ -15,7 +15,7 @@ from meshc import models
 from meshc.compiler import cost, hardware
 from meshc.compiler.cost import MIXED, formula_estimate, model_state_bytes
 from meshc.compiler.cost_graph import comm_bytes, estimate_compiled, graph_cost, node_flops
-from meshc.compiler.planner import plan_compiled
+from meshc.compiler.planner_compiled import plan_compiled
 from tests.compiler import cost_runs
 
 

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from meshc.compiler import hardware
-from meshc.compiler.planner import Search, plan_compiled
+from meshc.compiler.planner import Search
+from meshc.compiler.planner_compiled import plan_compiled
 from meshc.explain_cli import simulate
 from tests import zoo
 

@@ -12,7 +12,8 @@ import torch
 import meshc
 from meshc import models
 from meshc.compiler import hardware
-from meshc.compiler.planner import Search, plan_compiled, plan_model
+from meshc.compiler.planner import Search, plan_model
+from meshc.compiler.planner_compiled import plan_compiled
 from tests.compiler import cost_runs
 from tests.compiler.test_cost import _measured
 
@@ -119,7 +120,7 @@ def test_compile_auto_uses_the_best_plan(fake_mesh, monkeypatch, tmp_path):
     mesh = fake_mesh(dp=2)
     tokens = torch.zeros(4, 64, dtype=torch.long)
     job = meshc.compile(models.build("gpt-tiny"), mesh, example_inputs=(tokens,), plan="auto")
-    from meshc.compiler.planner import auto_plan
+    from meshc.compiler.planner_compiled import auto_plan
 
     plan, result = auto_plan(models.build("gpt-tiny"), mesh, (tokens,), {})
     assert job.plan == plan == result.best.candidate.plan
@@ -229,7 +230,7 @@ class _MlpBlock(torch.nn.Module):
 def test_compiled_scoring_sees_what_tensor_parallelism_really_shards(block, tp_share):
     """The compiled path prices tp from the sharded graph, not from a formula that assumes every block splits:
     a model whose blocks stay whole on tp gets no memory or FLOPs back from tp=2; an MLP gets half."""
-    from meshc.compiler.planner import _traced, estimate_plan
+    from meshc.compiler.planner_compiled import _traced, estimate_plan
     from meshc.compiler.ir.mesh_spec import MeshSpec
 
     torch.manual_seed(0)

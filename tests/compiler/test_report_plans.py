@@ -12,7 +12,8 @@ import meshc
 from meshc import models, plan_cli
 from meshc.compiler.hardware import load
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.planner import Search, _score_pruned, plan_model
+from meshc.compiler.planner import Search, plan_model
+from meshc.compiler.planner_compiled import _score_pruned
 from meshc.compiler.report_plans import plans_html, write_plans
 
 
