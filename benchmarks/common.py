@@ -67,6 +67,24 @@ def report(result: dict) -> None:
             json.dump(result, f)
 
 
+def interleaved_medians(steps: list[Callable[[], Any]], rounds: int, per_round: int,
+                        barrier: Callable | None = None) -> list[float]:
+    """Median seconds of each of `steps`, timed in `rounds` interleaved rounds (each step once untimed, then
+    `per_round` times, `barrier` aligning ranks before each): a shared machine's load drifts, and moves plans
+    measured close together alike."""
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(rounds):
+        for i, step in enumerate(steps):
+            step()
+            for _ in range(per_round):
+                if barrier:
+                    barrier()
+                t0 = time.perf_counter()
+                step()
+                times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
 def median_step(step: Callable[[], Any], warmup: int = 3, steps: int = 10, barrier: Callable | None = None) -> float:
     """Median seconds of `step()` after `warmup` calls; `barrier` aligns ranks before each timed step."""
     for _ in range(warmup):

@@ -20,7 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import launch, report, table  # noqa: E402
+from benchmarks.common import interleaved_medians, launch, report, table  # noqa: E402
 
 FIELDS = ("zero", "microbatches", "schedule", "virtual", "remat", "sequence_parallel", "vocab_parallel", "fusion")
 
@@ -38,16 +38,7 @@ def worker(config: dict) -> None:
     for sizes, fields in config["plans"]:
         plan = meshc.Plan(trace="non-strict", **fields)
         steps.append(cost_runs.compiled_step(sizes, plan, x, y, timeout_s=300)[2])
-    times: list[list[float]] = [[] for _ in steps]
-    for _ in range(config["rounds"]):
-        for i, step in enumerate(steps):
-            step()
-            for _ in range(config["steps"]):
-                dist.barrier()
-                t0 = time.perf_counter()
-                step()
-                times[i].append(time.perf_counter() - t0)
-    report({"seconds": [statistics.median(t) for t in times]})
+    report({"seconds": interleaved_medians(steps, config["rounds"], config["steps"], dist.barrier)})
     dist.barrier()
 
 

@@ -30,7 +30,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import launch, report, table  # noqa: E402
+from benchmarks.common import interleaved_medians, launch, report, table  # noqa: E402
 from benchmarks.planner_bench import _spearman  # noqa: E402
 
 MODELS = ("gpt", "llama", "moe")
@@ -102,16 +102,7 @@ def worker(config: dict) -> None:
             opt.zero_grad()
         step()
         steps.append(step)
-    times: list[list[float]] = [[] for _ in steps]
-    for _ in range(config["rounds"]):
-        for i, step in enumerate(steps):
-            step()
-            for _ in range(config["steps"]):
-                dist.barrier()
-                t0 = time.perf_counter()
-                step()
-                times[i].append(time.perf_counter() - t0)
-    report({"seconds": [statistics.median(t) for t in times]})
+    report({"seconds": interleaved_medians(steps, config["rounds"], config["steps"], dist.barrier)})
     dist.barrier()
 
 

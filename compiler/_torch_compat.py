@@ -152,6 +152,11 @@ def op_name(func) -> str:
     return func._opname
 
 
+def op_returns_view(func) -> bool:
+    """Does the OpOverload's schema say its result aliases an input (a view)? From `func._schema.returns`."""
+    return any(r.alias_info is not None for r in func._schema.returns)
+
+
 def op_is_mutable(func) -> bool:
     """Does the OpOverload's schema say it writes one of its inputs? `func._schema.is_mutable`: torch has no
     public accessor of an op's FunctionSchema (a trailing "_" in `func.name()` covers only in-place ops)."""

@@ -153,10 +153,9 @@ def _define(cls, positions: tuple, constants: tuple, n: int):
 def function_call(target) -> Any:
     """For a meshc_fn op (an overload or packet, as graph nodes carry it): call(tensors), which applies the
     user's Function (its forward, and its backward under autograd) to the op's tensor arguments; else None."""
-    name = getattr(target, "name", None)
-    name = name() if callable(name) else getattr(target, "_qualified_op_name", None)
-    name = name.split(".")[0] if isinstance(name, str) else None
-    return _CALLS.get(name) if name else None
+    name = getattr(target, "name", None)  # OpOverload.name(): "meshc_fn::G_0.default"
+    name = name() if callable(name) else None
+    return _CALLS.get(name.split(".")[0]) if isinstance(name, str) else None
 
 
 def _identifier(text: str) -> str:

@@ -4,7 +4,9 @@
 constant lifted into the graph: an opaque gather for the sharding rules, which would have to read the
 constant. When the index is one 1-D integer constant of consecutive positions on one dim (negative ones
 counted from the end), it selects exactly what `aten.slice.Tensor(x, dim, first, last + 1)` does, and the
-trace rewrites it so: one op the rules already place (blocks of a fused projection are slices).
+trace rewrites it so: one op the rules already place (blocks of a fused projection are slices). The index's
+result is a copy and the slice a view: where an op writes into the result (or a view of it), a clone follows
+the slice.
 
     %c = lift_fresh_copy(%lifted_tensor_0)            # tensor([-2]), dim 2 of size 6
     %k = index.Tensor(%fused, [None, None, %c])   ->   %k = slice.Tensor(%fused, 2, 4, 5)
@@ -30,6 +32,9 @@ def slices_for_constant_indices(gm: fx.GraphModule, tensors: dict[str, torch.Ten
         dim, lo, hi = found
         with graph.inserting_before(node):
             new = graph.call_function(aten.slice.Tensor, (node.args[0], dim, lo, hi))
+            if _written(node):  # index returns a copy, slice a view: keep the copy where an op writes into it
+                new.meta.update(node.meta)
+                new = graph.call_function(aten.clone.default, (new,))
         new.meta.update(node.meta)
         index = node.args[1][dim]
         node.replace_all_uses_with(new)
@@ -41,6 +46,19 @@ def slices_for_constant_indices(gm: fx.GraphModule, tensors: dict[str, torch.Ten
         graph.lint()
         gm.recompile()
     return count
+
+
+def _written(node: fx.Node) -> bool:
+    """Does an op write into `node`'s value, directly or through views of it?"""
+    for user in node.users:
+        target = user.target
+        if user.op != "call_function" or not hasattr(target, "_schema"):
+            continue
+        if compat.op_is_mutable(target):
+            return True
+        if compat.op_returns_view(target) and _written(user):
+            return True
+    return False
 
 
 def _as_slice(node: fx.Node, tensors: dict) -> tuple[int, int, int] | None:

@@ -22,7 +22,8 @@ def estimate_plan(traced, plan: Plan, hardware: Hardware) -> Estimate:
     from .driver import run_passes
     from .pipeline_plan import PipelinePlan
 
-    program = run_passes(traced.replace(plan=plan, stage_rates=hardware.stage_rates(traced.mesh.sizes)))
+    program = run_passes(traced.replace(plan=plan, stage_rates=hardware.stage_rates(traced.mesh.sizes), hardware=hardware,
+                                        decisions={}))
     pipelined = program.mesh.size("pp") > 1 or plan.microbatches > 1
     return compiled_estimate(program, hardware, PipelinePlan(program, plan) if pipelined else None)
 

@@ -47,11 +47,15 @@ def private_weight_uses(stage: Stage) -> Stage:
         if n not in params and any(a in activations for a in inputs):
             activations.add(n)
         if n.op == "call_function" and n in activations and any(a in weighty for a in inputs):
-            env[n] = graph.node_copy(n, lambda a: _alias(graph, env[a]) if a in weighty else env[a])
+            env[n] = graph.node_copy(n, lambda a: _alias(graph, env[a]) if a in weighty and _tensor(a) else env[a])
         else:
             env[n] = graph.node_copy(n, lambda a: env[a])
     graph.lint()
     return dataclasses.replace(stage, gm=fx.GraphModule(stage.gm, graph))
+
+
+def _tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
 
 
 def _alias(graph: fx.Graph, value: fx.Node) -> fx.Node:

@@ -31,7 +31,7 @@ import torch.fx as fx
 from meshc.compiler import _torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError, MeshcWarning, warn
 from meshc.compiler.ir.fx_ops import get_arg, op_name, set_arg
-from meshc.compiler.ir.placement import Partial, R, Replicate, Shard, in_parts, local_length
+from meshc.compiler.ir.placement import Partial, R, Replicate, Shard, has_whole, in_parts, local_length
 from meshc.compiler.ir.program import CommRecord, Program
 from meshc.runtime.ops import collectives as C
 from meshc.runtime.ops.tp_ops import join_blocks
@@ -149,6 +149,9 @@ class _Redistributor:
             whole = self.convert(src, cur, R, consumer, why)
             return self.convert(whole, R, req, consumer, why)
         n, group = self.ctx.n, self.group
+        if isinstance(cur, Partial) and isinstance(req, Shard) and has_whole(req.chunks):  # no reduce-scatter
+            whole = self.convert(src, cur, R, consumer, why)  # of a block every rank holds whole
+            return self.convert(whole, R, req, consumer, why)
         if isinstance(cur, Partial) and isinstance(req, Replicate):
             fn, kw, comm = C.all_reduce, {"group": group}, [("all_reduce", "forward", cur)]
         elif isinstance(cur, Partial) and isinstance(req, Shard):
@@ -228,7 +231,7 @@ def _fuse_gather_f(program: Program) -> None:
     forward, reduce-scatter backward) and the f disappears, as Megatron-SP does."""
     graph = program.gm.graph
     for node in list(graph.nodes):
-        if node.target is not C.all_gather or not node.users:
+        if node.target is not C.all_gather or not node.users or has_whole(node.kwargs["chunks"]):
             continue
         if all(u.target is C.grad_all_reduce for u in node.users):
             for f in list(node.users):

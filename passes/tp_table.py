@@ -3,7 +3,7 @@
     RULES[aten.linear.default] is tp_rules.matmul_rule
     infer(node, ctx) -> Decision
 
-Built once, here, from the rules tp_rules (COMPUTE_RULES) and tp_views (VIEW_RULES) list, each marked with
+Built once, here, from the rules tp_rules (COMPUTE_RULES), tp_views (VIEW_RULES) and tp_vocab (VOCAB_RULES) list, each marked with
 the ops it handles; an op claimed by two rules is an internal error. An op not in the table falls back to
 tp_rules.grouped_mm_rule for grouped matmuls (by name), to tp_rules.pointwise_rule when torch tags it
 pointwise, and to tp_rules.no_rule (every tensor input replicated, with a note) otherwise; a user Function's
@@ -25,6 +25,7 @@ from meshc.compiler.ir.program import ELEMENTWISE
 
 from .tp_rules import COMPUTE_RULES, Decision, RuleCtx, elementwise_function_rule, grouped_mm_rule, no_rule, pointwise_rule
 from .tp_views import VIEW_RULES
+from .tp_vocab import VOCAB_RULES
 
 Rule = Callable[[fx.Node, RuleCtx], Decision]
 
@@ -41,7 +42,7 @@ def build_table(rules: tuple[Rule, ...]) -> Mapping[Any, Rule]:
     return MappingProxyType(table)
 
 
-RULES = build_table(COMPUTE_RULES + VIEW_RULES)
+RULES = build_table(COMPUTE_RULES + VIEW_RULES + VOCAB_RULES)
 
 
 def rule_for(target: Any) -> Rule:

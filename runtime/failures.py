@@ -345,6 +345,7 @@ def fingerprint(job) -> dict:
             if hasattr(m, "peer"):
                 producer = m.stage if m.op == "send" else (m.stage - 1 if m.kind == "F" else m.stage + 1)
                 messages.append((m.op, ranks[m.peer], f"{m.kind} micro-batch {m.microbatch} from stage {producer}"))
+    plan.update({f"decision {k}": repr(d.value) for k, d in program.decisions.items()})  # the cost model's, per rank
     return {"world": mesh.world_size, "mesh": dict(mesh.sizes), "plan": plan, "params": params,
             "collectives": comms, "messages": messages}
 

@@ -20,12 +20,12 @@ import torch
 
 from meshc.compiler import _torch_compat as compat
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.ir.placement import FlatShard, Replicate, Shard
+from meshc.compiler.ir.placement import FlatShard, Replicate, Shard, Whole, has_whole, local_blocks
 from meshc.compiler.ir.program import Program
 
 from . import offload
 from .sharding import allocate_local, read_local, take
-from .ops.zero import pack, shard_size, unpack
+from .ops.zero import flat_shard, pack, shard_size, unpack
 
 DP = "dp"
 
@@ -157,7 +157,9 @@ class ParamStore:
                 continue
             axes = tuple(a for a, pl in self.specs[fqn].placements.items()
                          if isinstance(pl, (Shard, FlatShard)) and self.mesh.size(a) > 1)
-            sums[axes] = sums.get(axes, 0.0) + p.grad.detach().double().pow(2).sum()
+            square = p.grad.detach().double().pow(2)
+            weight = self._whole_weights(fqn)
+            sums[axes] = sums.get(axes, 0.0) + (square * weight if weight is not None else square).sum()
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for axes, value in sums.items():
             for a in axes:
@@ -166,6 +168,27 @@ class ParamStore:
         if self.mesh.size("pp") > 1:
             total = compat.all_reduce_sum(total, self.mesh.group_name("pp"))
         return total.sqrt()
+
+    def _whole_weights(self, fqn: str) -> torch.Tensor | None:
+        """Per element of the parameter's local gradient (as this rank holds it, a ZeRO flat shard included): 1,
+        or 1/n in a block every rank of an axis of n holds whole (Whole chunks), which the all-reduce over that
+        axis would otherwise count n times; None when the parameter has no such block."""
+        spec = self.specs[fqn]
+        shards = [(a, p) for a, p in spec.placements.items()
+                  if isinstance(p, Shard) and has_whole(p.chunks) and self.mesh.size(a) > 1]
+        if not shards:
+            return None
+        weight = torch.ones(spec.unflat_shape(self.mesh.sizes), dtype=torch.float64, device=self.mesh.device)
+        for axis, p in shards:
+            n, start = self.mesh.size(axis), 0
+            for block, size in zip(p.chunks, local_blocks(p.chunks, sum(p.chunks), n)):
+                if isinstance(block, Whole):
+                    weight.narrow(p.dim, start, size).fill_(1.0 / n)
+                start += size
+        for axis, p in spec.placements.items():
+            if isinstance(p, FlatShard) and self.mesh.size(axis) > 1:
+                weight = flat_shard(weight, self.mesh.size(axis), self.mesh.coord(axis))
+        return weight
 
     def held_bytes(self, optimizers=()) -> dict[str, int]:
         """Bytes of the tensors this rank really holds, each storage counted once; what an offload keeps in its

@@ -16,6 +16,9 @@ import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+# the cost model's choices (fusion, collective matmul, ...) from the built-in uncalibrated CPU profile, not from a
+# calibration this machine may have written to ~/.cache/meshc (a path that does not exist selects cpu-default)
+os.environ["MESHC_HARDWARE"] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "no-calibration.json")
 
 
 @pytest.fixture

@@ -176,6 +176,13 @@ class Plan:
         if not isinstance(self.zero_bucket_mb, (int, float)) or self.zero_bucket_mb <= 0:
             raise MeshcValueError("Plan.zero_bucket_mb: expected a positive number of MiB, got "
                                   f"{self.zero_bucket_mb!r}")
+        self._check_precision_and_fusion()
+        self._check_pipeline()
+        self._check_offload()
+        if self.trace not in ("auto", "strict", "non-strict"):
+            raise MeshcValueError(f"Plan.trace: expected 'auto', 'strict' or 'non-strict', got {self.trace!r}")
+
+    def _check_precision_and_fusion(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
@@ -201,6 +208,8 @@ class Plan:
             raise MeshcValueError(f"Plan.{name}: expected fusion=True or None (the fuse_comm pass makes the fused "
                                   "kernels and collective matmuls, and fusion=False turns it off), got fusion=False; "
                                   f"keep fusion on or leave it to the cost model, or drop {name}")
+
+    def _check_pipeline(self) -> None:
         for name in ("microbatches", "virtual"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -221,9 +230,6 @@ class Plan:
                                   "weight-gradient halves run backward twice over each block, and torch's selective "
                                   "checkpoint lets a block run backward once), got 'selective'; use remat='full', "
                                   "or another schedule")
-        self._check_offload()
-        if self.trace not in ("auto", "strict", "non-strict"):
-            raise MeshcValueError(f"Plan.trace: expected 'auto', 'strict' or 'non-strict', got {self.trace!r}")
 
     def _check_offload(self) -> None:
         if self.offload not in (None, "cpu", "nvme"):

@@ -3,8 +3,8 @@ the families whose fused or hand-written projections the plan once left whole (F
 GPT-NeoX, GPT-J, BLOOM's autograd.Function GeLU), at tp=2 with and without sequence parallelism (and at tp=4 those with 4 kv heads), each asserted to shard >= 90% of its blocks'
 weight bytes from the ranks' local shapes.
 
-Fusion is on (the default): the chains next to the collectives run as meshc's fused kernels (their CPU
-implementations here). Mixtral's experts are split over tp like linear layers (each expert's gate/up column-parallel,
+Fusion is left to the cost model (the default), which on the CPU profile fuses nothing: the fused kernels' parity
+is tests/models/test_plan_matrix.py's (fusion on and off) and tests/passes/test_fuse_comm.py's. Mixtral's experts are split over tp like linear layers (each expert's gate/up column-parallel,
 its down row-parallel, through the grouped matmul's rule), with its attention.
 
 Tolerances: tensor parallelism splits contractions (row-parallel partial sums are added by an all-reduce)

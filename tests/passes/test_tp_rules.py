@@ -21,6 +21,7 @@ from meshc.passes.shapes import shape_of
 from meshc.passes.tp_rules import COMPUTE_RULES, RuleCtx, no_rule, pointwise_rule
 from meshc.passes.tp_table import RULES, build_table, infer, rule_for
 from meshc.passes.tp_views import VIEW_RULES, view_rule
+from meshc.passes.tp_vocab import VOCAB_RULES
 from meshc.runtime.ops.tp_ops import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 aten = torch.ops.aten
@@ -236,6 +237,8 @@ VIEWS = [
      S(1, (2, W(1), W(1))), {}, False),
     ("view to heads, a block indivisible", aten.view.default, (T((2, 64)), [2, 4, 16]), [S(1, (32, 16, 16))], 4,
      R, {(0,): R}, True),
+    ("broadcast beside whole blocks gathers", aten.mul.Tensor, (T((2, 64)), T((2, 1))), [S(1, (32, W(16), W(16))), R],
+     2, R, {(0,): R, (1,): R}, True),
     ("pointwise keeps whole blocks", aten.mul.Tensor, (T((2, 64)), T((2, 64))), [S(1, (32, W(16), W(16))), R], 2,
      S(1, (32, W(16), W(16))), {(1,): S(1, (32, W(16), W(16)))}, False),
     # GPT-J's interleaved rotary: stack((-x2, x1), dim=-1) of head-sharded halves
@@ -387,7 +390,7 @@ def test_rules_without_a_rewrite_leave_the_node():
 
 # ---------------------------------------------------------------------------------------- the table
 def test_table_covers_every_rule_once():
-    rules = COMPUTE_RULES + VIEW_RULES
+    rules = COMPUTE_RULES + VIEW_RULES + VOCAB_RULES
     assert len(set(rules)) == len(rules)
     assert len(RULES) == sum(len(r.targets) for r in rules)
     assert RULES[aten.view.default] is view_rule
