@@ -24,7 +24,6 @@ Before: p_layers_0_attention_wq_weight  tp:R          After: tp:S(0)
 """
 from __future__ import annotations
 
-
 import fnmatch
 from dataclasses import dataclass
 
@@ -261,26 +260,26 @@ def _chunks(node: fx.Node, n: int) -> int | tuple[int, ...]:
     frontier = [(node, 1)]  # (value, elements of the flat last dim per position of the dim cut)
     while frontier:
         cur, unit = frontier.pop()
-        cut = len(cur.meta["meshc.shape"]) - (1 if unit == 1 else 2)
+        ndim = len(cur.meta["meshc.shape"])
+        cut = ndim - (1 if unit == 1 else 2)
+        size = int(cur.meta["meshc.shape"][cut])
         slices = []
         for u in cur.users:
             shape = u.meta.get("meshc.shape") or ()
             if unit == 1 and is_reshape(u) and int(shape[-1]) == width:
                 frontier.append((u, 1))
-            elif unit == 1 and is_reshape(u) and len(shape) >= 2 and int(shape[-2]) * int(shape[-1]) == width:
-                frontier.append((u, int(shape[-1])))  # (..., heads, head dim)
+            elif unit == 1 and _head_split(u, width):
+                frontier.append((u, _head_split(u, width)))  # (..., heads, head dim)
             elif u.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
                 dim = u.args[2] if len(u.args) > 2 else 0
-                if dim % len(cur.meta["meshc.shape"]) == cut:
+                if dim % ndim == cut:
                     return _blocks([int(s[dim]) for s in shape], unit, n)
-            elif u.target == aten.slice.Tensor and len(u.args) > 1 and u.args[1] % len(cur.meta["meshc.shape"]) == cut:
+            elif u.target == aten.slice.Tensor and len(u.args) > 1 and u.args[1] % ndim == cut:
                 step = u.args[4] if len(u.args) > 4 else 1
                 lo = u.args[2] if len(u.args) > 2 and u.args[2] is not None else 0
-                size = int(cur.meta["meshc.shape"][cut])
                 if step == 1 and 0 <= lo < size:
                     slices.append((lo, lo + int(shape[cut]), _head_dim(u)))
         tiles = sorted(set(slices))
-        size = int(cur.meta["meshc.shape"][cut])
         if len(tiles) > 1 and tiles[0][0] == 0 and tiles[-1][1] == size and all(
                 a[1] == b[0] for a, b in zip(tiles, tiles[1:])):
             heads = {d for *_, d in tiles}  # flat q|k|v slices each viewed as (heads, head dim) afterwards
@@ -291,11 +290,18 @@ def _chunks(node: fx.Node, n: int) -> int | tuple[int, ...]:
     return 1
 
 
+def _head_split(u: fx.Node, width: int) -> int:
+    """The head dim when `u` reshapes a last dim of `width` into (heads, head dim), else 0."""
+    shape = u.meta.get("meshc.shape") or ()
+    if is_reshape(u) and len(shape) >= 2 and int(shape[-2]) * int(shape[-1]) == width:
+        return int(shape[-1])
+    return 0
+
+
 def _head_dim(part: fx.Node) -> int | None:
-    """The last dim of the one reshape of `part` that splits its last dim in two (heads, head dim), if any."""
+    """The head dim of the one reshape of `part` that splits its last dim in two (heads, head dim), if any."""
     width = int(part.meta["meshc.shape"][-1])
-    dims = {int(u.meta["meshc.shape"][-1]) for u in part.users if is_reshape(u)
-            and len(u.meta["meshc.shape"]) >= 2 and int(u.meta["meshc.shape"][-2]) * int(u.meta["meshc.shape"][-1]) == width}
+    dims = {_head_split(u, width) for u in part.users} - {0}
     return dims.pop() if len(dims) == 1 else None
 
 

@@ -3,12 +3,12 @@
     RULES[aten.linear.default] is tp_rules.matmul_rule
     infer(node, ctx) -> Decision
 
-Built once, here, from the rules tp_rules (COMPUTE_RULES), tp_views (VIEW_RULES) and tp_vocab (VOCAB_RULES) list, each marked with
-the ops it handles; an op claimed by two rules is an internal error. An op not in the table falls back to
-tp_rules.grouped_mm_rule for grouped matmuls (by name), to tp_rules.pointwise_rule when torch tags it
-pointwise, and to tp_rules.no_rule (every tensor input replicated, with a note) otherwise; a user Function's
-op marked elementwise by the trace goes to tp_rules.elementwise_function_rule. The plan pass (its trials) and the tensor_parallel pass read the same
-table; importing a module registers nothing.
+Built once, here, from the rules tp_rules (COMPUTE_RULES), tp_views (VIEW_RULES) and tp_vocab (VOCAB_RULES)
+list, each marked with the ops it handles; an op claimed by two rules is an internal error. An op not in the
+table falls back to tp_rules.grouped_mm_rule for grouped matmuls (by name), to tp_rules.pointwise_rule when
+torch tags it pointwise, and to tp_rules.no_rule (every tensor input replicated, with a note) otherwise; a user
+Function's op marked elementwise by the trace goes to tp_rules.elementwise_function_rule. The plan pass (its
+trials) and the tensor_parallel pass read the same table; importing a module registers nothing.
 """
 from __future__ import annotations
 

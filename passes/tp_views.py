@@ -15,8 +15,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from meshc.compiler.ir.placement import (Partial, R, Replicate, Shard, Whole, as_chunks, block_sizes, has_whole,
-                                         local_blocks, local_length)
+from meshc.compiler.ir.placement import (Partial, R, Replicate, Shard, Whole, as_chunks, block_sizes, blocks_placement,
+                                         has_whole, local_blocks, local_length)
 
 from .tp_rules import Decision, RuleCtx, handles
 
@@ -228,8 +228,7 @@ def slice_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
             nd.update_arg(2, local[i])
             if len(nd.args) > 3:
                 nd.update_arg(3, local[j])
-        out = R if all(isinstance(b, Whole) for b in held) else Shard(dim, as_chunks(held))  # k of multi-query: R
-        return Decision({}, out, rewrite=rewrite)
+        return Decision({}, blocks_placement(dim, held), rewrite=rewrite)  # k of multi-query: R
     return Decision({(0,): R}, R, note=f"slice of the sharded dim {dim}")
 
 
@@ -321,8 +320,7 @@ def _split_with_whole(dim: int, groups: list[tuple[int, ...]], n: int) -> Decisi
 
     def rewrite(nd: fx.Node) -> None:
         nd.target, nd.args = aten.split_with_sizes.default, (nd.args[0], sizes, dim)
-    out = tuple(R if all(isinstance(b, Whole) for b in g) else Shard(dim, as_chunks(g)) for g in groups)
-    return Decision({}, out, rewrite=rewrite)
+    return Decision({}, tuple(blocks_placement(dim, g) for g in groups), rewrite=rewrite)
 
 
 @handles(aten.unbind.int)

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler.ir.fx_ops import get_arg, set_arg
-from meshc.compiler.ir.placement import R, Shard, Whole, as_chunks, local_blocks
+from meshc.compiler.ir.placement import Whole, blocks_placement, local_blocks
 from meshc.runtime.ops.tp_ops import join_blocks
 
 aten = torch.ops.aten
@@ -45,19 +45,19 @@ def split_whole_matmul(node: fx.Node, placements: dict, n: int, b_path: tuple, b
     shape = list(node.meta["meshc.shape"])
     b_shape = list(b.meta["meshc.shape"])
     parts, lo = [], 0
-    for whole, blocks in runs(chunks):
+    for _, blocks in runs(chunks):
         size = sum(local_blocks(blocks, sum(blocks), n))
         total = sum(int(x) for x in blocks)
-        placement = R if whole else Shard(b_dim, as_chunks(blocks))
+        placement = blocks_placement(b_dim, blocks)
         with graph.inserting_before(node):
             w = _slice(graph, b, b_dim, lo, size, b_shape, total, placement, placements, node)
             part = graph.node_copy(node)
             set_arg(part, b_path, w)
             if bias is not None:
                 set_arg(part, bias_path, _slice(graph, bias, 0, lo, size, list(bias.meta["meshc.shape"]), total,
-                                                R if whole else Shard(0, as_chunks(blocks)), placements, node))
+                                                blocks_placement(0, blocks), placements, node))
         part.meta["meshc.shape"] = tuple(shape[:-1]) + (total,)
-        placements[part] = R if whole else Shard(len(shape) - 1, as_chunks(blocks))
+        placements[part] = blocks_placement(len(shape) - 1, blocks)
         parts.append(part)
         lo += size
     with graph.inserting_before(node):

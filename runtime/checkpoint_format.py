@@ -134,7 +134,7 @@ def _segments(dim: int, start: int, length: int, steps: list, lengths: list) -> 
     for (d, chunks, n, k), after in reversed(list(zip(steps, lengths))):
         if d != dim:
             continue
-        blocks = block_sizes(chunks, _global_length(chunks, after, n))
+        blocks = block_sizes(chunks, after * n)  # tuple chunks are their own sizes
         local = local_blocks(chunks, sum(blocks), n)  # a rank's part of each block
         starts = list(itertools.accumulate([0] + list(local[:-1])))  # where each block's part begins, locally
         begins = list(itertools.accumulate([0] + [int(b) for b in blocks[:-1]]))  # and the block, globally
@@ -149,11 +149,6 @@ def _segments(dim: int, start: int, length: int, steps: list, lengths: list) -> 
                 loc, cur, left = loc + take, cur + take, left - take
         segs = out
     return segs
-
-
-def _global_length(chunks, local: int, n: int) -> int:
-    """The global length of a dim whose rank-local length is `local` under `chunks` over n ranks."""
-    return sum(int(b) for b in chunks) if isinstance(chunks, tuple) else local * n
 
 
 def writes(key: str, placements: dict, sizes: dict, coords: dict, pp_owner: int) -> bool:

@@ -37,6 +37,7 @@ class ParamStore:
         self.masters: dict[str, torch.nn.Parameter] = {}
         self.compute: dict[str, torch.Tensor] = {}
         self.pending: set[str] = set()
+        self._weights: dict[str, torch.Tensor | None] = {}  # grad_norm's per-parameter weights (_whole_weights)
         for fqn, spec in program.params.items():
             if keep is not None and fqn not in keep:  # a pipeline stage on another rank holds it
                 continue
@@ -158,7 +159,9 @@ class ParamStore:
             axes = tuple(a for a, pl in self.specs[fqn].placements.items()
                          if isinstance(pl, (Shard, FlatShard)) and self.mesh.size(a) > 1)
             square = p.grad.detach().double().pow(2)
-            weight = self._whole_weights(fqn)
+            if fqn not in self._weights:
+                self._weights[fqn] = self._whole_weights(fqn)
+            weight = self._weights[fqn]
             sums[axes] = sums.get(axes, 0.0) + (square * weight if weight is not None else square).sum()
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for axes, value in sums.items():

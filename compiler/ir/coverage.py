@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .placement import FlatShard, Shard, Whole, has_whole
+from .placement import FlatShard, Shard, Whole, block_sizes
 
 _INDEXED = re.compile(r"(^|\.)\d+(\.|$)")
 
@@ -67,8 +67,9 @@ def _sharded_bytes(spec, placement) -> int:
         return _bytes(spec)
     if not isinstance(placement, Shard):
         return 0
-    whole = sum(int(b) for b in placement.chunks if isinstance(b, Whole)) if has_whole(placement.chunks) else 0
-    return _bytes(spec) * (int(spec.shape[placement.dim]) - whole) // int(spec.shape[placement.dim])
+    size = int(spec.shape[placement.dim])
+    whole = sum(int(b) for b in block_sizes(placement.chunks, size) if isinstance(b, Whole))
+    return _bytes(spec) * (size - whole) // size
 
 
 def _bytes(spec) -> int:

@@ -107,6 +107,12 @@ def as_chunks(sizes) -> int | tuple[int, ...]:
     return len(sizes) if len(set(sizes)) <= 1 and not has_whole(sizes) else sizes
 
 
+def blocks_placement(dim: int, blocks):
+    """The placement of a part made of these blocks of a shard on `dim`: R when every rank holds them all
+    whole (Whole blocks only: multi-query k or v), else the shard of those blocks."""
+    return Replicate() if all(isinstance(b, Whole) for b in blocks) else Shard(dim, as_chunks(blocks))
+
+
 def data_axis(placements: dict) -> str:
     """The axis a tensor's data-parallel replicas lie on: dp, or edp for an expert's (sharded over ep, the other
     part of dp; compiler/ir/mesh_spec.py)."""
