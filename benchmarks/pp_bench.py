@@ -8,7 +8,9 @@ Model: torch's reference Transformer, 4 layers, dim 256, 8 heads, vocab 1024, un
 pipeline() cannot split a tied weight), batch 16 x 128 tokens, fp32, AdamW; gloo on loopback, one
 thread per rank. Measured bubble = (step time - compute time) / compute time on each rank (compute:
 the stage forward/backward actions), averaged over ranks; the simulator predicts it from each stage's
-forward FLOPs (backward = 2 x forward; zb-h1's I = W = forward), with no communication time. zb-h1 runs on
+forward FLOPs (backward = 2 x forward; zb-h1's I = W = forward), with no communication time, and again from
+the actions' measured mean durations per (kind, stage) (what the schedule itself predicts once the real
+cost of each action is known: the gap between the two is the FLOP model's, the rest is communication). zb-h1 runs on
 meshc only (torch's zero-bubble schedules need several stages per rank).
 """
 from __future__ import annotations
@@ -33,6 +35,20 @@ def _data():
     return token_batch(BATCH, SEQ, VOCAB)
 
 
+def _replayed(schedule, everyone: list) -> tuple[float, dict[str, float]]:
+    """The simulator's bubble for `schedule` with each (kind, stage) action costing its measured mean seconds
+    (every rank's actions over the timed steps): what the schedule predicts from the actions' real durations."""
+    from meshc.compiler.ir.schedule_sim import simulate
+
+    times: dict[tuple[str, int], list[float]] = {}
+    for rank_actions in everyone:
+        for kind, stage, _mb, seconds in rank_actions:
+            times.setdefault((kind, stage), []).append(seconds)
+    mean = {key: sum(v) / len(v) for key, v in times.items()}
+    ms = {f"{stage}{kind}": round(1e3 * t, 2) for (kind, stage), t in sorted(mean.items(), key=lambda kv: kv[0][::-1])}
+    return simulate(schedule, cost=lambda a: mean[(a.kind, a.stage)]).bubble, ms
+
+
 def worker(config: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -47,7 +63,7 @@ def worker(config: dict) -> None:
         job = meshc.compile(_model(), mesh, example_inputs=(x,),
                             plan=meshc.Plan(microbatches=m, schedule=config["schedule"]))
         opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
-        busy, elapsed = [], []
+        busy, elapsed, actions = [], [], []
 
         def step():
             job.step(x, y, lm_loss)
@@ -55,11 +71,16 @@ def worker(config: dict) -> None:
             opt.zero_grad()
             busy.append(job.pipeline_timing()[0])
             elapsed.append(job.pipeline_timing()[1])
+            actions.append(job.pipeline_actions())
         seconds = median_step(step, steps=config["steps"], barrier=dist.barrier)
         measured = sum(e for e in elapsed[-config["steps"]:]) / sum(b for b in busy[-config["steps"]:]) - 1
         bubble = torch.tensor([measured])
         dist.all_reduce(bubble)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, [a for step_actions in actions[-config["steps"]:] for a in step_actions])
+        replayed, action_ms = _replayed(job.compiled.pipeline.schedule, everyone)
         report({"step_s": seconds, "bubble": bubble.item() / pp, "predicted": job.compiled.pipeline.simulated.bubble,
+                "replayed": replayed, "action_ms": action_ms,
                 "stages": [s.blocks for s in job.program.stage_info]})
         return
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
@@ -104,7 +125,8 @@ def main() -> None:
         torch_s = torch_run["step_s"] if torch_run else float("nan")
         rows.append({"schedule": schedule, "torch.distributed.pipelining (s)": torch_s,
                      "meshc (s)": ours["step_s"], "meshc / torch": ours["step_s"] / torch_s,
-                     "measured bubble": ours["bubble"], "simulated bubble": ours["predicted"],
+                     "measured bubble": ours["bubble"], "simulated (FLOPs)": ours["predicted"],
+                     "simulated (measured actions)": ours["replayed"],
                      "(p-1)/m": (args.pp - 1) / args.microbatches})
         print(schedule, json.dumps(torch_run), json.dumps(ours), flush=True)
     print()

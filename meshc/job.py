@@ -365,6 +365,13 @@ class Job:
         """(busy, elapsed) seconds of this rank in the last pipelined step (None without a pipeline)."""
         return (self._pipe.last_busy, self._pipe.last_elapsed) if self._pipe is not None else None
 
+    def pipeline_actions(self) -> list[tuple[str, int, int, float]] | None:
+        """(kind, stage, micro-batch, seconds) of each compute action this rank ran in the last pipelined step,
+        in run order (None without a pipeline): the durations the schedule simulator can replay."""
+        if self._pipe is None:
+            return None
+        return [(a.kind, a.stage, a.microbatch, seconds) for a, seconds in self._pipe.last_actions]
+
     @property
     def program(self) -> Program:
         """The transformed program of the first compilation (this rank)."""

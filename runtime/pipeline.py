@@ -59,6 +59,7 @@ class PipelineRun:
         self.losses: list[torch.Tensor] = []
         self.sends: list[Any] = []
         self.busy = 0.0  # seconds of compute actions: the rest of the step is bubble or communication
+        self.actions: list[tuple[Action, float]] = []  # each compute action and its seconds, in run order
         start = time.perf_counter()
         for op in self.schedule.program(self.rank):
             if isinstance(op, P2P):
@@ -69,7 +70,9 @@ class PipelineRun:
                 t0 = time.perf_counter()
                 with tracing.region(str(op), "compute", stage=op.stage, microbatch=op.microbatch):
                     self._compute(op)
-                self.busy += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+                self.busy += seconds
+                self.actions.append((op, seconds))
         with tracing.region("wait sends", "wait"):
             for work in self.sends:
                 work.wait()

@@ -25,6 +25,7 @@ class Pipelined:
         self.layout, self.mesh, self.plan = layout, mesh, layout.plan
         self.program = layout.program
         self.last_busy = self.last_elapsed = 0.0
+        self.last_actions: list = []  # (Action, seconds) of this rank's compute actions in the last step
 
     def step(self, flat: list, targets: Any, loss_fn: Callable, values: Callable[[Stage], list],
              zero_context) -> torch.Tensor:
@@ -42,6 +43,7 @@ class Pipelined:
         run = PipelineRun(self.layout.local, self.layout.schedule, self.mesh, values, loss_of, zero_context)
         loss = run.run(micro)
         self.last_busy, self.last_elapsed = run.busy, run.elapsed  # measured bubble: elapsed / busy - 1
+        self.last_actions = run.actions
         return loss
 
     def sum_tied(self, grad_holder: Callable[[str], torch.Tensor | None], shape_of: Callable[[str], tuple],
