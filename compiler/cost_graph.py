@@ -113,6 +113,8 @@ class GraphCost:
     recompute_flops: float = 0.0
     recompute_bytes: float = 0.0
     recompute_ops: int = 0
+    receives_grad: bool = False  # a received activation needs a gradient (not a first stage): I has work
+    weight_ops: int = 0  # ops between a received activation and a parameter: zero-bubble W's autograd calls
     comms: list = field(default_factory=list)  # (CommRecord, recomputed_in_backward, FLOPs a call hides behind)
 
     def time(self, hw: Hardware) -> tuple[float, float]:
@@ -140,7 +142,24 @@ def graph_cost(gm: fx.GraphModule) -> GraphCost:
             cost.saved += (int(node.kwargs.get("size", 1)) - 1) * sum(_nbytes(x) for x in node.args[1:3])
         _add_comms(cost, node, [r for r in node.meta.get("meshc.comm", ()) if not _skipped_regather(node, r, grads)])
     cost.saved += float(sum(saved.values()))
+    closure = _from_received(gm.graph, grads)
+    cost.receives_grad = bool(closure)
+    cost.weight_ops = sum(1 for n in closure if _is_compute(n) and
+                          any(x in grads and x not in closure for x in n.all_input_nodes))
     return cost
+
+
+def _from_received(graph: fx.Graph, grads: set[fx.Node]) -> set[fx.Node]:
+    """Values that need a gradient and depend on a received activation that needs one (backward's input
+    closure, runtime/backward_split.py): empty in a first stage."""
+    out: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node in grads and node.meta.get("meshc.role") not in ("param", "buffer"):
+                out.add(node)
+        elif node in grads and any(x in out for x in node.all_input_nodes):
+            out.add(node)
+    return out
 
 
 def _add_comms(cost: GraphCost, node: fx.Node, records, recomputed=lambda record: False) -> None:
@@ -333,6 +352,8 @@ class StageTimes:
     compute: float
     ep: float = 0.0  # expert all-to-alls (blocking, like tp's; part of forward and backward above)
     cp: float = 0.0  # context attention's traffic not hidden behind its blocks (part of forward and backward too)
+    first: bool = False  # no received activation needs a gradient: zero-bubble's I is empty, W is all of B
+    split: float = 0.0  # seconds zero-bubble's split adds to W (its autograd calls, hardware.split_overhead)
 
 
 def stage_times(cost: GraphCost, sizes: dict[str, int], hw: Hardware) -> StageTimes:
@@ -355,7 +376,8 @@ def stage_times(cost: GraphCost, sizes: dict[str, int], hw: Hardware) -> StageTi
         if record.axis in by_axis:
             by_axis[record.axis] += seconds * (2 if recomputed else 1)
     return StageTimes(forward=work / 3 + tp_fwd, backward=2 * work / 3 + again + tp_bwd, recompute=again,
-                      tp=tp_fwd + tp_bwd - by_axis["ep"] - by_axis["cp"], dp=dp, compute=work, **by_axis)
+                      tp=tp_fwd + tp_bwd - by_axis["ep"] - by_axis["cp"], dp=dp, compute=work,
+                      first=not cost.receives_grad, split=cost.weight_ops * hw.split_overhead, **by_axis)
 
 
 # ---------------------------------------------------------------------------------------------- estimate
@@ -390,12 +412,21 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
             "ep": m * sum(times[i].ep for i in local), "cp": m * sum(times[i].cp for i in local), "pp": 0.0,
             "dp": max(dp - hw.overlap * busy[busiest], 0.0), "step": step,
             "optimizer": hw.adam_time(max(r[1] for r in ranks)),
-            "overhead": hw.step_overhead + (2 * m * len(local) * hw.action_overhead if schedule is not None else 0.0)}
+            "overhead": hw.step_overhead + (2 * m * len(local) * hw.action_overhead if schedule is not None else 0.0)
+            + (m * sum(times[i].split for i in local) if _splits(schedule) else 0.0)}
+    if makespan < busy[busiest]:  # shared cores (see _makespan): the busiest rank ran faster than calibrated
+        for key in ("compute", "recompute", "tp", "ep", "cp"):
+            time[key] *= makespan / busy[busiest]
     flops = m * sum(3 * costs[i].flops + costs[i].recompute_flops for i in local)
     by_axis: dict[str, float] = {}
     for (kind, axis), nbytes in comm_bytes(program, pipeline).items():
         by_axis[axis] = by_axis.get(axis, 0.0) + nbytes
     return Estimate(source="compiled", memory=memory, time=time, flops=flops, comm_bytes=by_axis)
+
+
+def _splits(schedule) -> bool:
+    """Whether the schedule splits backward into I and W (zero-bubble)."""
+    return schedule is not None and any(getattr(op, "kind", None) == "W" for op in schedule.program(0))
 
 
 def _stages(program, pipeline):
@@ -407,10 +438,17 @@ def _stages(program, pipeline):
 
 
 def _makespan(stages, times, schedule, sizes, hw):
-    """(makespan, busy seconds per pp rank, peak micro-batches in flight per pp rank) of one step."""
+    """(makespan, busy seconds per pp rank, peak micro-batches in flight per pp rank) of one step.
+
+    Where a node's ranks share fewer cores than there are ranks (hw.cores), `times` are those of a rank
+    computing while all do (as calibrated): a pipeline is simulated at the speed of a rank alone (times over
+    the calibration's sharing: a rank in another's bubble has a core to itself), and a node's ranks then finish
+    no sooner than their total compute over its cores. Busy times stay in calibrated units."""
     if schedule is None:
         t = times[0]
         return t.forward + t.backward, [t.forward + t.backward], [1]
+    calibrated = hw.sharing(hw.ranks_per_node)
+    ranks = min(math.prod(sizes.values()), hw.ranks_per_node)  # of this job on one node
     from meshc.compiler.ir.schedule_sim import simulate
 
     pp = sizes.get("pp", 1)
@@ -421,9 +459,14 @@ def _makespan(stages, times, schedule, sizes, hw):
 
     def cost(action) -> float:
         st = by_stage[action.stage]
-        return {"F": st.forward, "B": st.backward, "I": st.backward / 2, "W": st.backward / 2}[action.kind]
+        half = 0.0 if st.first else st.backward / 2
+        seconds = {"F": st.forward, "B": st.backward, "I": half, "W": st.backward - half + st.split}[action.kind]
+        return seconds / calibrated
     result = simulate(schedule, cost=cost, comm=delay)
-    return result.makespan, list(result.busy), list(result.peak_in_flight)
+    makespan = result.makespan
+    if hw.cores:  # each pp rank's work is done by ranks / pp ranks of the node at once
+        makespan = max(makespan, sum(result.busy) * ranks / pp / hw.cores)
+    return makespan, [b * calibrated for b in result.busy], list(result.peak_in_flight)
 
 
 def _rank_memory(program, stages, costs, local, in_flight, schedule, hw, sizes):

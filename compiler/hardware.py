@@ -28,6 +28,14 @@ Terms:
     disk_read, disk_write
                    bytes/s one rank reads and writes its offload files (Plan.offload="nvme"); `meshc
                    calibrate` measures them on this machine; 0: unknown (the planner offers no nvme offload).
+    cores          CPU cores one node's ranks share (0: every rank has its own device, as on GPUs). With more
+                   ranks on a node than cores, `meshc calibrate` measured the compute figures above with every
+                   rank busy at once (each with cores/ranks of a core): a rank that computes while others wait
+                   (in a pipeline's bubble) runs faster, up to a whole core, and a node finishes no sooner than
+                   its ranks' total compute over its cores (compiler/cost_graph.py's pipeline makespan).
+    split_overhead seconds zero-bubble's backward split (runtime/backward_split.py) adds per op that takes both
+                   a received activation's gradient path and a parameter (one more autograd call in W), as
+                   `meshc calibrate` measured it (I + W - B over those ops); 0: not measured (the split is free).
     compute_scale  a real training step's compute time over the roofline's from the figures above: what
                    microbenchmarks on reused tensors miss (fresh allocations, caches, dispatch); fitted by
                    `meshc calibrate` on a small transformer's step; 1 for the GPU profiles.
@@ -125,6 +133,8 @@ class Hardware:
     step_overhead: float = 0.0
     action_overhead: float = 0.0
     compute_scale: float = 1.0
+    cores: int = 0
+    split_overhead: float = 0.0
     host_bandwidth: float = 0.0
     disk_read: float = 0.0
     disk_write: float = 0.0
@@ -140,17 +150,24 @@ class Hardware:
             if not getattr(self, name) > 0:
                 raise MeshcValueError(f"Hardware.{name}: expected a positive number, got {getattr(self, name)!r}")
         for name in ("op_overhead", "adam_rate", "step_overhead", "action_overhead", "host_bandwidth", "disk_read",
-                     "disk_write"):
+                     "disk_write", "split_overhead"):
             if not getattr(self, name) >= 0:
                 raise MeshcValueError(f"Hardware.{name}: expected a number >= 0, got {getattr(self, name)!r}")
         if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise MeshcValueError(f"Hardware.ranks_per_node: expected a positive int, got {self.ranks_per_node!r}")
+        if isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 0:
+            raise MeshcValueError(f"Hardware.cores: expected an int >= 0 (0: nothing shared), got {self.cores!r}")
         if not 0.0 <= self.overlap <= 1.0:
             raise MeshcValueError(f"Hardware.overlap: expected a fraction in [0, 1], got {self.overlap!r}")
 
     def adam_time(self, elements) -> float:
         """Seconds of one AdamW update of `elements` parameters."""
         return elements / (self.adam_rate or self.mem_bandwidth / 32)
+
+    def sharing(self, ranks: int) -> float:
+        """How many times slower than alone a rank computes while `ranks` ranks of its node compute at once
+        (1 where nothing is shared)."""
+        return max(1.0, ranks / self.cores) if self.cores else 1.0
 
     def spans_nodes(self, stride: int, n: int) -> bool:
         """Whether a group of n ranks spaced `stride` apart (tp: 1, dp: tp, pp: dp·tp) spans nodes."""

@@ -68,7 +68,29 @@ def measure_compute(quick: bool = True) -> dict[str, float]:
     seconds = _median_time(lambda: torch.add(x, y), reps, repeat=8)
     bandwidth = 3 * x.numel() * 4 / seconds
     overhead = _op_overhead(100 if quick else 400)
-    return {"flops": flops, "mem_bandwidth": bandwidth, "op_overhead": overhead, "adam_rate": _adam_rate(quick)}
+    return {"flops": flops, "mem_bandwidth": bandwidth, "op_overhead": overhead, "adam_rate": _adam_rate(quick),
+            "split_overhead": split_overhead(reps)}
+
+
+def split_overhead(reps: int, layers: int = 8, width: int = 256) -> float:
+    """Seconds zero-bubble's split (runtime/backward_split.py) adds per op with a weight over a plain backward:
+    (I + W - B) over W's intermediates, on a stack of linear layers fed a received activation."""
+    from meshc.runtime.backward_split import backward_input, backward_weight
+
+    stack = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+    x = torch.randn(256, width, requires_grad=True)
+    g = torch.randn(256, width)
+    ops = []
+
+    def plain() -> None:
+        torch.autograd.backward([stack(x)], [g], inputs=[x, *stack.parameters()])
+
+    def split() -> None:
+        _, work = backward_input([stack(x)], [g], [x])
+        ops.append(len(work.edges))
+        backward_weight(work)
+    extra = _median_time(split, reps, repeat=4) - _median_time(plain, reps, repeat=4)
+    return max(extra, 0.0) / max(ops[-1], 1)
 
 
 def _linear_rate(reps: int) -> float:
@@ -319,7 +341,8 @@ def profile(compute: dict[str, float], samples: dict, ranks: int, name: str = "c
     fused = {k.split(".", 1)[1]: v for k, v in compute.items() if k.startswith("fused.")}
     hw = Hardware(name=name, flops=compute["flops"], mem_bandwidth=compute["mem_bandwidth"],
                   op_overhead=compute["op_overhead"], adam_rate=compute.get("adam_rate", 0.0),
-                  memory=float(memory), ranks_per_node=ranks, intra=intra,
+                  split_overhead=compute.get("split_overhead", 0.0),
+                  memory=float(memory), ranks_per_node=ranks, cores=len(os.sched_getaffinity(0)), intra=intra,
                   inter=inter, overlap=0.0, fused_speedup=fused,
                   description=f"this machine: {ranks} processes over gloo on loopback, one thread each, measured "
                               f"by meshc calibrate on {time.strftime('%Y-%m-%d %H:%M')}")

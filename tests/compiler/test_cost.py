@@ -250,3 +250,63 @@ def test_step_time_is_predicted_for_every_measured_plan(case):
         est = run["estimate"]
         assert est.source == "compiled" and est.time["compute"] > 0 and math.isfinite(est.step_time), est.time
         assert run["seconds"] > 0 and math.isfinite(run["ratio"]) and run["ratio"] > 0, run
+
+
+def test_shared_cores_shorten_pipelines_only():
+    """4 ranks of a node on 2 cores (Hardware.cores): the profile's compute figures were measured with every rank
+    busy, so data parallelism (every rank always busy) is predicted as before, while a pipeline's rank runs
+    alone in another's bubble: pp=2 x dp=2 with one micro-batch runs its stages one after the other, which on
+    enough cores is a bubble as long as the compute, and on 2 cores is none (each stage's 2 ranks then have a
+    core each: the node's total compute over its cores, the calibrated busy time, bounds the step)."""
+    import dataclasses
+
+    from meshc.explain_cli import simulate
+
+    base = dataclasses.replace(hardware.load("cpu-default"), ranks_per_node=4)
+    with pytest.raises(ValueError, match="Hardware.cores"):
+        dataclasses.replace(base, cores=-1)
+
+    def estimates(sizes, m):
+        sim = simulate("gpt-tiny", sizes, plan=meshc.Plan(trace="non-strict", microbatches=m), hardware=base)
+        return [estimate_compiled(sim.rank_program, dataclasses.replace(base, cores=c)) for c in (0, 4, 2)]
+    unshared, enough, shared = estimates({"dp": 4}, 1)
+    assert unshared.time == enough.time == shared.time
+    unshared, enough, shared = estimates({"dp": 2, "pp": 2}, 1)
+    assert unshared.time == enough.time
+    assert unshared.time["bubble"] > 0.9 * unshared.time["compute"]  # forward and backward of 2 stages in turn
+    # the simulated send latency between the stages stays: the bubble is that latency, not compute
+    assert shared.time["bubble"] < 0.01 * unshared.time["compute"]
+    assert shared.step_time == pytest.approx(unshared.step_time - unshared.time["bubble"] + shared.time["bubble"])
+    # pp=4 with 2 micro-batches: the node's 2 cores still bound the step from below (every rank's compute / 2)
+    unshared, _, shared = estimates({"pp": 4}, 2)
+    assert unshared.time["bubble"] > shared.time["bubble"] > 0
+
+
+def test_zero_bubble_split_overhead_is_priced():
+    """Hardware.split_overhead (what meshc calibrate measures zero-bubble's backward split to add per op with a
+    weight on a received gradient's path: one more autograd call in W) is paid by each W of a stage that
+    receives gradients; a first stage has nothing to send back, so its I is empty and its W all of B."""
+    import dataclasses
+
+    from meshc.calibrate import split_overhead
+    from meshc.compiler.cost_graph import stage_times
+    from meshc.explain_cli import simulate
+
+    assert split_overhead(2, layers=2, width=32) >= 0.0  # the measurement runs the real split
+    base = hardware.load("cpu-default")
+    plan = meshc.Plan(trace="non-strict", microbatches=4, schedule="zb-h1")
+    sim = simulate("gpt-tiny", {"pp": 2}, rank=1, plan=plan, hardware=base, layers=2)
+    stages = sim.rank_program.pipeline.all_stages
+    costs = [graph_cost(st.gm) for st in stages]
+    assert [c.receives_grad for c in costs] == [False, True] and costs[0].weight_ops == 0
+    # the last stage: a block (its 2 norms, qkv and output projections, 2 MLP linears), the final norm, the head
+    assert {fqn.split(".")[1] for fqn in stages[1].params if fqn.startswith("blocks.")} == {"1"}
+    assert costs[1].weight_ops == 8
+    slow = dataclasses.replace(base, split_overhead=1e-3)
+    assert stage_times(costs[1], {"pp": 2}, slow).split == pytest.approx(8e-3)
+    assert stage_times(costs[0], {"pp": 2}, slow).first
+    free, paid = (estimate_compiled(sim.rank_program, hw, own_rank=True) for hw in (base, slow))
+    assert paid.time["overhead"] - free.time["overhead"] == pytest.approx(4 * 8e-3)  # m Ws of the last stage
+    plan = meshc.Plan(trace="non-strict", microbatches=4, schedule="1f1b")
+    sim = simulate("gpt-tiny", {"pp": 2}, rank=1, plan=plan, hardware=base, layers=2)
+    assert estimate_compiled(sim.rank_program, slow).time == estimate_compiled(sim.rank_program, base).time
