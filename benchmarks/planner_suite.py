@@ -2,6 +2,7 @@
 
     python benchmarks/planner_suite.py [--only gpt-w2-b8s64,...] [--max-plans 8] [--rounds 3] [--steps 2]
                                        [--profile-dir meshc-out/suite] [--out planner_suite.md]
+                                       [--json planner_suite.json]
 
 The cases are fixed here, before any tuning of the cost model against them: three models (meshc's built-in
 GPT, a transformers Llama config, a transformers Mixtral config: 4 experts, top-2) x worlds of 2 and 4 ranks x
@@ -157,6 +158,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--profile-dir", default=os.path.join("meshc-out", "suite"))
     p.add_argument("--out", default=None, help="also write the tables (markdown) here")
+    p.add_argument("--json", default=None, help="also write every case with its measured plans here")
     p.add_argument("--worker", default=None)
     args = p.parse_args()
     if args.worker:
@@ -182,6 +184,9 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
