@@ -31,11 +31,14 @@ class CompiledRank:
 
 
 def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, plan, rank: int | None = None,
-                    prefix: str = "", fixed: dict | None = None) -> tuple[Program, Program, dict[str, torch.Tensor]]:
+                    prefix: str = "", fixed: dict | None = None,
+                    hardware=None) -> tuple[Program, Program, dict[str, torch.Tensor]]:
     """(traced program, transformed program, full tensors by FQN) for `rank` (default: a runtime Mesh's own).
 
     `fixed` gives placements decided by an earlier program of the same job, so that every program of a
     job shards each parameter the same way. Plan.check_trace compares the trace with the eager model first.
+    `hardware` (a compiler/hardware.Hardware; None: this device's) is the profile the cost model's decisions and
+    the stage balance are made for.
     """
     if mesh.spec.size("cp") > 1:  # traced at the global sequence length; the context pass makes it local again
         args, kwargs = whole_sequences((args, kwargs), mesh.spec.size("cp"))
@@ -44,21 +47,23 @@ def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, 
         traced.notes.append(check_trace.check_trace(model, traced, tensors, args, kwargs))
     if fixed is not None:
         traced = traced.replace(fixed_placements=fixed)
+    if hardware is not None:
+        traced = traced.replace(hardware=hardware)
     if traced.mesh.size("pp") > 1:  # the stages are balanced in time on this device (pipeline_split)
         from .hardware import detect
 
-        traced = traced.replace(stage_rates=detect().stage_rates(traced.mesh.sizes))
+        traced = traced.replace(stage_rates=(hardware or detect()).stage_rates(traced.mesh.sizes))
     return traced, run_passes(traced), tensors
 
 
 def compile_rank(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, plan,
-                 rank: int | None = None) -> tuple[CompiledRank, dict[str, torch.Tensor]]:
+                 rank: int | None = None, hardware=None) -> tuple[CompiledRank, dict[str, torch.Tensor]]:
     """Compile `rank` of `mesh` for `model` called on this rank's dp-local `args`/`kwargs`; with pipeline
     stages or micro-batches, the program is traced on one micro-batch and cut into its stages."""
     pipelined = mesh.size("pp") > 1 or plan.microbatches > 1
     if pipelined:
         args, kwargs = one_microbatch((args, kwargs), plan.microbatches)
-    traced, program, tensors = compile_program(model, args, kwargs, mesh=mesh, plan=plan, rank=rank)
+    traced, program, tensors = compile_program(model, args, kwargs, mesh=mesh, plan=plan, rank=rank, hardware=hardware)
     with reporting("pipeline stage extraction", hint="move the cut (Plan(split_points=...))"):
         pipeline = PipelinePlan(program, plan) if pipelined else None
     return CompiledRank(traced, program, pipeline), tensors

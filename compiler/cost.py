@@ -312,7 +312,7 @@ def formulas(hw: Hardware, flags, inline: bool = True) -> dict[str, sympy.Expr]:
               for x in (first, last))
     psi = Max(first, last, evaluate=False) - experts
     boundary = s * b * h * cb / t_sp
-    bucket = Min(25 * 2**20, psi * gb, evaluate=False)
+    bucket = Min(25 * 2**20, psi * gb, evaluate=False)  # the compiled path sizes buckets per device (cost_buckets)
     buffers = (1 - zz) * 2 * bucket * u_n + z2 * bucket + z3 * (2 * layer * pb + V * h / v_div * pb) + u_p * 2 * boundary
     # time of one micro-batch on the busiest stage
     mm = 2 * h * h / t + 2 * h * kvd / c_kv + K * (3 if gated else 2) * h * f / t

@@ -503,7 +503,7 @@ def _buffers(program, sizes, boundary: int) -> float:
     plan, out = program.plan, 2.0 * boundary
     grads = sum(s.local_bytes(sizes) for s in program.params.values() if s.requires_grad)
     if sizes.get("dp", 1) > 1 and plan.zero in (0, 2):
-        out += min(2 * plan.bucket_mb * 2**20, 2 * grads) if plan.zero == 0 else min(plan.zero_bucket_mb * 2**20, grads)
+        out += min(2 * program.bucket_mb() * 2**20, 2 * grads) if plan.zero == 0 else min(plan.zero_bucket_mb * 2**20, grads)
     if plan.zero == 3:
         out += min(2 * plan.zero_bucket_mb * 2**20, 2 * grads * sizes.get("dp", 1))
     return out

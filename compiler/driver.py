@@ -5,7 +5,7 @@ true. The driver builds the list from the Plan (DESIGN.md §3), can switch a pas
 (`Plan(disable=(...))`), logs every pass with its time and the nodes it added or removed, checks the
 invariants after each pass when asked (`Plan(verify=True)`, as tests do), and in debug mode
 (`Plan(debug_dir=...)`) writes each graph before and after its pass. Before the first pass it makes the
-choices the Plan leaves to the cost model (fusion, collective matmul: Program.decisions).
+choices the Plan leaves to the cost model (fusion, collective matmul, gradient buckets: Program.decisions).
 
 No bare exception escapes a pass (DESIGN.md §5.6): a MeshcError passes through as it is; anything else
 (an IndexError, a KeyError, torch's own errors) becomes a MeshcInternalError naming the pass, the node it
@@ -121,13 +121,15 @@ def run_passes(program: Program, passes: list[tuple[str, PassFn]] | None = None)
 
 
 def with_decisions(program: Program) -> Program:
-    """The program with the choices its Plan leaves to the cost model made (compiler/cost_fusion.py) for its
-    hardware profile (Program.hardware; None: the profile of the mesh's device, hardware.for_device)."""
+    """The program with the choices its Plan leaves to the cost model made (compiler/cost_fusion.py,
+    compiler/cost_buckets.py) for its hardware profile (Program.hardware; None: the profile of the mesh's
+    device, hardware.for_device)."""
+    from .cost_buckets import decide_buckets
     from .cost_fusion import decide
     from .hardware import for_device
 
     hw = program.hardware or for_device(program.mesh.device_type)
-    return program.replace(hardware=hw, decisions=decide(program, hw))
+    return program.replace(hardware=hw, decisions={**decide(program, hw), "bucket_mb": decide_buckets(program, hw)})
 
 
 # What a user can do about a failing pass while the bug is fixed, where there is something.

@@ -71,7 +71,7 @@ def simulate(model: str, mesh: dict[str, int], *, rank: int = 0, plan: meshc.Pla
     with compat.fake_tensor_mode():
         net = models.build(model, seq_len=seq, **overrides)
         tokens = torch.zeros(batch // dp, seq // sizes["cp"], dtype=torch.long)  # this rank's part (shard_batch's)
-        result, _ = compile_rank(net, (tokens,), {}, mesh=spec, plan=plan, rank=rank)
+        result, _ = compile_rank(net, (tokens,), {}, mesh=spec, plan=plan, rank=rank, hardware=hw)
     report = explain(result.program, (), result.pipeline)
     compiled = estimate_compiled(result, hw)
     seconds = time.perf_counter() - t0

@@ -16,7 +16,8 @@ Ensures: each trainable parameter that needs reduction is consumed only through 
     row routed to it): it is summed over edp only (the ranks holding the same experts), then divided by
     dp like every other gradient.
 Terms: bucket = parameters grouped in order of first use, with one dtype, the same axes to reduce and the
-    same pipeline stages using them, up to `Plan.bucket_mb` MiB; a bucket's gradients are complete once backward has passed the earliest use.
+    same pipeline stages using them, up to `Program.bucket_mb()` MiB (Plan.bucket_mb, else the cost model's
+    choice); a bucket's gradients are complete once backward has passed the earliest use.
 
 Before:
     %linear = aten.linear(%x, %p_w1, %p_b1)
@@ -54,7 +55,7 @@ def grad_sync_pass(program: Program) -> Program:
         program.notes.append("no gradient left to reduce here (dp = 1 and none partial, or ZeRO reduces them)")
         return program
     trainable.sort(key=lambda item: min(order[u] for u in item[1].users))
-    buckets = _buckets(program, trainable, program.plan.bucket_mb * 2**20)
+    buckets = _buckets(program, trainable, program.bucket_mb() * 2**20)
     for index, bucket in enumerate(buckets):
         _insert_bucket(program, index, bucket, order)
     program.gm.recompile()

@@ -23,7 +23,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 class Decision:
     """One choice the compiler made for a Plan field left to it (or the user's value): what, and why.
 
-    Keys (Program.decisions): "fusion.<kernel>" for each fused kernel, "collective_matmul"."""
+    Keys (Program.decisions): "fusion.<kernel>" for each fused kernel, "collective_matmul", "bucket_mb"."""
 
     value: Any
     why: str
@@ -40,7 +40,8 @@ class Plan:
     Fields:
         bucket_mb: gradient buckets for the data-parallel all-reduce, in MiB. Parameters are grouped in
             the order the forward first uses them; each bucket is reduced as one flat tensor as soon as
-            backward has produced all of its gradients.
+            backward has produced all of its gradients. None (default): the cost model picks the size for
+            the device at hand (compiler/cost_buckets.py; explain() says why).
         disable: names of passes to switch off (see `meshc.compiler.driver.PASS_NAMES`); for debugging.
         debug_dir: if set, the driver writes each pass's graph before and after into this folder.
         verify: check the compiler's invariants after every pass (tests turn this on).
@@ -117,7 +118,7 @@ class Plan:
             one forward and backward of each); True/False force it.
     """
 
-    bucket_mb: float = 25.0
+    bucket_mb: float | None = None
     disable: tuple[str, ...] = field(default=())
     debug_dir: str | None = None
     verify: bool = False
@@ -148,8 +149,10 @@ class Plan:
     offload_buffer_mb: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bucket_mb, (int, float)) or self.bucket_mb <= 0:
-            raise MeshcValueError(f"Plan.bucket_mb: expected a positive number of MiB, got {self.bucket_mb!r}")
+        if self.bucket_mb is not None and (isinstance(self.bucket_mb, bool) or not isinstance(self.bucket_mb, (int, float))
+                                           or not self.bucket_mb > 0):
+            raise MeshcValueError(f"Plan.bucket_mb: expected a positive number of MiB or None (the cost model's "
+                                  f"choice), got {self.bucket_mb!r}")
         if isinstance(self.disable, str) or not all(isinstance(n, str) for n in self.disable):
             raise MeshcTypeError(
                 f"Plan.disable: expected a tuple of pass names, got {self.disable!r}; "

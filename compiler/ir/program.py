@@ -120,6 +120,14 @@ class Program:
     experts: list = field(default_factory=list)  # experts pass: passes/experts.ExpertRegion per MoE layer found
     pass_log: list[Any] = field(default_factory=list)  # driver.PassRecord per pass run
 
+    def bucket_mb(self) -> float:
+        """MiB per data-parallel gradient bucket: Plan.bucket_mb, else the cost model's decision (the driver's,
+        compiler/cost_buckets.py), else 25."""
+        if self.plan.bucket_mb is not None:
+            return float(self.plan.bucket_mb)
+        decision = self.decisions.get("bucket_mb")
+        return float(decision.value) if decision is not None else 25.0
+
     def replace(self, **changes: Any) -> "Program":
         return dataclasses.replace(self, **changes)
 
