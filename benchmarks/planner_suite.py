@@ -2,7 +2,7 @@
 
     python benchmarks/planner_suite.py [--only gpt-w2-b8s64,...] [--max-plans 8] [--rounds 3] [--steps 2]
                                        [--profile-dir meshc-out/suite] [--out planner_suite.md]
-                                       [--json planner_suite.json]
+                                       [--json planner_suite.json] [--rescore planner_suite.json]
 
 The cases are fixed here, before any tuning of the cost model against them: three models (meshc's built-in
 GPT, a transformers Llama config, a transformers Mixtral config: 4 experts, top-2) x worlds of 2 and 4 ranks x
@@ -16,6 +16,9 @@ five (global batch, sequence) shapes. For each case:
    then timed in interleaved rounds (median of rounds x steps);
 3. per case: the planner's choice (its #1) measured over the fastest measured plan, Spearman's rank
    correlation of predicted and measured step time, and the median |predicted / measured - 1|.
+
+`--rescore saved.json` measures nothing: it re-plans the cases of a saved run (`--json`) with the cost model as
+it is now, on that run's profiles, and scores the new predictions against the saved measurements.
 
 The summary gives the issue's three goal figures: the share of cases whose choice is within 1.05x of the best,
 the median Spearman, and the median |error|. Mixtral's experts are sharded over tp by the plan (the compiled
@@ -115,7 +118,8 @@ def sample(n: int, k: int) -> list[int]:
     return list(range(3)) + sorted({3 + round(i * (n - 4) / max(rest - 1, 1)) for i in range(rest)})
 
 
-def run_case(case: dict, hw, args) -> dict:
+def plan_case(case: dict, hw):
+    """The planner's ranking of every plan that fits the case on profile `hw` (compiled path)."""
     import meshc
     from meshc.compiler.planner import Search
     from meshc.compiler.planner_compiled import plan_compiled
@@ -124,9 +128,38 @@ def run_case(case: dict, hw, args) -> dict:
                     microbatches=(1, 2, 4), sequence_parallel=(False, True), vocab_parallel=(False,),
                     context=False, offload=False, base=meshc.Plan(trace="non-strict", check_trace=False))
     x, _ = tokens(case["batch"], case["seq"])
+    return plan_compiled(lambda: build(case["model"], case["seq"]), lambda dp: (x[: x.shape[0] // dp],),
+                         case["world"], hw, search=search)
+
+
+def rescore(saved: list[dict], profiles: dict) -> list[dict]:
+    """A saved run (--json) re-predicted by the cost model as it is now, on the same profiles, against the
+    same measurements: what a change to the model would have scored, without measuring again. The planner's
+    new choice may be a plan that run did not measure: then choice / best is the first measured plan in the
+    new ranking over the best, and the row says so."""
+    by_name = {c["name"]: c for c in cases()}
+    rows = []
+    for old in saved:
+        case = by_name[old["case"]]
+        measured = {describe: m for describe, _, m in old["plans"]}
+        ranked = plan_case(case, profiles[case["world"]]).ranked
+        new = {r.candidate.describe(): r.estimate.step_time for r in ranked}
+        names = [d for d in measured if d in new]
+        predicted, times = [new[d] for d in names], [measured[d] for d in names]
+        first = next(r.candidate.describe() for r in ranked if r.candidate.describe() in measured)
+        rows.append({"case": case["name"], "fits": len(ranked), "measured": len(names),
+                     "choice": ranked[0].candidate.describe() + ("" if first == ranked[0].candidate.describe()
+                                                                  else f" (not measured; first measured: {first})"),
+                     "choice / best": measured[first] / min(times),
+                     "best": names[times.index(min(times))], "spearman": _spearman(predicted, times),
+                     "median |error|": statistics.median(abs(p / m - 1) for p, m in zip(predicted, times)),
+                     "plans": [(d, new[d], measured[d]) for d in names]})
+    return rows
+
+
+def run_case(case: dict, hw, args) -> dict:
     t0 = time.perf_counter()
-    result = plan_compiled(lambda: build(case["model"], case["seq"]), lambda dp: (x[: x.shape[0] // dp],),
-                           case["world"], hw, search=search)
+    result = plan_case(case, hw)
     planning = time.perf_counter() - t0
     picked = [result.ranked[i] for i in sample(len(result.ranked), args.max_plans)]
     plans = [(r.candidate.sizes, {f: getattr(r.candidate.plan, f) for f in FIELDS}) for r in picked]
@@ -150,6 +183,11 @@ def summary(rows: list[dict]) -> str:
             f"median |error| {statistics.median(r['median |error|'] for r in rows):.0%} (goal <= 15%)")
 
 
+def _line(row: dict) -> str:
+    return (f"{row['case']}: choice/best {row['choice / best']:.2f}, Spearman {row['spearman']:.2f}, "
+            f"median |error| {row['median |error|']:.0%} ({row['measured']} of {row['fits']} plans)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="", help="comma-separated case names (default: all 30)")
@@ -159,6 +197,8 @@ def main() -> None:
     p.add_argument("--profile-dir", default=os.path.join("meshc-out", "suite"))
     p.add_argument("--out", default=None, help="also write the tables (markdown) here")
     p.add_argument("--json", default=None, help="also write every case with its measured plans here")
+    p.add_argument("--rescore", default=None, metavar="JSON",
+                   help="re-predict a saved run (--json) with the cost model as it is now; measures nothing")
     p.add_argument("--worker", default=None)
     args = p.parse_args()
     if args.worker:
@@ -172,14 +212,21 @@ def main() -> None:
     for world in sorted({c["world"] for c in chosen}):
         path = os.path.join(args.profile_dir, f"cpu-gloo-{world}.json")
         profiles[world] = load(path) if os.path.exists(path) else calibrate.calibrate(path, nproc=world)
-    rows = []
-    for case in chosen:
-        row = run_case(case, profiles[case["world"]], args)
-        rows.append(row)
-        print(f"{row['case']}: choice/best {row['choice / best']:.2f}, Spearman {row['spearman']:.2f}, "
-              f"median |error| {row['median |error|']:.0%} ({row['measured']} of {row['fits']} plans)", flush=True)
+    if args.rescore:  # re-predicted, not measured: say so wherever the table goes
+        names = {c["name"] for c in chosen}
+        with open(args.rescore) as f:
+            rows = rescore([r for r in json.load(f) if r["case"] in names], profiles)
+        for row in rows:
+            print(_line(row), flush=True)
+    else:
+        rows = []
+        for case in chosen:
+            rows.append(run_case(case, profiles[case["world"]], args))
+            print(_line(rows[-1]), flush=True)
     cols = ["case", "fits", "measured", "choice", "best", "choice / best", "spearman", "median |error|"]
     text = table(rows, cols) + "\n\n" + summary(rows) + f"\n\nload average at the end: {os.getloadavg()[0]:.1f}\n"
+    if args.rescore:
+        text = f"re-predicted by today's cost model against the measurements saved in {args.rescore}\n\n" + text
     print("\n" + text)
     if args.out:
         with open(args.out, "w") as f:

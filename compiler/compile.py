@@ -37,8 +37,8 @@ def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, 
 
     `fixed` gives placements decided by an earlier program of the same job, so that every program of a
     job shards each parameter the same way. Plan.check_trace compares the trace with the eager model first.
-    `hardware` (a compiler/hardware.Hardware; None: this device's) is the profile the cost model's decisions and
-    the stage balance are made for.
+    `hardware` (a compiler/hardware.Hardware; None: this device's) is the profile the cost model's decisions are
+    made for (the stages stay balanced for this device's rates, as a Job's are).
     """
     if mesh.spec.size("cp") > 1:  # traced at the global sequence length; the context pass makes it local again
         args, kwargs = whole_sequences((args, kwargs), mesh.spec.size("cp"))
@@ -52,7 +52,7 @@ def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, 
     if traced.mesh.size("pp") > 1:  # the stages are balanced in time on this device (pipeline_split)
         from .hardware import detect
 
-        traced = traced.replace(stage_rates=(hardware or detect()).stage_rates(traced.mesh.sizes))
+        traced = traced.replace(stage_rates=detect().stage_rates(traced.mesh.sizes))
     return traced, run_passes(traced), tensors
 
 

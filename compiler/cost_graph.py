@@ -441,17 +441,19 @@ def _makespan(stages, times, schedule, sizes, hw):
     """(makespan, busy seconds per pp rank, peak micro-batches in flight per pp rank) of one step.
 
     Where a node's ranks share fewer cores than there are ranks (hw.cores), `times` are those of a rank
-    computing while all do (as calibrated): a pipeline is simulated at the speed of a rank alone (times over
-    the calibration's sharing: a rank in another's bubble has a core to itself), and a node's ranks then finish
-    no sooner than their total compute over its cores. Busy times stay in calibrated units."""
+    computing while all do (as calibrated): the pipeline is simulated at the speed of a rank alone (times over
+    the calibration's sharing), its ranks sharing the job's cores (schedule_sim's capacity: each pp rank stands
+    for its dp x tp replicas, all computing at once), so a rank in another's bubble runs faster and ranks that
+    compute together slow each other down. Busy times stay in calibrated units."""
     if schedule is None:
         t = times[0]
         return t.forward + t.backward, [t.forward + t.backward], [1]
     calibrated = hw.sharing(hw.ranks_per_node)
-    ranks = min(math.prod(sizes.values()), hw.ranks_per_node)  # of this job on one node
     from meshc.compiler.ir.schedule_sim import simulate
 
     pp = sizes.get("pp", 1)
+    world = pp * sizes.get("dp", 1) * sizes.get("tp", 1)  # mesh.AXES: ep and cp are sub-axes of dp
+    capacity = hw.cores * -(-world // hw.ranks_per_node) / (world // pp) if hw.cores else None
     send = max((s[3] for s in stages), default=0)
     link = hw.link(1, sizes.get("dp", 1) * sizes.get("tp", 1) * pp)
     delay = link.time("send", 2, send) if pp > 1 else 0.0
@@ -462,11 +464,8 @@ def _makespan(stages, times, schedule, sizes, hw):
         half = 0.0 if st.first else st.backward / 2
         seconds = {"F": st.forward, "B": st.backward, "I": half, "W": st.backward - half + st.split}[action.kind]
         return seconds / calibrated
-    result = simulate(schedule, cost=cost, comm=delay)
-    makespan = result.makespan
-    if hw.cores:  # each pp rank's work is done by ranks / pp ranks of the node at once
-        makespan = max(makespan, sum(result.busy) * ranks / pp / hw.cores)
-    return makespan, [b * calibrated for b in result.busy], list(result.peak_in_flight)
+    result = simulate(schedule, cost=cost, comm=delay, capacity=capacity)
+    return result.makespan, [b * calibrated for b in result.busy], list(result.peak_in_flight)
 
 
 def _rank_memory(program, stages, costs, local, in_flight, schedule, hw, sizes):

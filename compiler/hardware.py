@@ -30,9 +30,9 @@ Terms:
                    calibrate` measures them on this machine; 0: unknown (the planner offers no nvme offload).
     cores          CPU cores one node's ranks share (0: every rank has its own device, as on GPUs). With more
                    ranks on a node than cores, `meshc calibrate` measured the compute figures above with every
-                   rank busy at once (each with cores/ranks of a core): a rank that computes while others wait
-                   (in a pipeline's bubble) runs faster, up to a whole core, and a node finishes no sooner than
-                   its ranks' total compute over its cores (compiler/cost_graph.py's pipeline makespan).
+                   rank busy at once (each with cores/ranks of a core): in a pipeline, a rank that computes
+                   while others wait (in its bubble) runs faster, up to a whole core, and ranks that compute
+                   together share the cores (compiler/cost_graph.py's pipeline makespan, schedule_sim's capacity).
     split_overhead seconds zero-bubble's backward split (runtime/backward_split.py) adds per op that takes both
                    a received activation's gradient path and a parameter (one more autograd call in W), as
                    `meshc calibrate` measured it (I + W - B over those ops); 0: not measured (the split is free).

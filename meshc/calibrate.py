@@ -89,8 +89,17 @@ def split_overhead(reps: int, layers: int = 8, width: int = 256) -> float:
         _, work = backward_input([stack(x)], [g], [x])
         ops.append(len(work.edges))
         backward_weight(work)
-    extra = _median_time(split, reps, repeat=4) - _median_time(plain, reps, repeat=4)
-    return max(extra, 0.0) / max(ops[-1], 1)
+    plain(), split()  # warm-up
+    extra = []
+    for _ in range(2 * reps):  # paired samples, one right after the other: a shared core's drift cancels
+        t0 = time.perf_counter()
+        for _ in range(4):
+            plain()
+        t1 = time.perf_counter()
+        for _ in range(4):
+            split()
+        extra.append((time.perf_counter() - t1 - (t1 - t0)) / 4)
+    return max(statistics.median(extra), 0.0) / max(ops[-1], 1)
 
 
 def _linear_rate(reps: int) -> float:

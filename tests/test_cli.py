@@ -35,7 +35,7 @@ def test_explain_without_launching(capsys):
     assert cli.main(["explain", "--model", "gpt-tiny", "--mesh", "dp=4", "--rank", "2", "--batch", "8"]) == 0
     text = capsys.readouterr().out
     assert "rank 2 of 4" in text and "dp=4" in text
-    assert re.search(r"all_reduce\s+dp\s+[\d.]+ MiB\s+1\s+backward", text)
+    assert re.search(r"all_reduce\s+dp\s+[\d.]+ [KM]iB\s+1\s+backward", text)  # buckets sized for the h100 profile
     assert "tok.weight" in text
 
 

@@ -16,6 +16,11 @@ of the per-rank programs of `meshc.compiler.ir.schedule`, with blocking receives
 a rank's clock advances by the cost of each compute action; a send is free for the sender and its
 message arrives `comm` later; a receive waits until its message has arrived.
 
+Shared processors (`capacity`): where the ranks share fewer processors than there are ranks (processes on
+the cores of one CPU), `capacity` says how many ranks compute at full speed at once: while k ranks compute,
+each progresses at min(1, capacity / k) of its speed alone (processor sharing), so an action's cost is its
+work alone and its span stretches while others compute. None: every rank has a processor of its own.
+
 Bubble fraction: total idle time over total compute time, summed over ranks,
     bubble = Σ_r (makespan − busy_r) / Σ_r busy_r,
 so with uniform stages GPipe and 1F1B give (p−1)/m, interleaved 1F1B (p−1)/(v·m), where the idle time
@@ -202,16 +207,23 @@ def _check_static(schedule: Schedule, progs) -> None:
 
 # ----------------------------------------------------------------------------------- simulation
 def simulate(schedule: Schedule, cost: Cost = DEFAULT_COST, comm: float = 0.0,
-             programs: Sequence[Sequence[Op]] | None = None) -> SimResult:
+             programs: Sequence[Sequence[Op]] | None = None, capacity: float | None = None) -> SimResult:
     """Prove `schedule` right (see `check`), then time its programs.
 
     cost: seconds (or any unit) per compute action, as {"F": .., "B": .., "I": .., "W": ..} or a
           function of the Action (for stages of unequal cost).
     comm: latency of one message; sends never block the sender.
+    capacity: ranks that compute at full speed at once (module docstring); None: all of them. `busy` is
+          then each rank's work at full speed, its spans the wall time they took.
     """
     if comm < 0:
         raise MeshcValueError(f"simulate comm: expected a latency >= 0, got {comm}")
-    return _run(schedule, programs, _cost_fn(cost), float(comm))
+    if capacity is not None and not capacity > 0:
+        raise MeshcValueError(f"simulate capacity: expected a number of ranks > 0 or None, got {capacity}")
+    if capacity is None or capacity >= schedule.pp:
+        return _run(schedule, programs, _cost_fn(cost), float(comm))
+    _run(schedule, programs, lambda a: 0.0, 0.0)  # the proof, deadlock included
+    return _run_shared(_programs(schedule, programs), _cost_fn(cost), float(comm), float(capacity))
 
 
 def _cost_fn(cost: Cost) -> Callable[[Action], float]:
@@ -256,6 +268,58 @@ def _run(schedule: Schedule, programs, cost: Callable[[Action], float], comm: fl
         raise ScheduleError(f"deadlock: expected every rank to finish, got ranks {stuck} stuck ({waits})")
     makespan = max(clock) if n else 0.0
     busy = tuple(sum(s.end - s.start for s in row) for row in spans)
+    bubble = sum(makespan - b for b in busy) / sum(busy) if sum(busy) > 0 else 0.0
+    return SimResult(makespan=makespan, busy=busy, bubble=bubble, peak_in_flight=tuple(peak),
+                     timeline=tuple(tuple(row) for row in spans))
+
+
+def _run_shared(progs, cost: Callable[[Action], float], comm: float, capacity: float) -> SimResult:
+    """The programs on `capacity` shared processors: global time, every event in order (programs proven)."""
+    n, now = len(progs), 0.0
+    pc, arrival, work = [0] * n, {}, [0.0] * n
+    running: dict[int, list] = {}  # rank -> [action, work left, start]
+    spans: list[list[Span]] = [[] for _ in range(n)]
+    held, peak = [0] * n, [0] * n
+    while True:
+        progressed = True
+        while progressed:  # every rank not computing goes as far as it can at `now`
+            progressed = False
+            for r in range(n):
+                while r not in running and pc[r] < len(progs[r]):
+                    op = progs[r][pc[r]]
+                    if isinstance(op, P2P) and op.op == "recv":
+                        if arrival.get(op.key, float("inf")) > now:
+                            break
+                    elif isinstance(op, P2P):
+                        arrival[op.key] = now + comm
+                    else:
+                        took = cost(op)
+                        work[r] += took
+                        held[r] += 1 if op.kind == "F" else -1 if op.kind in ("B", "W") else 0
+                        peak[r] = max(peak[r], held[r])
+                        if took > 0:
+                            running[r] = [op, took, now]
+                        else:
+                            spans[r].append(Span(rank=r, start=now, end=now, action=op))
+                    pc[r] += 1
+                    progressed = True
+        waits = [arrival[progs[r][pc[r]].key] for r in range(n) if r not in running and pc[r] < len(progs[r])
+                 and progs[r][pc[r]].key in arrival]
+        if not running and not waits:
+            break
+        rate = min(1.0, capacity / len(running)) if running else 0.0
+        step = min([left / rate for _, left, _ in running.values()] + [t - now for t in waits])
+        now += step
+        for r in list(running):
+            op, left, start = running[r]
+            left -= rate * step
+            if left <= 1e-12 * max(1.0, work[r]):
+                spans[r].append(Span(rank=r, start=start, end=now, action=op))
+                del running[r]
+            else:
+                running[r][1] = left
+    makespan = max((row[-1].end for row in spans if row), default=0.0)
+    busy = tuple(work)
     bubble = sum(makespan - b for b in busy) / sum(busy) if sum(busy) > 0 else 0.0
     return SimResult(makespan=makespan, busy=busy, bubble=bubble, peak_in_flight=tuple(peak),
                      timeline=tuple(tuple(row) for row in spans))

@@ -257,7 +257,7 @@ def test_shared_cores_shorten_pipelines_only():
     busy, so data parallelism (every rank always busy) is predicted as before, while a pipeline's rank runs
     alone in another's bubble: pp=2 x dp=2 with one micro-batch runs its stages one after the other, which on
     enough cores is a bubble as long as the compute, and on 2 cores is none (each stage's 2 ranks then have a
-    core each: the node's total compute over its cores, the calibrated busy time, bounds the step)."""
+    core each while the other stage's wait: schedule_sim's processor sharing)."""
     import dataclasses
 
     from meshc.explain_cli import simulate
@@ -277,7 +277,7 @@ def test_shared_cores_shorten_pipelines_only():
     # the simulated send latency between the stages stays: the bubble is that latency, not compute
     assert shared.time["bubble"] < 0.01 * unshared.time["compute"]
     assert shared.step_time == pytest.approx(unshared.step_time - unshared.time["bubble"] + shared.time["bubble"])
-    # pp=4 with 2 micro-batches: the node's 2 cores still bound the step from below (every rank's compute / 2)
+    # pp=4 with 2 micro-batches: ranks computing together share the 2 cores, so some bubble stays
     unshared, _, shared = estimates({"pp": 4}, 2)
     assert unshared.time["bubble"] > shared.time["bubble"] > 0
 

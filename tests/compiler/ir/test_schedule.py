@@ -118,6 +118,26 @@ def test_comm_latency_lengthens_the_critical_path():
     assert simulate(zb_h1(p, m), UNIFORM, comm=c).makespan < simulate(one_f_one_b(p, m), UNIFORM, comm=c).makespan
 
 
+def test_shared_processors_stretch_what_runs_together():
+    """capacity: k ranks computing at once each run at min(1, capacity / k) of their speed. With a processor per
+    rank (capacity >= p) nothing changes; with one for all, the step is the total work (nothing runs
+    together faster than alone); in between, GPipe's p=2 m=1 (one stage at a time) loses nothing, and 1F1B at
+    p=4 m=4 on 2 processors takes longer than on 4 but no less than its work over 2."""
+    for sched in (gpipe(2, 1), one_f_one_b(4, 4), zb_h1(4, 4), one_f_one_b(2, 8)):
+        alone = simulate(sched, UNIFORM)
+        assert simulate(sched, UNIFORM, capacity=sched.pp).makespan == alone.makespan
+        one = simulate(sched, UNIFORM, capacity=1)
+        assert one.busy == alone.busy and one.makespan == pytest.approx(sum(alone.busy))
+        assert simulate(sched, UNIFORM, capacity=0.5).makespan == pytest.approx(2 * sum(alone.busy))
+    assert simulate(gpipe(2, 1), UNIFORM, capacity=1).makespan == 6.0
+    two = simulate(one_f_one_b(4, 4), UNIFORM, capacity=2)
+    assert 48 / 2 <= two.makespan and two.makespan > simulate(one_f_one_b(4, 4), UNIFORM).makespan == 21.0
+    # spans are wall time: a span stretched by sharing is longer than its work
+    assert max(s.end - s.start for row in two.timeline for s in row) > UNIFORM["B"]
+    with pytest.raises(ValueError, match="capacity"):
+        simulate(gpipe(2, 1), capacity=0)
+
+
 # -------------------------------------------------------------------------------- the proof
 def hand_made(*rows: str, pp: int = 2, m: int = 2) -> Schedule:
     return Schedule(name="hand", pp=pp, microbatches=m, actions=[actions(r) for r in rows])
