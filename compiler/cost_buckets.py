@@ -13,20 +13,20 @@ Few large buckets pay the latency α fewer times; small ones leave less for afte
 are 1, 2, 4, ..., 1024 MiB, and the choice is the smallest whose exposed time is within 5% of the least:
 buckets hold 2 b bytes of buffers (cost_graph._buffers), so no larger than what pays.
 
-Before the passes, G is the trainable parameters' bytes (in Plan.reduce_dtype where set) over tp x pp (what one rank's grad_sync reduces; ZeRO-2/3
-reduce theirs in their own buckets, Plan.zero_bucket_mb) and the backward 2/3 of the traced graph's compute
-(cost_graph.graph_cost) over tp x pp: one micro-batch's, the least a bucket can hide behind.
+Before the passes, G is the trainable parameters' bytes (in Plan.reduce_dtype where set) over tp x pp (what one
+rank's grad_sync reduces; ZeRO-2/3 reduce theirs in their own buckets, Plan.zero_bucket_mb) and the backward 2/3
+of the traced graph's compute (cost_graph.graph_cost) over tp x pp: one micro-batch's, the least a bucket can
+hide behind.
 """
 from __future__ import annotations
 
 import math
 
 from .hardware import Hardware, Link
-from .ir.plan import Decision
+from .ir.plan import DEFAULT_BUCKET_MB as DEFAULT_MB, Decision
 from .ir.program import Program
 
 CANDIDATES_MB = tuple(float(2**i) for i in range(11))
-DEFAULT_MB = 25.0  # where there is nothing to decide (Program.bucket_mb's fallback too)
 SLACK = 1.05
 
 

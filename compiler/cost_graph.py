@@ -455,7 +455,7 @@ def _makespan(stages, times, schedule, sizes, hw):
     world = pp * sizes.get("dp", 1) * sizes.get("tp", 1)  # mesh.AXES: ep and cp are sub-axes of dp
     capacity = hw.cores * -(-world // hw.ranks_per_node) / (world // pp) if hw.cores else None
     send = max((s[3] for s in stages), default=0)
-    link = hw.link(1, sizes.get("dp", 1) * sizes.get("tp", 1) * pp)
+    link = hw.link(1, world)
     delay = link.time("send", 2, send) if pp > 1 else 0.0
     by_stage = {s[0]: times[i] for i, s in enumerate(stages)}
 

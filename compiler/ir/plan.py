@@ -17,6 +17,7 @@ from .errors import MeshcTypeError, MeshcValueError
 CP_ATTENTION = ("ring", "all_gather", "all_to_all")
 TP_STYLES = ("colwise", "rowwise", "vocab", "replicate")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+DEFAULT_BUCKET_MB = 25.0  # gradient bucket MiB where the cost model has nothing to decide (cost_buckets)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
+from .plan import DEFAULT_BUCKET_MB
 from .placement import FlatShard, Placement, Replicate, Shard, local_length
 
 if TYPE_CHECKING:
@@ -122,11 +123,11 @@ class Program:
 
     def bucket_mb(self) -> float:
         """MiB per data-parallel gradient bucket: Plan.bucket_mb, else the cost model's decision (the driver's,
-        compiler/cost_buckets.py), else 25."""
+        compiler/cost_buckets.py), else plan.DEFAULT_BUCKET_MB."""
         if self.plan.bucket_mb is not None:
             return float(self.plan.bucket_mb)
         decision = self.decisions.get("bucket_mb")
-        return float(decision.value) if decision is not None else 25.0
+        return float(decision.value) if decision is not None else DEFAULT_BUCKET_MB
 
     def replace(self, **changes: Any) -> "Program":
         return dataclasses.replace(self, **changes)
