@@ -49,11 +49,10 @@ SDPA = aten.scaled_dot_product_attention.default
 
 
 def context_pass(program: Program) -> Program:
-    program = program.copy()
     n = program.mesh.size(AXIS)
     if n == 1:
-        program.notes.append("cp = 1: nothing to shard")
-        return program
+        return program.unchanged("cp = 1: nothing to shard")
+    program = program.copy()
     mesh, rank = program.mesh, program.rank
     written = as_sdpa(program.gm)
     if written:

@@ -52,11 +52,10 @@ class StageInfo:
 
 
 def pipeline_split_pass(program: Program) -> Program:
-    program = program.copy()
     stages = program.mesh.size(AXIS) * program.plan.virtual
     if stages == 1:
-        program.notes.append("one pipeline stage")
-        return program
+        return program.unchanged("one pipeline stage")
+    program = program.copy()
     graph = program.gm.graph
     acts = activations(program)
     order = [n for n in graph.nodes if n in acts]

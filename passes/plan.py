@@ -65,11 +65,10 @@ class Weight:
 
 
 def plan_pass(program: Program) -> Program:
-    program = program.copy()
     n = program.mesh.size(AXIS)
     if n == 1:
-        program.notes.append("tp = 1: every parameter replicated on tp")
-        return program
+        return program.unchanged("tp = 1: every parameter replicated on tp")
+    program = program.copy()
     fixed = program.fixed_placements or {}
     if fixed and all(f in fixed for f in program.params):  # another program of the same job decided already
         for fqn, spec in program.params.items():

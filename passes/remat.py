@@ -33,11 +33,10 @@ from .pipeline_split import activations
 
 
 def remat_pass(program: Program) -> Program:
-    program = program.copy()
     policy = program.plan.remat
     if policy == "none":
-        program.notes.append("no activation checkpointing")
-        return program
+        return program.unchanged("no activation checkpointing")
+    program = program.copy()
     graph = program.gm.graph
     acts = activations(program)
     regions: dict[tuple, list[fx.Node]] = {}

@@ -46,11 +46,10 @@ COMM_FNS = (C.all_reduce, C.grad_all_reduce, C.all_gather, C.all_gather_rs, C.lo
 
 
 def tensor_parallel_pass(program: Program) -> Program:
-    program = program.copy()
     n = program.mesh.size(AXIS)
     if n == 1:
-        program.notes.append("tp = 1: nothing to shard")
-        return program
+        return program.unchanged("tp = 1: nothing to shard")
+    program = program.copy()
     graph = program.gm.graph
     _split_rowwise_biases(program)
     placements: dict[fx.Node, object] = {}

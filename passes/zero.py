@@ -49,11 +49,10 @@ EXPERT_AXIS = "edp"  # expert parameters' ZeRO axis: the ranks holding the same 
 
 
 def zero_pass(program: Program) -> Program:
-    program = program.copy()
     stage = program.plan.zero
     if stage == 0:
-        program.notes.append("zero = 0: parameters, gradients and optimizer states replicated on dp")
-        return program
+        return program.unchanged("zero = 0: parameters, gradients and optimizer states replicated on dp")
+    program = program.copy()
     for spec in program.params.values():
         spec.placements[axis_of(spec)] = FlatShard()
         spec.zero = stage

@@ -5,7 +5,8 @@
 Each rank is a process with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, ...),
 so `meshc.mesh()` inside `fn` initializes exactly as it does under torchrun; the rendezvous store is
 served by this process, as torchrun's agent serves it. Children come from a forkserver that has
-already imported torch, meshc and transformers, so a rank starts in a fraction of a second.
+already imported torch, meshc (all of it) and transformers and traced once (tests/rank_warmup.py), so a rank
+starts in a fraction of a second.
 
 Every rank is bounded by `timeout`: if any rank raises, the others get a short grace to fail too, then
 all are killed, and RankFailure reports each failed rank with its traceback. `fn` must be importable
@@ -29,7 +30,7 @@ import torch.distributed as dist
 PRELOAD = ["torch", "torch.distributed", "meshc", "meshc.passes.tensor_parallel", "tests.zoo", "tests.parity",
            "torch.testing._internal.distributed._tensor.common_dtensor", "transformers",
            *(f"transformers.models.{m}.modeling_{m}"
-             for m in ("gpt2", "llama", "bert", "mixtral", "t5", "bloom", "falcon"))]
+             for m in ("gpt2", "llama", "bert", "mixtral", "t5", "bloom", "falcon")), "tests.rank_warmup"]
 _ctx = mp.get_context("forkserver")
 _ctx.set_forkserver_preload(PRELOAD)
 

@@ -132,6 +132,11 @@ class Program:
     def replace(self, **changes: Any) -> "Program":
         return dataclasses.replace(self, **changes)
 
+    def unchanged(self, note: str) -> "Program":
+        """This program with `note` added and its graph shared: what a pass with nothing to do returns, instead of
+        a copy (a graph copy and a code generation: ~50 ms for a 2-layer model, eleven times per compile)."""
+        return self.replace(notes=[*self.notes, note], warnings=list(self.warnings), pass_log=list(self.pass_log))
+
     def copy(self) -> "Program":
         """A program with its own graph (node meta copied shallowly) and its own lists, for a pass to edit."""
         graph = fx.Graph()
