@@ -412,11 +412,15 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
             "ep": m * sum(times[i].ep for i in local), "cp": m * sum(times[i].cp for i in local), "pp": 0.0,
             "dp": max(dp - hw.overlap * busy[busiest], 0.0), "step": step,
             "optimizer": hw.adam_time(max(r[1] for r in ranks)),
-            "overhead": hw.step_overhead + (2 * m * len(local) * hw.action_overhead if schedule is not None else 0.0)
-            + (m * sum(times[i].split for i in local) if _splits(schedule) else 0.0)}
+            "overhead": hw.step_overhead}
+    if schedule is not None:  # inside the simulated actions (_makespan): part of the busiest rank's busy time
+        time["overhead"] += (len(schedule.actions[busiest]) * hw.action_overhead
+                             + (m * sum(times[i].split for i in local) if _splits(schedule) else 0.0))
     if makespan < busy[busiest]:  # shared cores (see _makespan): the busiest rank ran faster than calibrated
+        scale = makespan / busy[busiest]
         for key in ("compute", "recompute", "tp", "ep", "cp"):
-            time[key] *= makespan / busy[busiest]
+            time[key] *= scale
+        time["overhead"] = hw.step_overhead + (time["overhead"] - hw.step_overhead) * scale
     flops = m * sum(3 * costs[i].flops + costs[i].recompute_flops for i in local)
     by_axis: dict[str, float] = {}
     for (kind, axis), nbytes in comm_bytes(program, pipeline).items():
@@ -444,7 +448,9 @@ def _makespan(stages, times, schedule, sizes, hw):
     computing while all do (as calibrated): the pipeline is simulated at the speed of a rank alone (times over
     the calibration's sharing), its ranks sharing the job's cores (schedule_sim's capacity: each pp rank stands
     for its dp x tp replicas, all computing at once), so a rank in another's bubble runs faster and ranks that
-    compute together slow each other down. Busy times stay in calibrated units."""
+    compute together slow each other down. Busy times stay in calibrated units. Each action also costs
+    hw.action_overhead (the executor's own work and, with more ranks than cores, a woken rank's wait for a core:
+    calibrated on a pipeline over the whole world, meshc/calibrate.py)."""
     if schedule is None:
         t = times[0]
         return t.forward + t.backward, [t.forward + t.backward], [1]
@@ -463,7 +469,7 @@ def _makespan(stages, times, schedule, sizes, hw):
         st = by_stage[action.stage]
         half = 0.0 if st.first else st.backward / 2
         seconds = {"F": st.forward, "B": st.backward, "I": half, "W": st.backward - half + st.split}[action.kind]
-        return seconds / calibrated
+        return (seconds + hw.action_overhead) / calibrated
     result = simulate(schedule, cost=cost, comm=delay, capacity=capacity)
     return result.makespan, [b * calibrated for b in result.busy], list(result.peak_in_flight)
 

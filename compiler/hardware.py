@@ -23,7 +23,9 @@ Terms:
                    where NCCL runs on its own stream; 0 where it cannot be relied on).
     adam_rate      elements per second an AdamW update processes (0: mem_bandwidth / 32 bytes).
     step_overhead  seconds meshc's runtime adds to each training step beyond the graph (calibrated).
-    action_overhead seconds the pipeline executor adds per scheduled forward or backward (calibrated).
+    action_overhead seconds a scheduled pipeline action (F, B, I or W) costs beyond its compute: the executor's
+                   own work and, with more ranks than cores, a woken rank's wait for a core (calibrated on a
+                   pipeline over the whole world).
     host_bandwidth bytes/s one rank moves between its device and host memory (PCIe; Plan.offload="cpu").
     disk_read, disk_write
                    bytes/s one rank reads and writes its offload files (Plan.offload="nvme"); `meshc

@@ -261,11 +261,12 @@ class _Blocks(torch.nn.Module):
 
     def __init__(self, width: int = 64, layers: int = 2):
         super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+                                          for _ in range(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
+        for layer in self.layers:  # each a whole block: the pipeline split may cut between any two
+            x = layer(x)
         return x
 
 
@@ -281,10 +282,28 @@ def runtime_overheads(hw: Hardware, mesh, quick: bool) -> Hardware:
     hw = dataclasses.replace(hw, compute_scale=_compute_scale(hw, mesh.world_size, quick))
     hw = dataclasses.replace(hw, step_overhead=max(0.0, _job_excess(hw, {"dp": mesh.world_size}, 1, quick)))
     if mesh.world_size >= 2:
-        m = 4
-        excess = _job_excess(hw, {"pp": 2, "dp": mesh.world_size // 2}, m, quick)
-        hw = dataclasses.replace(hw, action_overhead=max(0.0, excess / (2 * m)))
+        hw = dataclasses.replace(hw, action_overhead=_action_overhead(hw, mesh.world_size, quick))
     return hw
+
+
+def _action_overhead(hw: Hardware, world: int, quick: bool) -> float:
+    """Seconds a pipeline action costs beyond its compute: a pipeline over every rank (pp = world, so that with
+    more ranks than cores they contend for them as a real pipeline's ranks do; a 2-stage pipeline beside idle
+    ranks measured 0 on 4 ranks over 2 cores) of linear blocks with a few ms of work per action, at 1 and at 8
+    micro-batches of the same size. The time the 7 extra micro-batches add beyond the prediction, over what they
+    add to the prediction per second of overhead (the simulated critical path's extra actions)."""
+    import dataclasses
+
+    from meshc.compiler.cost_graph import estimate_compiled
+
+    runs = {m: _measured_job({"pp": world}, m, quick, width=256, layers=2 * world, rows=128) for m in (1, 8)}
+
+    def predicted(m: int, overhead: float) -> float:
+        return estimate_compiled(runs[m][0].compiled, dataclasses.replace(hw, action_overhead=overhead)).step_time
+    probe = 1e-3
+    excess = {m: runs[m][1] - predicted(m, 0.0) for m in runs}
+    per_second = {m: (predicted(m, probe) - predicted(m, 0.0)) / probe for m in runs}
+    return max(0.0, (excess[8] - excess[1]) / max(per_second[8] - per_second[1], 1.0))
 
 
 def _compute_scale(hw: Hardware, world: int, quick: bool) -> float:
@@ -317,13 +336,21 @@ def _compute_scale(hw: Hardware, world: int, quick: bool) -> float:
 
 def _job_excess(hw: Hardware, sizes: dict, m: int, quick: bool) -> float:
     """Measured minus predicted step time of a tiny job on this world (every rank runs it)."""
-    import meshc
     from meshc.compiler.cost_graph import estimate_compiled
+
+    job, measured = _measured_job(sizes, m, quick)
+    return measured - estimate_compiled(job.compiled, hw).step_time
+
+
+def _measured_job(sizes: dict, m: int, quick: bool, width: int = 64, layers: int = 2, rows: int = 8):
+    """(job, median step seconds over the ranks) of `layers` linear blocks of `width` on a mesh of `sizes`,
+    `rows` per micro-batch and `m` micro-batches (every rank runs it)."""
+    import meshc
 
     torch.manual_seed(0)
     mesh = meshc.mesh(timeout_s=120, **sizes)
-    x, y = torch.randn(8 * m, 64), torch.randn(8 * m, 64)
-    job = meshc.compile(_Blocks(), mesh, example_inputs=(x,),
+    x, y = torch.randn(rows * m, width), torch.randn(rows * m, width)
+    job = meshc.compile(_Blocks(width, layers), mesh, example_inputs=(x,),
                         plan=meshc.Plan(trace="non-strict", microbatches=m))
     opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
 
@@ -334,7 +361,7 @@ def _job_excess(hw: Hardware, sizes: dict, m: int, quick: bool) -> float:
     measured = _median_time(step, 7 if quick else 20, dist.barrier)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, measured)
-    return statistics.median(everyone) - estimate_compiled(job.compiled, hw).step_time
+    return job, statistics.median(everyone)
 
 
 def profile(compute: dict[str, float], samples: dict, ranks: int, name: str = "cpu-gloo") -> dict:

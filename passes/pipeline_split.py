@@ -225,7 +225,8 @@ def _in_module(node: fx.Node, name: str) -> bool:
 def _candidates(order, cost, crossing) -> list[int]:
     """Cut positions (stage starts) with compute on both sides where no more activation bytes cross than
     between two repeated blocks ("layers.3" -> "layers.4"; the global least where there are none); of a run of
-    adjacent positions with equal crossing (views between blocks), the first."""
+    adjacent positions with equal crossing (views between blocks), the first, and each where a block ends and
+    another begins (a stack of equal-width blocks crosses the same bytes everywhere)."""
     total = sum(cost)
     prefix = 0.0
     spots = []
@@ -240,7 +241,8 @@ def _candidates(order, cost, crossing) -> list[int]:
     between = [b for i, b in spots if _repeated(before[i - 1], after[i])]
     limit = max(min(b for _, b in spots), max(between, default=0))
     chosen = [i for i, b in spots if b <= limit * 1.01]
-    return [i for k, i in enumerate(chosen) if k == 0 or i != chosen[k - 1] + 1 or crossing[i - 1] != crossing[i - 2]]
+    return [i for k, i in enumerate(chosen) if k == 0 or i != chosen[k - 1] + 1 or crossing[i - 1] != crossing[i - 2]
+            or before[i - 1] != after[i]]
 
 
 def _filled(blocks: list[str]) -> list[str]:

@@ -310,3 +310,23 @@ def test_zero_bubble_split_overhead_is_priced():
     plan = meshc.Plan(trace="non-strict", microbatches=4, schedule="1f1b")
     sim = simulate("gpt-tiny", {"pp": 2}, rank=1, plan=plan, hardware=base, layers=2)
     assert estimate_compiled(sim.rank_program, slow).time == estimate_compiled(sim.rank_program, base).time
+
+
+def test_action_overhead_is_paid_on_the_critical_path():
+    """Hardware.action_overhead (meshc calibrate: a pipeline over the whole world, 1 against 8 micro-batches) is
+    part of each simulated action: the busiest rank pays it for each of its actions (1F1B, pp=2, m=4: 8), and
+    the step grows by it once per action on the critical path (between the rank's 8 and 2(m + p - 1) = 10).
+    Without a pipeline there is no action to pay for."""
+    import dataclasses
+
+    from meshc.explain_cli import simulate
+
+    base = hardware.load("cpu-default")
+    slow = dataclasses.replace(base, action_overhead=1e-3)
+    plan = meshc.Plan(trace="non-strict", microbatches=4, schedule="1f1b")
+    sim = simulate("gpt-tiny", {"pp": 2}, plan=plan, hardware=base, layers=2)
+    free, paid = (estimate_compiled(sim.rank_program, hw) for hw in (base, slow))
+    assert paid.time["overhead"] - free.time["overhead"] == pytest.approx(8e-3)
+    assert 8e-3 - 1e-9 <= paid.step_time - free.step_time <= 10e-3 + 1e-9
+    sim = simulate("gpt-tiny", {"dp": 2}, plan=meshc.Plan(trace="non-strict"), hardware=base, layers=2)
+    assert estimate_compiled(sim.rank_program, slow).time == estimate_compiled(sim.rank_program, base).time

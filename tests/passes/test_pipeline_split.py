@@ -143,6 +143,32 @@ def test_a_pooled_classifier_is_cut_between_its_blocks(fake_mesh):
     assert not [w for w in program.warnings if "pipeline split" in w]
 
 
+class _Stack(torch.nn.Module):
+    """Equal-width Linear + Tanh blocks: every node boundary crosses the same (B, width) activation."""
+
+    def __init__(self, layers: int = 8, width: int = 16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+                                          for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_stack_of_equal_width_blocks_splits_at_every_block_boundary(fake_mesh):
+    """Positions with equal crossing bytes next to each other were collapsed to the first (meant for the views
+    between two blocks), which left a stack of equal-width blocks one place to cut: pp=4 was refused. Every
+    boundary between two blocks stays a candidate, so 8 blocks make 4 stages of whole blocks."""
+    traced, _ = trace(_Stack(), (torch.randn(4, 16),), mesh=fake_mesh(pp=4), plan=meshc.Plan(trace="non-strict"))
+    program = run_passes(traced)
+    blocks = [s.blocks for s in program.stage_info]
+    assert len(blocks) == 4 and all(blocks), blocks
+    assert sorted(b for stage in blocks for b in stage) == sorted(f"layers.{i}" for i in range(8)), blocks
+
+
 def _timed(fake_mesh, pp: int, layers: int):
     """The built-in GPT split for pp stages with the CPU profile's rates; each stage's predicted time (3 x forward
     FLOPs at its FLOP/s, 2 x its sends at the pp link's bandwidth) over the mean."""
