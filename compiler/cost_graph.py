@@ -407,20 +407,21 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
     busiest = max(range(len(ranks)), key=lambda r: busy[r])
     local = [i for i, (index, *_rest) in enumerate(stages) if index % pp == busiest]
     dp = m * sum(times[i].dp for i in local)
+    pipelined = 0.0  # overheads inside the simulated actions (_makespan): part of the busiest rank's busy time
+    if schedule is not None:
+        pipelined = (len(schedule.actions[busiest]) * hw.action_overhead
+                     + (m * sum(times[i].split for i in local) if _splits(schedule) else 0.0))
     time = {"compute": m * sum(times[i].compute for i in local), "recompute": m * sum(times[i].recompute for i in local),
             "bubble": max(makespan - busy[busiest], 0.0), "tp": m * sum(times[i].tp for i in local),
             "ep": m * sum(times[i].ep for i in local), "cp": m * sum(times[i].cp for i in local), "pp": 0.0,
             "dp": max(dp - hw.overlap * busy[busiest], 0.0), "step": step,
             "optimizer": hw.adam_time(max(r[1] for r in ranks)),
-            "overhead": hw.step_overhead}
-    if schedule is not None:  # inside the simulated actions (_makespan): part of the busiest rank's busy time
-        time["overhead"] += (len(schedule.actions[busiest]) * hw.action_overhead
-                             + (m * sum(times[i].split for i in local) if _splits(schedule) else 0.0))
+            "overhead": hw.step_overhead + pipelined}
     if makespan < busy[busiest]:  # shared cores (see _makespan): the busiest rank ran faster than calibrated
         scale = makespan / busy[busiest]
         for key in ("compute", "recompute", "tp", "ep", "cp"):
             time[key] *= scale
-        time["overhead"] = hw.step_overhead + (time["overhead"] - hw.step_overhead) * scale
+        time["overhead"] = hw.step_overhead + pipelined * scale
     flops = m * sum(3 * costs[i].flops + costs[i].recompute_flops for i in local)
     by_axis: dict[str, float] = {}
     for (kind, axis), nbytes in comm_bytes(program, pipeline).items():

@@ -301,8 +301,9 @@ def _action_overhead(hw: Hardware, world: int, quick: bool) -> float:
     def predicted(m: int, overhead: float) -> float:
         return estimate_compiled(runs[m][0].compiled, dataclasses.replace(hw, action_overhead=overhead)).step_time
     probe = 1e-3
-    excess = {m: runs[m][1] - predicted(m, 0.0) for m in runs}
-    per_second = {m: (predicted(m, probe) - predicted(m, 0.0)) / probe for m in runs}
+    free = {m: predicted(m, 0.0) for m in runs}
+    excess = {m: runs[m][1] - free[m] for m in runs}
+    per_second = {m: (predicted(m, probe) - free[m]) / probe for m in runs}
     return max(0.0, (excess[8] - excess[1]) / max(per_second[8] - per_second[1], 1.0))
 
 
