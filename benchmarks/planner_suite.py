@@ -10,7 +10,8 @@ five (global batch, sequence) shapes. For each case:
 
 1. the planner (compiler/planner_compiled.plan_compiled, the compiled path: every dp/tp/pp mesh of the world, each plan
    scored on the real graph of a simulated rank) ranks every plan that fits, on the profile `meshc calibrate`
-   measured for that world size on this machine at the start of the run (one per world, nothing else);
+   measured for that world size on this machine at the start of the run (one per world, nothing else); the
+   measured ranks compile on the same profile ($MESHC_HARDWARE), as a user's jobs do after `meshc calibrate`;
 2. a documented sample of the plans that fit is measured on `world` gloo ranks (`--max-plans`: the planner's
    top 3 and then every k-th plan of its ranking, so the sample spans best to worst), all compiled first,
    then timed in interleaved rounds (median of rounds x steps);
@@ -157,7 +158,10 @@ def rescore(saved: list[dict], profiles: dict) -> list[dict]:
     return rows
 
 
-def run_case(case: dict, hw, args) -> dict:
+def run_case(case: dict, hw, path: str, args) -> dict:
+    """Plan the case on profile `hw` and measure its sample; the ranks compile with the same profile (`path`, as
+    $MESHC_HARDWARE), so that the choices the plan leaves to the cost model (gradient buckets, fusion) are the
+    ones the planner scored."""
     t0 = time.perf_counter()
     result = plan_case(case, hw)
     planning = time.perf_counter() - t0
@@ -165,6 +169,7 @@ def run_case(case: dict, hw, args) -> dict:
     plans = [(r.candidate.sizes, {f: getattr(r.candidate.plan, f) for f in FIELDS}) for r in picked]
     config = {"model": case["model"], "batch": case["batch"], "seq": case["seq"], "plans": plans,
               "rounds": args.rounds, "steps": args.steps}
+    os.environ["MESHC_HARDWARE"] = os.path.abspath(path)
     measured = launch(os.path.abspath(__file__), case["world"], config, timeout=3600)["seconds"]
     predicted = [r.estimate.step_time for r in picked]
     errors = [abs(p / m - 1) for p, m in zip(predicted, measured)]
@@ -208,9 +213,9 @@ def main() -> None:
     from meshc.compiler.hardware import load
 
     chosen = [c for c in cases() if not args.only or c["name"] in args.only.split(",")]
-    profiles = {}
+    profiles, paths = {}, {}
     for world in sorted({c["world"] for c in chosen}):
-        path = os.path.join(args.profile_dir, f"cpu-gloo-{world}.json")
+        paths[world] = path = os.path.join(args.profile_dir, f"cpu-gloo-{world}.json")
         profiles[world] = load(path) if os.path.exists(path) else calibrate.calibrate(path, nproc=world)
     if args.rescore:  # re-predicted, not measured: say so wherever the table goes
         names = {c["name"] for c in chosen}
@@ -221,7 +226,7 @@ def main() -> None:
     else:
         rows = []
         for case in chosen:
-            rows.append(run_case(case, profiles[case["world"]], args))
+            rows.append(run_case(case, profiles[case["world"]], paths[case["world"]], args))
             print(_line(rows[-1]), flush=True)
     cols = ["case", "fits", "measured", "choice", "best", "choice / best", "spearman", "median |error|"]
     text = table(rows, cols) + "\n\n" + summary(rows) + f"\n\nload average at the end: {os.getloadavg()[0]:.1f}\n"

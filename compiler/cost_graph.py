@@ -403,7 +403,7 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
         local = [i for i, (index, *_rest) in enumerate(stages) if index % pp == r]
         ranks.append(_rank_memory(program, stages, costs, local, in_flight[r], schedule, hw, sizes))
     fullest = max(range(len(ranks)), key=lambda r: sum(ranks[r][0].values())) if pp_rank is None else pp_rank
-    memory, _ = ranks[fullest]
+    memory = ranks[fullest][0]
     busiest = max(range(len(ranks)), key=lambda r: busy[r])
     local = [i for i, (index, *_rest) in enumerate(stages) if index % pp == busiest]
     dp = m * sum(times[i].dp for i in local)
@@ -415,7 +415,7 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
             "bubble": max(makespan - busy[busiest], 0.0), "tp": m * sum(times[i].tp for i in local),
             "ep": m * sum(times[i].ep for i in local), "cp": m * sum(times[i].cp for i in local), "pp": 0.0,
             "dp": max(dp - hw.overlap * busy[busiest], 0.0), "step": step,
-            "optimizer": hw.adam_time(max(r[1] for r in ranks)),
+            "optimizer": max(hw.adam_time(elements, tensors) for _, elements, tensors in ranks),
             "overhead": hw.step_overhead + pipelined}
     if makespan < busy[busiest]:  # shared cores (see _makespan): the busiest rank ran faster than calibrated
         scale = makespan / busy[busiest]
@@ -476,7 +476,8 @@ def _makespan(stages, times, schedule, sizes, hw):
 
 
 def _rank_memory(program, stages, costs, local, in_flight, schedule, hw, sizes):
-    """({params, grads, optimizer, activations, buffers}, elements the optimizer updates) of one pp rank."""
+    """({params, grads, optimizer, activations, buffers}, elements the optimizer updates, in how many tensors)
+    of one pp rank."""
     fqns = {f for i in local for f in stages[i][2]}
     specs = [s for f, s in program.params.items() if f in fqns]
     states = model_state_bytes(specs, sizes, program.plan)
@@ -486,8 +487,8 @@ def _rank_memory(program, stages, costs, local, in_flight, schedule, hw, sizes):
     held_last = in_flight if schedule is None or schedule.name == "gpipe" else 1
     activations = saved * in_flight + outputs * held_last
     buffers = _buffers(program, sizes, max((stages[i][3] for i in local), default=0))
-    trainable = sum(math.prod(s.local_shape(sizes)) for s in specs if s.requires_grad)
-    return {**states, "activations": float(activations), "buffers": float(buffers)}, trainable
+    trainable = [math.prod(s.local_shape(sizes)) for s in specs if s.requires_grad]
+    return {**states, "activations": float(activations), "buffers": float(buffers)}, sum(trainable), len(trainable)
 
 
 def _output_bytes(gm: fx.GraphModule) -> int:

@@ -22,6 +22,10 @@ Terms:
     overlap        fraction of backward compute that can hide data-parallel collectives (1 on GPUs,
                    where NCCL runs on its own stream; 0 where it cannot be relied on).
     adam_rate      elements per second an AdamW update processes (0: mem_bandwidth / 32 bytes).
+    adam_tensor_overhead
+                   seconds an AdamW update costs per parameter tensor beyond its elements (torch's per-tensor
+                   loop on CPU: ~a dozen small ops each); `meshc calibrate` fits it from many small tensors
+                   against a few large ones of the same elements; 0: not measured.
     step_overhead  seconds meshc's runtime adds to each training step beyond the graph (calibrated).
     action_overhead seconds a scheduled pipeline action (F, B, I or W) costs beyond its compute: the executor's
                    own work and, with more ranks than cores, a woken rank's wait for a core (calibrated on a
@@ -132,6 +136,7 @@ class Hardware:
     inter: Link
     overlap: float = 0.0
     adam_rate: float = 0.0
+    adam_tensor_overhead: float = 0.0
     step_overhead: float = 0.0
     action_overhead: float = 0.0
     compute_scale: float = 1.0
@@ -151,8 +156,8 @@ class Hardware:
         for name in ("flops", "mem_bandwidth", "memory", "compute_scale"):
             if not getattr(self, name) > 0:
                 raise MeshcValueError(f"Hardware.{name}: expected a positive number, got {getattr(self, name)!r}")
-        for name in ("op_overhead", "adam_rate", "step_overhead", "action_overhead", "host_bandwidth", "disk_read",
-                     "disk_write", "split_overhead"):
+        for name in ("op_overhead", "adam_rate", "adam_tensor_overhead", "step_overhead", "action_overhead",
+                     "host_bandwidth", "disk_read", "disk_write", "split_overhead"):
             if not getattr(self, name) >= 0:
                 raise MeshcValueError(f"Hardware.{name}: expected a number >= 0, got {getattr(self, name)!r}")
         if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
@@ -162,9 +167,9 @@ class Hardware:
         if not 0.0 <= self.overlap <= 1.0:
             raise MeshcValueError(f"Hardware.overlap: expected a fraction in [0, 1], got {self.overlap!r}")
 
-    def adam_time(self, elements) -> float:
-        """Seconds of one AdamW update of `elements` parameters."""
-        return elements / (self.adam_rate or self.mem_bandwidth / 32)
+    def adam_time(self, elements, tensors: int = 0) -> float:
+        """Seconds of one AdamW update of `elements` parameters held in `tensors` tensors."""
+        return elements / (self.adam_rate or self.mem_bandwidth / 32) + tensors * self.adam_tensor_overhead
 
     def sharing(self, ranks: int) -> float:
         """How many times slower than alone a rank computes while `ranks` ranks of its node compute at once

@@ -284,6 +284,8 @@ def _schedules(pp: int, m: int, search: Search, layers: int | None) -> list[tupl
         return [("1f1b", 1)]
     out = []
     for name in search.schedules:
+        if m == 1 and name == "gpipe" and "1f1b" in search.schedules:
+            continue  # one micro-batch: GPipe's actions are 1F1B's (each rank's F, then its B), the same plan
         if name != "interleaved":
             out.append((name, 1))
         elif m % pp == 0 and (layers is None or layers >= pp * search.virtual):

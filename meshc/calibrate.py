@@ -68,8 +68,9 @@ def measure_compute(quick: bool = True) -> dict[str, float]:
     seconds = _median_time(lambda: torch.add(x, y), reps, repeat=8)
     bandwidth = 3 * x.numel() * 4 / seconds
     overhead = _op_overhead(100 if quick else 400)
-    return {"flops": flops, "mem_bandwidth": bandwidth, "op_overhead": overhead, "adam_rate": _adam_rate(quick),
-            "split_overhead": split_overhead(reps)}
+    rate, per_tensor = _adam_costs(quick)
+    return {"flops": flops, "mem_bandwidth": bandwidth, "op_overhead": overhead, "adam_rate": rate,
+            "adam_tensor_overhead": per_tensor, "split_overhead": split_overhead(reps)}
 
 
 def split_overhead(reps: int, layers: int = 8, width: int = 256) -> float:
@@ -247,13 +248,18 @@ def calibrate_rank(quick: bool = True) -> dict:
     return hw.to_dict()
 
 
-def _adam_rate(quick: bool) -> float:
-    """Elements per second of torch.optim.AdamW's step (its default implementation) on a few tensors."""
-    params = [torch.nn.Parameter(torch.randn(2**18)) for _ in range(4)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    return 4 * 2**18 / _median_time(opt.step, 5 if quick else 15)
+def _adam_costs(quick: bool, elements: int = 2**20, few: int = 4, many: int = 256) -> tuple[float, float]:
+    """(elements per second, seconds per tensor) of torch.optim.AdamW's step (its default implementation): the
+    same elements in a few large tensors and in many small ones; what the many cost beyond the few is per tensor
+    (a model's norms and biases are many small tensors: on CPU their step is mostly this)."""
+    def seconds(count: int) -> float:
+        params = [torch.nn.Parameter(torch.randn(elements // count)) for _ in range(count)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        return _median_time(torch.optim.AdamW(params, lr=1e-3).step, 5 if quick else 15)
+    t_few, t_many = seconds(few), seconds(many)
+    per_tensor = max(0.0, (t_many - t_few) / (many - few))
+    return elements / max(t_few - few * per_tensor, 1e-9), per_tensor
 
 
 class _Blocks(torch.nn.Module):
@@ -378,6 +384,7 @@ def profile(compute: dict[str, float], samples: dict, ranks: int, name: str = "c
     fused = {k.split(".", 1)[1]: v for k, v in compute.items() if k.startswith("fused.")}
     hw = Hardware(name=name, flops=compute["flops"], mem_bandwidth=compute["mem_bandwidth"],
                   op_overhead=compute["op_overhead"], adam_rate=compute.get("adam_rate", 0.0),
+                  adam_tensor_overhead=compute.get("adam_tensor_overhead", 0.0),
                   split_overhead=compute.get("split_overhead", 0.0),
                   memory=float(memory), ranks_per_node=ranks, cores=len(os.sched_getaffinity(0)), intra=intra,
                   inter=inter, overlap=0.0, fused_speedup=fused,

@@ -330,3 +330,29 @@ def test_action_overhead_is_paid_on_the_critical_path():
     assert 8e-3 - 1e-9 <= paid.step_time - free.step_time <= 10e-3 + 1e-9
     sim = simulate("gpt-tiny", {"dp": 2}, plan=meshc.Plan(trace="non-strict"), hardware=base, layers=2)
     assert estimate_compiled(sim.rank_program, slow).time == estimate_compiled(sim.rank_program, base).time
+
+
+def test_optimizer_pays_per_parameter_tensor():
+    """Hardware.adam_tensor_overhead (meshc calibrate: AdamW on many small tensors against a few large ones of
+    the same elements) is paid once per trainable tensor of the busiest rank: a dp rank steps all of the model's
+    tensors, a pp=2 rank only those of its stages (fewer), so per-tensor cost favours the pipeline."""
+    import dataclasses
+
+    from meshc.calibrate import _adam_costs
+    from meshc.explain_cli import simulate
+
+    rate, per_tensor = _adam_costs(quick=True, elements=2**14, few=2, many=32)  # the measurement runs
+    assert rate > 0 and per_tensor >= 0
+    base = dataclasses.replace(hardware.load("cpu-default"), adam_rate=1e30)  # elements free: tensors alone count
+    slow = dataclasses.replace(base, adam_tensor_overhead=1e-3)
+    extra = {}
+    for sizes in ({"dp": 2}, {"pp": 2}):
+        plan = meshc.Plan(trace="non-strict", microbatches=2 if "pp" in sizes else 1)
+        sim = simulate("gpt-tiny", sizes, plan=plan, hardware=base, layers=2)
+        free, paid = (estimate_compiled(sim.rank_program, hw) for hw in (base, slow))
+        extra[tuple(sizes)] = paid.time["optimizer"] - free.time["optimizer"]
+    tensors = sum(1 for spec in sim.rank_program.program.params.values() if spec.requires_grad)  # the whole model
+    assert extra[("dp",)] == pytest.approx(tensors * 1e-3)
+    stages = sim.rank_program.pipeline.all_stages
+    busiest = max(sum(1 for f in st.params if sim.rank_program.program.params[f].requires_grad) for st in stages)
+    assert extra[("pp",)] == pytest.approx(busiest * 1e-3) and busiest < tensors

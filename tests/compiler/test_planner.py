@@ -239,3 +239,15 @@ def test_compiled_scoring_sees_what_tensor_parallelism_really_shards(block, tp_s
     est = {tp: estimate_plan(_traced(model, MeshSpec({"tp": tp}), 0, (x,), {}, plan, {}), plan, cpu) for tp in (1, 2)}
     assert est[2].memory["params"] == pytest.approx(tp_share * est[1].memory["params"], rel=0.02)
     assert est[2].flops == pytest.approx(tp_share * est[1].flops, rel=0.05)
+
+
+def test_one_microbatch_schedules_are_enumerated_once():
+    """With one micro-batch, GPipe's and 1F1B's actions are the same (each rank's F, then its B): the search
+    offers that plan once (as 1F1B), so neither the ranking nor a measured suite holds a duplicate; with more
+    micro-batches both stay, and zero-bubble (a split backward) stays at m = 1."""
+    from meshc.compiler.planner import Search, plans_for
+
+    search = Search(zero=(0,), remat=("none",), schedules=("1f1b", "gpipe", "zb-h1"), microbatches=(1, 2))
+    plans = list(plans_for((1, 1, 2), 8, search))
+    by_m = {m: sorted(p.schedule for p in plans if p.microbatches == m) for m in (1, 2)}
+    assert by_m == {1: ["1f1b", "zb-h1"], 2: ["1f1b", "gpipe", "zb-h1"]}
