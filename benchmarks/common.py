@@ -72,6 +72,12 @@ def interleaved_medians(steps: list[Callable[[], Any]], rounds: int, per_round: 
     """Median seconds of each of `steps`, timed in `rounds` interleaved rounds (each step once untimed, then
     `per_round` times, `barrier` aligning ranks before each): a shared machine's load drifts, and moves plans
     measured close together alike."""
+    return [statistics.median(t) for t in interleaved_times(steps, rounds, per_round, barrier)]
+
+
+def interleaved_times(steps: list[Callable[[], Any]], rounds: int, per_round: int,
+                      barrier: Callable | None = None) -> list[list[float]]:
+    """interleaved_medians' timings, every one of them (this rank's), per step."""
     times: list[list[float]] = [[] for _ in steps]
     for _ in range(rounds):
         for i, step in enumerate(steps):
@@ -82,7 +88,7 @@ def interleaved_medians(steps: list[Callable[[], Any]], rounds: int, per_round: 
                 t0 = time.perf_counter()
                 step()
                 times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    return times
 
 
 def median_step(step: Callable[[], Any], warmup: int = 3, steps: int = 10, barrier: Callable | None = None) -> float:

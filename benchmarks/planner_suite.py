@@ -14,9 +14,12 @@ five (global batch, sequence) shapes. For each case:
    measured ranks compile on the same profile ($MESHC_HARDWARE), as a user's jobs do after `meshc calibrate`;
 2. a documented sample of the plans that fit is measured on `world` gloo ranks (`--max-plans`: the planner's
    top 3 and then every k-th plan of its ranking, so the sample spans best to worst), all compiled first,
-   then timed in interleaved rounds (median of rounds x steps);
+   then timed in interleaved rounds (each timed step starts at a barrier and ends when its slowest rank ends;
+   the median of rounds x steps);
 3. per case: the planner's choice (its #1) measured over the fastest measured plan, Spearman's rank
-   correlation of predicted and measured step time, and the median |predicted / measured - 1|.
+   correlation of predicted and measured step time, and the median |predicted / measured - 1|; the choice is
+   measured a second time, last in each round ("repeat": how far its two times are apart, the run's noise
+   floor: a choice within 1.05x of the best means little where the same plan differs by more).
 
 `--rescore saved.json` measures nothing: it re-plans the cases of a saved run (`--json`) with the cost model as
 it is now, on that run's profiles, and scores the new predictions against the saved measurements.
@@ -35,7 +38,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import interleaved_medians, launch, report, table  # noqa: E402
+from benchmarks.common import interleaved_times, launch, report, table  # noqa: E402
 from benchmarks.planner_bench import _spearman  # noqa: E402
 
 MODELS = ("gpt", "llama", "moe")
@@ -107,7 +110,11 @@ def worker(config: dict) -> None:
             opt.zero_grad()
         step()
         steps.append(step)
-    report({"seconds": interleaved_medians(steps, config["rounds"], config["steps"], dist.barrier)})
+    times = interleaved_times(steps, config["rounds"], config["steps"], dist.barrier)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, times)  # a step ends when its slowest rank does: the max over ranks
+    report({"seconds": [statistics.median(max(t) for t in zip(*(rank[i] for rank in everyone)))
+                        for i in range(len(steps))]})
     dist.barrier()
 
 
@@ -167,30 +174,35 @@ def run_case(case: dict, hw, path: str, args) -> dict:
     planning = time.perf_counter() - t0
     picked = [result.ranked[i] for i in sample(len(result.ranked), args.max_plans)]
     plans = [(r.candidate.sizes, {f: getattr(r.candidate.plan, f) for f in FIELDS}) for r in picked]
-    config = {"model": case["model"], "batch": case["batch"], "seq": case["seq"], "plans": plans,
-              "rounds": args.rounds, "steps": args.steps}
+    config = {"model": case["model"], "batch": case["batch"], "seq": case["seq"], "plans": plans + plans[:1],
+              "rounds": args.rounds, "steps": args.steps}  # the choice twice, first and last: the noise floor
     os.environ["MESHC_HARDWARE"] = os.path.abspath(path)
-    measured = launch(os.path.abspath(__file__), case["world"], config, timeout=3600)["seconds"]
+    *measured, again = launch(os.path.abspath(__file__), case["world"], config, timeout=3600)["seconds"]
     predicted = [r.estimate.step_time for r in picked]
     errors = [abs(p / m - 1) for p, m in zip(predicted, measured)]
     return {"case": case["name"], "fits": len(result.ranked), "measured": len(picked),
             "choice": picked[0].candidate.describe(), "choice / best": measured[0] / min(measured),
             "best": picked[measured.index(min(measured))].candidate.describe(),
             "spearman": _spearman(predicted, measured), "median |error|": statistics.median(errors),
+            "repeat": abs(again / measured[0] - 1),
             "planning (s)": planning, "plans": [(r.candidate.describe(), p, m) for r, p, m in
                                                 zip(picked, predicted, measured)]}
 
 
 def summary(rows: list[dict]) -> str:
     within = sum(r["choice / best"] <= 1.05 for r in rows) / len(rows)
+    repeats = [r["repeat"] for r in rows if "repeat" in r]
+    noise = (f"; the same plan (the choice) measured twice in one run differs by {statistics.median(repeats):.0%} "
+             f"in the median case, {max(repeats):.0%} at most") if repeats else ""
     return (f"{len(rows)} cases: choice within 1.05x of the best measured in {within:.0%} (goal >= 90%); "
             f"median Spearman {statistics.median(r['spearman'] for r in rows):.2f} (goal >= 0.9); "
-            f"median |error| {statistics.median(r['median |error|'] for r in rows):.0%} (goal <= 15%)")
+            f"median |error| {statistics.median(r['median |error|'] for r in rows):.0%} (goal <= 15%){noise}")
 
 
 def _line(row: dict) -> str:
     return (f"{row['case']}: choice/best {row['choice / best']:.2f}, Spearman {row['spearman']:.2f}, "
-            f"median |error| {row['median |error|']:.0%} ({row['measured']} of {row['fits']} plans)")
+            f"median |error| {row['median |error|']:.0%} ({row['measured']} of {row['fits']} plans)"
+            + (f", the choice measured twice {row['repeat']:.0%} apart" if "repeat" in row else ""))
 
 
 def main() -> None:
@@ -229,6 +241,8 @@ def main() -> None:
             rows.append(run_case(case, profiles[case["world"]], paths[case["world"]], args))
             print(_line(rows[-1]), flush=True)
     cols = ["case", "fits", "measured", "choice", "best", "choice / best", "spearman", "median |error|"]
+    if any("repeat" in r for r in rows):
+        cols.append("repeat")
     text = table(rows, cols) + "\n\n" + summary(rows) + f"\n\nload average at the end: {os.getloadavg()[0]:.1f}\n"
     if args.rescore:
         text = f"re-predicted by today's cost model against the measurements saved in {args.rescore}\n\n" + text
