@@ -27,13 +27,14 @@ from typing import Any, Callable
 
 
 def launch(script: str, nproc: int, config: dict, timeout: float = 900.0, python: str | None = None,
-           exit_code_ok: bool = False) -> dict:
+           exit_code_ok: bool = False, env: dict[str, str] | None = None) -> dict:
     """Run `script --worker` on `nproc` local ranks under torchrun (of `python`, default this interpreter);
     return rank 0's JSON result. `exit_code_ok`: a run that wrote its result and then failed (a rank lost at
-    exit) returns the result with its "exit_code" instead of raising."""
+    exit) returns the result with its "exit_code" instead of raising. `env`: variables the ranks get beyond
+    this process's."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+        env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
                "MESHC_BENCH_OUT": out, "PYTHONUNBUFFERED": "1"}
         cmd = [python or sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                script, "--worker", json.dumps(config)]

@@ -176,8 +176,8 @@ def run_case(case: dict, hw, path: str, args) -> dict:
     plans = [(r.candidate.sizes, {f: getattr(r.candidate.plan, f) for f in FIELDS}) for r in picked]
     config = {"model": case["model"], "batch": case["batch"], "seq": case["seq"], "plans": plans + plans[:1],
               "rounds": args.rounds, "steps": args.steps}  # the choice twice, first and last: the noise floor
-    os.environ["MESHC_HARDWARE"] = os.path.abspath(path)
-    *measured, again = launch(os.path.abspath(__file__), case["world"], config, timeout=3600)["seconds"]
+    *measured, again = launch(os.path.abspath(__file__), case["world"], config, timeout=3600,
+                              env={"MESHC_HARDWARE": os.path.abspath(path)})["seconds"]
     predicted = [r.estimate.step_time for r in picked]
     errors = [abs(p / m - 1) for p, m in zip(predicted, measured)]
     return {"case": case["name"], "fits": len(result.ranked), "measured": len(picked),
