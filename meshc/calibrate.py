@@ -333,12 +333,10 @@ def _compute_scale(hw: Hardware, world: int, quick: bool) -> float:
         job.step(x, x, models.lm_loss)
         opt.step()
         opt.zero_grad()
-    measured = _median_time(step, 7 if quick else 20, dist.barrier)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, measured)
+    measured = _step_seconds(step, 7 if quick else 20)
     est = estimate_compiled(job.compiled, dataclasses.replace(hw, compute_scale=1.0))
     compute = est.time["compute"] + est.time["recompute"]
-    return min(max((statistics.median(everyone) - (est.step_time - compute)) / compute, 0.5), 4.0)
+    return min(max((measured - (est.step_time - compute)) / compute, 0.5), 4.0)
 
 
 def _job_excess(hw: Hardware, sizes: dict, m: int, quick: bool) -> float:
@@ -350,7 +348,7 @@ def _job_excess(hw: Hardware, sizes: dict, m: int, quick: bool) -> float:
 
 
 def _measured_job(sizes: dict, m: int, quick: bool, width: int = 64, layers: int = 2, rows: int = 8):
-    """(job, median step seconds over the ranks) of `layers` linear blocks of `width` on a mesh of `sizes`,
+    """(job, step seconds: _step_seconds) of `layers` linear blocks of `width` on a mesh of `sizes`,
     `rows` per micro-batch and `m` micro-batches (every rank runs it)."""
     import meshc
 
@@ -365,10 +363,24 @@ def _measured_job(sizes: dict, m: int, quick: bool, width: int = 64, layers: int
         job.step(x, y, _mse)
         opt.step()
         opt.zero_grad()
-    measured = _median_time(step, 7 if quick else 20, dist.barrier)
+    return job, _step_seconds(step, 7 if quick else 20)
+
+
+def _step_seconds(step, reps: int) -> float:
+    """Seconds of a training step as the cost model predicts it: each of `reps` steps starts at a barrier and
+    ends when its slowest rank ends (every rank's clock gathered, the max per step); the median over steps.
+    (A per-rank median, or rank 0's clock alone, misses the rank that came last, which on an oversubscribed
+    CPU is a different rank from step to step.)"""
+    step()  # warm-up
+    mine = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        mine.append(time.perf_counter() - t0)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, measured)
-    return job, statistics.median(everyone)
+    dist.all_gather_object(everyone, mine)
+    return statistics.median(max(times) for times in zip(*everyone))
 
 
 def profile(compute: dict[str, float], samples: dict, ranks: int, name: str = "cpu-gloo") -> dict:

@@ -144,3 +144,16 @@ def measure(candidates: tuple) -> list[dict]:
 def candidates_of(result) -> tuple:
     """The planner's scored candidates (a PlanResult), as measure() takes them, in the planner's order."""
     return tuple((tuple(sorted(r.candidate.sizes.items())), r.candidate.plan) for r in result.ranked)
+
+
+def late_rank_steps(late: int, pause: float) -> dict:
+    """calibrate._step_seconds of a 'step' in which rank `late` alone works for `pause` seconds."""
+    import meshc
+    from meshc.calibrate import _step_seconds
+
+    mesh = meshc.mesh(timeout_s=60)
+    step = (lambda: time.sleep(pause)) if mesh.rank == late else (lambda: None)
+    t0 = time.perf_counter()
+    step()
+    own = time.perf_counter() - t0
+    return {"step": _step_seconds(step, 3), "own": own}

@@ -356,3 +356,16 @@ def test_optimizer_pays_per_parameter_tensor():
     stages = sim.rank_program.pipeline.all_stages
     busiest = max(sum(1 for f in st.params if sim.rank_program.program.params[f].requires_grad) for st in stages)
     assert extra[("pp",)] == pytest.approx(busiest * 1e-3) and busiest < tensors
+
+
+def test_calibration_times_a_step_by_its_slowest_rank():
+    """meshc calibrate's measured steps (compute scale, step and action overheads) end when their last rank ends,
+    as the planner's step time does (benchmarks/planner_suite.py's clock): a step in which rank 1 alone works
+    50 ms is 50 ms long on every rank, rank 0's own clock (about 0) notwithstanding."""
+    from tests.harness import run_ranks
+
+    pause = 0.05
+    out = run_ranks(cost_runs.late_rank_steps, 2, 1, pause, timeout=120)
+    assert out[0]["own"] < pause / 2 <= pause <= out[1]["own"]  # the ranks' own clocks disagree
+    for rank in out:  # sleep(0.05) lasts at least 50 ms; the bound above: a barrier and a gather on loopback
+        assert pause <= rank["step"] < pause + 0.05, out
