@@ -42,6 +42,11 @@ def _median_time(fn, reps: int, barrier=None, repeat: int = 1, before=None) -> f
     a training step: on a shared machine a short sample runs at full speed on the credit the scheduler gives
     a process that slept, where a step gets only its share of a core. `before` runs untimed before each
     sample (after the barrier)."""
+    return statistics.median(_samples(fn, reps, barrier, repeat, before))
+
+
+def _samples(fn, reps: int, barrier=None, repeat: int = 1, before=None) -> list[float]:
+    """Seconds per call of each of `reps` samples (_median_time's), after a warm-up call."""
     fn()  # warm-up
     times = []
     for _ in range(reps):
@@ -53,7 +58,7 @@ def _median_time(fn, reps: int, barrier=None, repeat: int = 1, before=None) -> f
         for _ in range(repeat):
             fn()
         times.append((time.perf_counter() - t0) / repeat)
-    return statistics.median(times)
+    return times
 
 
 LINEAR_SHAPES = ((512, 128, 384), (512, 384, 128), (1024, 256, 256))  # (tokens, in, out) of a small model's linears
@@ -371,15 +376,8 @@ def _step_seconds(step, reps: int) -> float:
     ends when its slowest rank ends (every rank's clock gathered, the max per step); the median over steps.
     (A per-rank median, or rank 0's clock alone, misses the rank that came last, which on an oversubscribed
     CPU is a different rank from step to step.)"""
-    step()  # warm-up
-    mine = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        mine.append(time.perf_counter() - t0)
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, _samples(step, reps, dist.barrier))
     return statistics.median(max(times) for times in zip(*everyone))
 
 
