@@ -1,17 +1,21 @@
 """The planner against measurement over a suite: 30 (model x world x batch) cases on 2 and 4 gloo ranks.
 
     python benchmarks/planner_suite.py [--only gpt-w2-b8s64,...] [--max-plans 8] [--rounds 3] [--steps 2]
-                                       [--profile-dir meshc-out/suite] [--out planner_suite.md]
+                                       [--profile-dir meshc-out/suite] [--calibrate each|once]
+                                       [--out planner_suite.md]
                                        [--json planner_suite.json] [--rescore planner_suite.json]
 
 The cases are fixed here, before any tuning of the cost model against them: three models (meshc's built-in
 GPT, a transformers Llama config, a transformers Mixtral config: 4 experts, top-2) x worlds of 2 and 4 ranks x
 five (global batch, sequence) shapes. For each case:
 
-1. the planner (compiler/planner_compiled.plan_compiled, the compiled path: every dp/tp/pp mesh of the world, each plan
-   scored on the real graph of a simulated rank) ranks every plan that fits, on the profile `meshc calibrate`
-   measured for that world size on this machine at the start of the run (one per world, nothing else); the
-   measured ranks compile on the same profile ($MESHC_HARDWARE), as a user's jobs do after `meshc calibrate`;
+1. `meshc calibrate` measures this machine on the case's world size right before the case (`--calibrate each`,
+   the default: the shared 2-core machine's speed drifts by up to 1.5x within an hour, so a profile measured at
+   the start of a 90-minute run misprices its later cases; `--calibrate once` keeps one profile per world for the
+   run, reusing `--profile-dir`'s if there); the planner (compiler/planner_compiled.plan_compiled, the compiled
+   path: every dp/tp/pp mesh of the world, each plan scored on the real graph of a simulated rank) ranks every
+   plan that fits on that profile and nothing else; the measured ranks compile on the same profile
+   ($MESHC_HARDWARE), as a user's jobs do after `meshc calibrate`;
 2. a documented sample of the plans that fit is measured on `world` gloo ranks (`--max-plans`: the planner's
    top 3 and then every k-th plan of its ranking, so the sample spans best to worst), all compiled first,
    then timed in interleaved rounds (each timed step starts at a barrier and ends when its slowest rank ends;
@@ -22,7 +26,8 @@ five (global batch, sequence) shapes. For each case:
    floor: a choice within 1.05x of the best means little where the same plan differs by more).
 
 `--rescore saved.json` measures nothing: it re-plans the cases of a saved run (`--json`) with the cost model as
-it is now, on that run's profiles, and scores the new predictions against the saved measurements.
+it is now, each on the profile that run planned it with (its "profile"), and scores the new predictions against
+the saved measurements.
 
 The summary gives the issue's three goal figures: the share of cases whose choice is within 1.05x of the best,
 the median Spearman, and the median |error|. Mixtral's experts are sharded over tp by the plan (the compiled
@@ -145,12 +150,14 @@ def rescore(saved: list[dict], profiles: dict) -> list[dict]:
     same measurements: what a change to the model would have scored, without measuring again. The planner's
     new choice may be a plan that run did not measure: then choice / best is the first measured plan in the
     new ranking over the best, and the row says so."""
+    from meshc.compiler.hardware import load
+
     by_name = {c["name"]: c for c in cases()}
     rows = []
     for old in saved:
         case = by_name[old["case"]]
         measured = {describe: m for describe, _, m in old["plans"]}
-        ranked = plan_case(case, profiles[case["world"]]).ranked
+        ranked = plan_case(case, load(old["profile"]) if "profile" in old else profiles[case["world"]]).ranked
         new = {r.candidate.describe(): r.estimate.step_time for r in ranked}
         names = [d for d in measured if d in new]
         predicted, times = [new[d] for d in names], [measured[d] for d in names]
@@ -161,7 +168,8 @@ def rescore(saved: list[dict], profiles: dict) -> list[dict]:
                      "choice / best": measured[first] / min(times),
                      "best": names[times.index(min(times))], "spearman": _spearman(predicted, times),
                      "median |error|": statistics.median(abs(p / m - 1) for p, m in zip(predicted, times)),
-                     "plans": [(d, new[d], measured[d]) for d in names]})
+                     "plans": [(d, new[d], measured[d]) for d in names],
+                     **({"profile": old["profile"]} if "profile" in old else {})})
     return rows
 
 
@@ -185,8 +193,8 @@ def run_case(case: dict, hw, path: str, args) -> dict:
             "best": picked[measured.index(min(measured))].candidate.describe(),
             "spearman": _spearman(predicted, measured), "median |error|": statistics.median(errors),
             "repeat": abs(again / measured[0] - 1),
-            "planning (s)": planning, "plans": [(r.candidate.describe(), p, m) for r, p, m in
-                                                zip(picked, predicted, measured)]}
+            "planning (s)": planning, "profile": path, "calibrated": hw.description,
+            "plans": [(r.candidate.describe(), p, m) for r, p, m in zip(picked, predicted, measured)]}
 
 
 def summary(rows: list[dict]) -> str:
@@ -212,6 +220,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--profile-dir", default=os.path.join("meshc-out", "suite"))
+    p.add_argument("--calibrate", choices=("each", "once"), default="each",
+                   help="measure a profile right before each case (each), or one per world for the run (once)")
     p.add_argument("--out", default=None, help="also write the tables (markdown) here")
     p.add_argument("--json", default=None, help="also write every case with its measured plans here")
     p.add_argument("--rescore", default=None, metavar="JSON",
@@ -226,7 +236,7 @@ def main() -> None:
 
     chosen = [c for c in cases() if not args.only or c["name"] in args.only.split(",")]
     profiles, paths = {}, {}
-    for world in sorted({c["world"] for c in chosen}):
+    for world in sorted({c["world"] for c in chosen}) if args.rescore or args.calibrate == "once" else ():
         paths[world] = path = os.path.join(args.profile_dir, f"cpu-gloo-{world}.json")
         profiles[world] = load(path) if os.path.exists(path) else calibrate.calibrate(path, nproc=world)
     if args.rescore:  # re-predicted, not measured: say so wherever the table goes
@@ -238,7 +248,12 @@ def main() -> None:
     else:
         rows = []
         for case in chosen:
-            rows.append(run_case(case, profiles[case["world"]], paths[case["world"]], args))
+            if args.calibrate == "each":  # this machine as it is now, on this world
+                path = os.path.join(args.profile_dir, f"{case['name']}.json")
+                hw = calibrate.calibrate(path, nproc=case["world"])
+            else:
+                hw, path = profiles[case["world"]], paths[case["world"]]
+            rows.append(run_case(case, hw, path, args))
             print(_line(rows[-1]), flush=True)
     cols = ["case", "fits", "measured", "choice", "best", "choice / best", "spearman", "median |error|"]
     if any("repeat" in r for r in rows):
