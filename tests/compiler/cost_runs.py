@@ -91,7 +91,9 @@ def _rank(candidates: list[tuple[dict, object]]) -> dict:
         jobs.append(compiled_step(sizes, plan, x, y, timeout_s=120))
     computes, links, load = [], [], os.getloadavg()[0]
     times: list[list[float]] = [[] for _ in jobs]  # [plan][round]: median of the round's steps
+    probe = calibrate.ScaleProbe(base, quick=True)  # the compute scale, timed in every round
     for _ in range(ROUNDS):
+        probe.time()
         computes.append(calibrate.measure_compute(quick=True))
         links.append(calibrate.measure_links(base.group_name("dp"), base.world_size, quick=True))
         for i, (_job, _opt, step, *_rest) in enumerate(jobs):
@@ -107,7 +109,7 @@ def _rank(candidates: list[tuple[dict, object]]) -> dict:
     dist.all_gather_object(everyone, computes)
     computes = [calibrate.median_of([ranks[r] for ranks in everyone]) for r in range(ROUNDS)]  # per round
     hw = Hardware.from_dict(calibrate.profile(calibrate.median_of(computes), _median_samples(links), base.world_size))
-    hw = calibrate.runtime_overheads(hw, base, quick=True)
+    hw = calibrate.runtime_overheads(hw, base, quick=True, probe=probe)
     overheads = {"step_overhead": hw.step_overhead, "action_overhead": hw.action_overhead,
                  "compute_scale": hw.compute_scale}
     by_round = [Hardware.from_dict({**calibrate.profile(c, lk, base.world_size), **overheads})

@@ -369,3 +369,23 @@ def test_calibration_times_a_step_by_its_slowest_rank():
     assert out[0]["own"] < pause / 2 <= pause <= out[1]["own"]  # the ranks' own clocks disagree
     for rank in out:  # sleep(0.05) lasts at least 50 ms; the bound above: a barrier and a gather on loopback
         assert pause <= rank["step"] < pause + 0.05, out
+
+
+def test_compute_scale_is_the_median_of_its_timings(fake_mesh):
+    """meshc calibrate times its compute-scale step at several points of the calibration (calibrate.ScaleProbe)
+    and prices from their median: one timing taken while the shared machine was slow (10× here) moves nothing,
+    where a scale from that timing alone would be several times larger."""
+    import types
+
+    from meshc import calibrate
+    from meshc.compiler.hardware import load
+
+    hw = load("cpu-default")
+    probe = calibrate.ScaleProbe(fake_mesh(dp=2), quick=True)
+
+    def scale(times):
+        return calibrate._compute_scale(hw, types.SimpleNamespace(job=probe.job, times=times))
+    typical = 0.05
+    assert 0.5 < scale([typical]) < 4.0  # inside the clamp: the figures below are computed, not bounds
+    assert scale([typical, 10 * typical, typical]) == scale([typical])
+    assert scale([10 * typical]) > 3 * scale([typical])
