@@ -36,6 +36,7 @@ path enumerates dp/tp/pp, not ep). One thread per rank; a 2-core machine runs 4 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -145,7 +146,7 @@ def plan_case(case: dict, hw):
                          case["world"], hw, search=search)
 
 
-def rescore(saved: list[dict], profiles: dict) -> list[dict]:
+def rescore(saved: list[dict], world_profile) -> list[dict]:
     """A saved run (--json) re-predicted by the cost model as it is now, on the same profiles, against the
     same measurements: what a change to the model would have scored, without measuring again. The planner's
     new choice may be a plan that run did not measure: then choice / best is the first measured plan in the
@@ -157,7 +158,7 @@ def rescore(saved: list[dict], profiles: dict) -> list[dict]:
     for old in saved:
         case = by_name[old["case"]]
         measured = {describe: m for describe, _, m in old["plans"]}
-        ranked = plan_case(case, load(old["profile"]) if "profile" in old else profiles[case["world"]]).ranked
+        ranked = plan_case(case, load(old["profile"]) if "profile" in old else world_profile(case["world"])[0]).ranked
         new = {r.candidate.describe(): r.estimate.step_time for r in ranked}
         names = [d for d in measured if d in new]
         predicted, times = [new[d] for d in names], [measured[d] for d in names]
@@ -193,7 +194,7 @@ def run_case(case: dict, hw, path: str, args) -> dict:
             "best": picked[measured.index(min(measured))].candidate.describe(),
             "spearman": _spearman(predicted, measured), "median |error|": statistics.median(errors),
             "repeat": abs(again / measured[0] - 1),
-            "planning (s)": planning, "profile": path, "calibrated": hw.description,
+            "planning (s)": planning, "profile": path,
             "plans": [(r.candidate.describe(), p, m) for r, p, m in zip(picked, predicted, measured)]}
 
 
@@ -235,24 +236,29 @@ def main() -> None:
     from meshc.compiler.hardware import load
 
     chosen = [c for c in cases() if not args.only or c["name"] in args.only.split(",")]
-    profiles, paths = {}, {}
-    for world in sorted({c["world"] for c in chosen}) if args.rescore or args.calibrate == "once" else ():
-        paths[world] = path = os.path.join(args.profile_dir, f"cpu-gloo-{world}.json")
-        profiles[world] = load(path) if os.path.exists(path) else calibrate.calibrate(path, nproc=world)
+
+    @functools.cache
+    def world_profile(world: int):
+        """(profile, path): one per world for the run, --profile-dir's if there, else measured now."""
+        path = os.path.join(args.profile_dir, f"cpu-gloo-{world}.json")
+        return (load(path) if os.path.exists(path) else calibrate.calibrate(path, nproc=world)), path
     if args.rescore:  # re-predicted, not measured: say so wherever the table goes
         names = {c["name"] for c in chosen}
         with open(args.rescore) as f:
-            rows = rescore([r for r in json.load(f) if r["case"] in names], profiles)
+            rows = rescore([r for r in json.load(f) if r["case"] in names], world_profile)
         for row in rows:
             print(_line(row), flush=True)
     else:
         rows = []
+        if args.calibrate == "once":  # every world's profile before the first case, as the run starts
+            for world in sorted({c["world"] for c in chosen}):
+                world_profile(world)
         for case in chosen:
             if args.calibrate == "each":  # this machine as it is now, on this world
                 path = os.path.join(args.profile_dir, f"{case['name']}.json")
                 hw = calibrate.calibrate(path, nproc=case["world"])
             else:
-                hw, path = profiles[case["world"]], paths[case["world"]]
+                hw, path = world_profile(case["world"])
             rows.append(run_case(case, hw, path, args))
             print(_line(rows[-1]), flush=True)
     cols = ["case", "fits", "measured", "choice", "best", "choice / best", "spearman", "median |error|"]

@@ -339,13 +339,12 @@ class ScaleProbe:
         self.x = torch.randint(0, 512, (4, 128))
         self.job = meshc.compile(net, mesh, example_inputs=(self.x,), plan=meshc.Plan(trace="non-strict"))
         self.opt = self.job.optimizer(torch.optim.AdamW, lr=1e-3)
+        self.loss = models.lm_loss
         self.reps = 7 if quick else 20
         self.times: list[float] = []
 
     def step(self) -> None:
-        from meshc import models
-
-        self.job.step(self.x, self.x, models.lm_loss)
+        self.job.step(self.x, self.x, self.loss)
         self.opt.step()
         self.opt.zero_grad()
 
