@@ -2,7 +2,8 @@
 
 A short measurement on N local processes (torchrun, gloo on loopback, one thread per process, as meshc's
 CPU jobs run): FLOP/s of linear layers forward and backward, memory bandwidth of elementwise ops, the overhead of one graph op (forward
-and backward, through torch.ops as the compiled graphs call them), each fused kernel's time against the chain
+and backward, through torch.ops as the compiled graphs call them), AdamW's update (timed as a step sees it:
+from a barrier on every rank to the slowest rank's end), each fused kernel's time against the chain
 it replaces (forward and backward: the fusion decision's input, compiler/cost_fusion.py), and each collective's latency and
 bandwidth (all-reduce, all-gather, reduce-scatter through the functional collectives the graphs use;
 send as a ping-pong of isend/irecv), fitted to hardware.Link's α-β model. Every process measures at once,
@@ -66,16 +67,24 @@ LINEAR_SHAPES = ((512, 128, 384), (512, 384, 128), (1024, 256, 256))  # (tokens,
 
 def measure_compute(quick: bool = True) -> dict[str, float]:
     """FLOP/s of fp32 linear layers' forward and backward, bytes/s of an elementwise add, seconds per graph
-    op (fwd + bwd), and elements per second of an AdamW step."""
+    op (fwd + bwd) and zero-bubble's split overhead, on this rank (AdamW's figures: measure_optimizer)."""
     reps = 5 if quick else 20
     flops = _linear_rate(reps)
     x, y = torch.randn(2**22), torch.randn(2**22)
     seconds = _median_time(lambda: torch.add(x, y), reps, repeat=8)
     bandwidth = 3 * x.numel() * 4 / seconds
     overhead = _op_overhead(100 if quick else 400)
-    rate, per_tensor = _adam_costs(quick)
-    return {"flops": flops, "mem_bandwidth": bandwidth, "op_overhead": overhead, "adam_rate": rate,
-            "adam_tensor_overhead": per_tensor, "split_overhead": split_overhead(reps)}
+    return {"flops": flops, "mem_bandwidth": bandwidth, "op_overhead": overhead, "split_overhead": split_overhead(reps)}
+
+
+def measure_optimizer(quick: bool = True) -> dict[str, float]:
+    """AdamW's elements per second and seconds per tensor as a step sees them (every rank calls this at once):
+    each timed update starts at a barrier and ends when the slowest rank's does (_step_seconds), as a step's
+    update starts together after its gradient all-reduce. Timed per rank instead, on 4 ranks over 2 cores
+    (2026-12-02), the ranks drifted out of step and measured 150-340 M elements/s where the aligned update ran
+    at 140, and a GPT step's update took 2x the time priced from the per-rank figures."""
+    rate, per_tensor = _adam_costs(quick, timer=_step_seconds)
+    return {"adam_rate": rate, "adam_tensor_overhead": per_tensor}
 
 
 def split_overhead(reps: int, layers: int = 8, width: int = 256) -> float:
@@ -251,20 +260,22 @@ def calibrate_rank(quick: bool = True) -> dict:
     samples = measure_links(mesh.group_name("dp"), mesh.size("dp"), quick)
     everyone = [None] * mesh.world_size
     dist.all_gather_object(everyone, compute)
-    hw = Hardware.from_dict(profile(median_of(everyone), samples, mesh.world_size))
+    hw = Hardware.from_dict(profile({**median_of(everyone), **measure_optimizer(quick)}, samples, mesh.world_size))
     hw = runtime_overheads(hw, mesh, quick, probe)
     return hw.to_dict()
 
 
-def _adam_costs(quick: bool, elements: int = 2**20, few: int = 4, many: int = 256) -> tuple[float, float]:
+def _adam_costs(quick: bool, elements: int = 2**20, few: int = 4, many: int = 256,
+                timer=_median_time) -> tuple[float, float]:
     """(elements per second, seconds per tensor) of torch.optim.AdamW's step (its default implementation): the
     same elements in a few large tensors and in many small ones; what the many cost beyond the few is per tensor
-    (a model's norms and biases are many small tensors: on CPU their step is mostly this)."""
+    (a model's norms and biases are many small tensors: on CPU their step is mostly this). `timer(fn, reps)`:
+    seconds per call (measure_optimizer passes _step_seconds)."""
     def seconds(count: int) -> float:
         params = [torch.nn.Parameter(torch.randn(elements // count)) for _ in range(count)]
         for p in params:
             p.grad = torch.randn_like(p)
-        return _median_time(torch.optim.AdamW(params, lr=1e-3).step, 5 if quick else 15)
+        return timer(torch.optim.AdamW(params, lr=1e-3).step, 5 if quick else 15)
     t_few, t_many = seconds(few), seconds(many)
     per_tensor = max(0.0, (t_many - t_few) / (many - few))
     return elements / max(t_few - few * per_tensor, 1e-9), per_tensor

@@ -94,7 +94,7 @@ def _rank(candidates: list[tuple[dict, object]]) -> dict:
     probe = calibrate.ScaleProbe(base, quick=True)  # the compute scale, timed in every round
     for _ in range(ROUNDS):
         probe.time()
-        computes.append(calibrate.measure_compute(quick=True))
+        computes.append({**calibrate.measure_compute(quick=True), **calibrate.measure_optimizer(quick=True)})
         links.append(calibrate.measure_links(base.group_name("dp"), base.world_size, quick=True))
         for i, (_job, _opt, step, *_rest) in enumerate(jobs):
             step()
