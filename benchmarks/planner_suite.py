@@ -26,6 +26,11 @@ five (global batch, sequence) shapes. For each case:
    measured a second time, last in each round ("repeat": how far its two times are apart, the run's noise
    floor: a choice within 1.05x of the best means little where the same plan differs by more).
 
+A case whose measurement fails (a rank's error, or a wait past the mesh's 300 s timeout) is measured once more;
+its log is kept beside the case's profile (`<case>.stacks.failed<N>.log`, with every thread's stack per rank in
+`<case>.stacks.rank<R>.txt` where the timing ran past 240 s) and listed in the row's "failed launches"; a second
+failure ends the run.
+
 `--rescore saved.json` measures nothing: it re-plans the cases of a saved run (`--json`) with the cost model as
 it is now, each on the profile that run planned it with (its "profile"), and scores the new predictions against
 the saved measurements.
@@ -37,6 +42,7 @@ path enumerates dp/tp/pp, not ep). One thread per rank; a 2-core machine runs 4 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import json
 import os
@@ -117,7 +123,14 @@ def worker(config: dict) -> None:
             opt.zero_grad()
         step()
         steps.append(step)
-    times = interleaved_times(steps, config["rounds"], config["steps"], dist.barrier)
+    stacks = f"{config['stacks']}.rank{dist.get_rank()}.txt"
+    with open(stacks, "w") as f:
+        # the timing takes seconds to a minute; past 240 s every thread's stack goes to this file, before the
+        # mesh's 300 s timeout ends the run: where a rank waited, for the log of a failed case
+        faulthandler.dump_traceback_later(240, file=f)
+        times = interleaved_times(steps, config["rounds"], config["steps"], dist.barrier)
+        faulthandler.cancel_dump_traceback_later()
+    os.remove(stacks)  # nothing was dumped
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, times)  # a step ends when its slowest rank does: the max over ranks
     report({"seconds": [statistics.median(max(t) for t in zip(*(rank[i] for rank in everyone)))
@@ -184,10 +197,23 @@ def run_case(case: dict, hw, path: str, args) -> dict:
     planning = time.perf_counter() - t0
     picked = [result.ranked[i] for i in sample(len(result.ranked), args.max_plans)]
     plans = [(r.candidate.sizes, {f: getattr(r.candidate.plan, f) for f in FIELDS}) for r in picked]
+    stacks = os.path.splitext(os.path.abspath(path))[0] + ".stacks"
     config = {"model": case["model"], "batch": case["batch"], "seq": case["seq"], "plans": plans + plans[:1],
-              "rounds": args.rounds, "steps": args.steps}  # the choice twice, first and last: the noise floor
-    *measured, again = launch(os.path.abspath(__file__), case["world"], config, timeout=3600,
-                              env={"MESHC_HARDWARE": os.path.abspath(path)})["seconds"]
+              "rounds": args.rounds, "steps": args.steps, "stacks": stacks}  # the choice twice: the noise floor
+    failures = []
+    while True:
+        try:
+            *measured, again = launch(os.path.abspath(__file__), case["world"], config, timeout=3600,
+                                      env={"MESHC_HARDWARE": os.path.abspath(path)})["seconds"]
+            break
+        except RuntimeError as e:  # kept, with the ranks' stacks if one waited past 240 s; measured once more
+            failures.append(f"{stacks}.failed{len(failures) + 1}.log")
+            with open(failures[-1], "w") as f:
+                f.write(str(e))
+            print(f"{case['name']}: the measurement failed (log: {failures[-1]}; stacks: {stacks}.rank*.txt)",
+                  flush=True)
+            if len(failures) == 2:
+                raise
     predicted = [r.estimate.step_time for r in picked]
     errors = [abs(p / m - 1) for p, m in zip(predicted, measured)]
     return {"case": case["name"], "fits": len(result.ranked), "measured": len(picked),
@@ -195,7 +221,7 @@ def run_case(case: dict, hw, path: str, args) -> dict:
             "best": picked[measured.index(min(measured))].candidate.describe(),
             "spearman": _spearman(predicted, measured), "median |error|": statistics.median(errors),
             "repeat": abs(again / measured[0] - 1),
-            "planning (s)": planning, "profile": path,
+            "planning (s)": planning, "profile": path, "failed launches": failures,
             "plans": [(r.candidate.describe(), p, m) for r, p, m in zip(picked, predicted, measured)]}
 
 
