@@ -28,7 +28,7 @@ five (global batch, sequence) shapes. For each case:
 
 A case whose measurement fails (a rank's error, or a wait past the mesh's 300 s timeout) is measured once more;
 its log is kept beside the case's profile (`<case>.stacks.failed<N>.log`, with every thread's stack per rank in
-`<case>.stacks.rank<R>.txt` where the timing ran past 240 s) and listed in the row's "failed launches"; a second
+`<case>.stacks.failed<N>.rank<R>.txt` where the timing ran past 240 s) and listed in the row's "failed launches"; a second
 failure ends the run.
 
 `--rescore saved.json` measures nothing: it re-plans the cases of a saved run (`--json`) with the cost model as
@@ -207,10 +207,14 @@ def run_case(case: dict, hw, path: str, args) -> dict:
                                       env={"MESHC_HARDWARE": os.path.abspath(path)})["seconds"]
             break
         except RuntimeError as e:  # kept, with the ranks' stacks if one waited past 240 s; measured once more
-            failures.append(f"{stacks}.failed{len(failures) + 1}.log")
+            failed = f"{stacks}.failed{len(failures) + 1}"
+            failures.append(failed + ".log")
             with open(failures[-1], "w") as f:
                 f.write(str(e))
-            print(f"{case['name']}: the measurement failed (log: {failures[-1]}; stacks: {stacks}.rank*.txt)",
+            for rank in range(case["world"]):  # kept apart from the next attempt's (which removes its own)
+                if os.path.exists(f"{stacks}.rank{rank}.txt"):
+                    os.replace(f"{stacks}.rank{rank}.txt", f"{failed}.rank{rank}.txt")
+            print(f"{case['name']}: the measurement failed (log: {failures[-1]}; stacks: {failed}.rank*.txt)",
                   flush=True)
             if len(failures) == 2:
                 raise
