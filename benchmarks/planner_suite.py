@@ -128,9 +128,12 @@ def worker(config: dict) -> None:
         # the timing takes seconds to a minute; past 240 s every thread's stack goes to this file, before the
         # mesh's 300 s timeout ends the run: where a rank waited, for the log of a failed case
         faulthandler.dump_traceback_later(240, file=f)
-        times = interleaved_times(steps, config["rounds"], config["steps"], dist.barrier)
-        faulthandler.cancel_dump_traceback_later()
-    os.remove(stacks)  # nothing was dumped
+        try:
+            times = interleaved_times(steps, config["rounds"], config["steps"], dist.barrier)
+        finally:  # disarmed before its file closes, on an error too
+            faulthandler.cancel_dump_traceback_later()
+    if not os.path.getsize(stacks):  # nothing was dumped
+        os.remove(stacks)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, times)  # a step ends when its slowest rank does: the max over ranks
     report({"seconds": [statistics.median(max(t) for t in zip(*(rank[i] for rank in everyone)))
