@@ -64,7 +64,7 @@ def _meshc(cfg: dict, base: float) -> tuple[list, float, int]:
 
     import meshc
 
-    mesh = meshc.mesh()
+    mesh = meshc.mesh(host_malloc=False)  # MALLOC_MMAP_THRESHOLD_ above kept: RSS means what is held
     model = _build(cfg["layers"], meta=cfg["mode"] != "materialized")
     params = sum(p.numel() for p in model.parameters())
     x, y = _batch(50257, mesh.rank)

@@ -76,7 +76,7 @@ def test_the_job_keeps_no_reference_to_the_users_model(fake_mesh):
 def meta_rank() -> dict:
     """Peak RSS growth of a meta-built model from compile through init_weights and one SGD step."""
     _fix_mmap_threshold()
-    mesh = meshc.mesh(timeout_s=120)
+    mesh = meshc.mesh(timeout_s=120, host_malloc=False)  # the small mmap threshold above, kept
     x, y = _batch(mesh.rank, 8192)
     model = _llama()
     before = _status("VmRSS")
