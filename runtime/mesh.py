@@ -194,7 +194,8 @@ def mesh(*, dp: int | None = None, ep: int = 1, cp: int = 1, tp: int = 1, pp: in
     sequences, dp/cp different batches are trained at once. `timeout_s` bounds every collective (gloo's own default is 30 minutes).
     On a CPU world, `host_malloc` keeps a training step's large blocks on this process's heap (runtime/host_malloc.py:
     without it each step page-faults its gradients and activations in afresh, 10-15% of a step on the 2-core
-    machine); False leaves the C library's defaults (freed memory goes back to the system sooner).
+    machine); False leaves the C library's settings as they are (freed memory goes back to the system sooner; a process
+    an earlier meshc.mesh() tuned stays tuned).
     """
     if unknown_axes:
         name = next(iter(unknown_axes))
