@@ -27,9 +27,13 @@ lo, hi = heap()
 on_heap = lo <= big.data_ptr() < hi
 del big
 xs = [torch.ones(2**18) for _ in range(100)]  # a step's 100 MiB of 1 MiB tensors, then freed
-grown = heap()[1] - heap()[0]
+def size():
+    lo, hi = heap()
+    return hi - lo
+
+grown = size()
 del xs
-print(json.dumps({"tuned": mesh.host_malloc, "on_heap": on_heap, "grown": grown, "kept": heap()[1] - heap()[0]}))
+print(json.dumps({"tuned": mesh.host_malloc, "on_heap": on_heap, "grown": grown, "kept": size()}))
 """
 
 

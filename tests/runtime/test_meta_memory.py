@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import meshc
+from meshc.runtime.host_malloc import M_MMAP_THRESHOLD
 from tests.harness import run_ranks
 
-M_MMAP_THRESHOLD = -3
 SEQ = 32
 
 
