@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import operator
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +31,7 @@ from torch.utils.flop_counter import flop_registry
 from .cost import Estimate
 from .hardware import Hardware
 from .ir.fx_ops import VIEW_NAMES, is_view, op_short_name
-from .ir.placement import FlatShard
+from .ir.placement import FlatShard, data_axis
 
 aten = torch.ops.aten
 SAVES_NOTHING = VIEW_NAMES | {"add", "sub", "neg", "cat", "stack", "clone", "contiguous", "sum", "mean", "zeros_like",
@@ -115,7 +116,8 @@ class GraphCost:
     recompute_ops: int = 0
     receives_grad: bool = False  # a received activation needs a gradient (not a first stage): I has work
     weight_ops: int = 0  # ops between a received activation and a parameter: zero-bubble W's autograd calls
-    comms: list = field(default_factory=list)  # (CommRecord, recomputed_in_backward, FLOPs a call hides behind)
+    comms: list = field(default_factory=list)  # (CommRecord, recomputed_in_backward, FLOPs a call hides behind,
+    #                                             its ZeRO bucket's copies run as meshc kernels)
 
     def time(self, hw: Hardware) -> tuple[float, float]:
         """(forward + backward seconds, recompute seconds) of compute, without communication."""
@@ -167,9 +169,10 @@ def _add_comms(cost: GraphCost, node: fx.Node, records, recomputed=lambda record
     block = 0.0
     if any(r.kind == "ring" for r in records):
         block = node_flops(node) / max(int(node.kwargs.get("size", 1)), 1)
+    fused = bool(node.kwargs.get("fused")) if node.op == "call_function" else False
     for r in records:
         hide = (2 * block if r.phase == "backward" else block) if r.kind == "ring" else 0.0
-        cost.comms.append((r, recomputed(r), hide))
+        cost.comms.append((r, recomputed(r), hide, fused))
 
 
 def _skipped_regather(node: fx.Node, record, grads: set[fx.Node]) -> bool:
@@ -342,6 +345,26 @@ def comm_time(record, sizes: dict[str, int], hw: Hardware) -> float:
     return record.count * hw.link(stride, n).time(record.kind, n, record.bytes)
 
 
+def copy_time(record, sizes: dict[str, int], hw: Hardware, fused: bool = False) -> float:
+    """Seconds of the copies around a ZeRO bucket's collective (`record.tensors` tensors; 0 for other records):
+    runtime/ops/zero.py packs a bucket into one flat buffer before its reduce-scatter or all-gather and copies
+    each tensor out of the gathered buffer; runtime/param_store.py's ZeRO-1/2 step also copies the gathered
+    parameters into the compute copies. Priced as ATen calls (views and casts included: a third of
+    op_overhead each, which calibrate measures per forward op with its backward) and bytes read and written at
+    memory bandwidth; fused (kernels/zero_copy.py), one kernel packs and one unpacks."""
+    k, n = record.tensors, sizes.get(record.axis, 1)
+    if not k or record.kind not in ("reduce_scatter", "all_gather"):
+        return 0.0
+    if record.kind == "reduce_scatter":  # per tensor a flat view, a cast and a row view, then one cat and the
+        calls, nbytes = (3 if fused else 4 * k + 2), 4 * record.bytes  # 1/dp scaling; the result split per shard
+    else:
+        full = n * record.bytes  # record.bytes: this rank's slice; each copy reads and writes what it moves
+        calls, nbytes = (k + 2, 2 * record.bytes + 2 * full) if fused else (8 * k + 1, 2 * record.bytes + 4 * full)
+        if record.phase == "step":  # and into the compute copies
+            calls, nbytes = calls + k, nbytes + 2 * full
+    return (calls * hw.op_overhead / 3 + nbytes / hw.mem_bandwidth) * hw.compute_scale
+
+
 @dataclass
 class StageTimes:
     forward: float  # compute and blocking (tp) collectives of a forward, per micro-batch
@@ -359,8 +382,10 @@ class StageTimes:
 def stage_times(cost: GraphCost, sizes: dict[str, int], hw: Hardware) -> StageTimes:
     work, again = cost.time(hw)
     tp_fwd = tp_bwd = dp = 0.0
+    copies = {"forward": 0.0, "backward": 0.0}
     by_axis = {"ep": 0.0, "cp": 0.0}
-    for record, recomputed, hide in cost.comms:
+    for record, recomputed, hide, fused in cost.comms:
+        copies[record.phase] = copies.get(record.phase, 0.0) + copy_time(record, sizes, hw, fused)
         seconds = comm_time(record, sizes, hw)
         if record.kind == "ring" and seconds:  # each hop overlaps one block of the attention
             hidden = hw.overlap * hide / hw.flops * hw.compute_scale
@@ -375,8 +400,9 @@ def stage_times(cost: GraphCost, sizes: dict[str, int], hw: Hardware) -> StageTi
             tp_bwd += seconds
         if record.axis in by_axis:
             by_axis[record.axis] += seconds * (2 if recomputed else 1)
-    return StageTimes(forward=work / 3 + tp_fwd, backward=2 * work / 3 + again + tp_bwd, recompute=again,
-                      tp=tp_fwd + tp_bwd - by_axis["ep"] - by_axis["cp"], dp=dp, compute=work,
+    fwd, bwd = work / 3 + copies["forward"], 2 * work / 3 + copies["backward"]
+    return StageTimes(forward=fwd + tp_fwd, backward=bwd + again + tp_bwd, recompute=again,
+                      tp=tp_fwd + tp_bwd - by_axis["ep"] - by_axis["cp"], dp=dp, compute=fwd + bwd,
                       first=not cost.receives_grad, split=cost.weight_ops * hw.split_overhead, **by_axis)
 
 
@@ -396,8 +422,9 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
     costs = [graph_cost(gm) for _, gm, _, _ in stages]
     times = [stage_times(c, sizes, hw) for c in costs]
     makespan, busy, in_flight = _makespan(stages, times, schedule, sizes, hw)
-    step_records = list(program.step_comms) + _extra_records(program, pipeline)
-    step = sum(comm_time(r, sizes, hw) for r in step_records)
+    step = sum(comm_time(r, sizes, hw) for r in _extra_records(program, pipeline)) + max(
+        sum(comm_time(r, sizes, hw) + copy_time(r, sizes, hw) for r in step_records(program, fqns))
+        for fqns in _rank_params(stages, pp if schedule is not None else 1))
     ranks = []
     for r in range(pp if schedule is not None else 1):
         local = [i for i, (index, *_rest) in enumerate(stages) if index % pp == r]
@@ -427,6 +454,31 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
     for (kind, axis), nbytes in comm_bytes(program, pipeline).items():
         by_axis[axis] = by_axis.get(axis, 0.0) + nbytes
     return Estimate(source="compiled", memory=memory, time=time, flops=flops, comm_bytes=by_axis)
+
+
+def _rank_params(stages, pp: int) -> list[set[str] | None]:
+    """Per pp rank, the FQNs of its stages' parameters (one None, every parameter, without a pipeline)."""
+    if pp == 1:
+        return [None]
+    return [{f for index, _, fqns, _ in stages if index % pp == r for f in fqns} for r in range(pp)]
+
+
+def step_records(program, fqns: set[str] | None = None) -> list:
+    """Program.step_comms (the ZeRO-1/2 optimizer step's collectives, over every parameter of the model) as a
+    rank holding only the parameters `fqns` runs them: a pp rank's step reduces and gathers its own stages'
+    (runtime/param_store.py keeps no others), so each record keeps their share of its bytes and their count."""
+    if fqns is None:
+        return list(program.step_comms)
+    sizes, out = program.mesh.sizes, []
+    for record in program.step_comms:
+        specs = {f: s for f, s in program.params.items()
+                 if s.requires_grad and s.zero and data_axis(s.placements) == record.axis}
+        elems = {f: s.local_shape(sizes)[0] for f, s in specs.items()}
+        mine = [f for f in specs if f in fqns]
+        if mine:
+            share = sum(elems[f] for f in mine) / max(sum(elems.values()), 1)
+            out.append(dataclasses.replace(record, bytes=int(record.bytes * share), tensors=len(mine)))
+    return out
 
 
 def _splits(schedule) -> bool:
@@ -550,7 +602,8 @@ def comm_bytes(program, pipeline=None) -> dict[tuple[str, str], float]:
             for s in pipeline.local.values():
                 if s.gm is gm:
                     out[("send", "pp")] = out.get(("send", "pp"), 0.0) + (s.sent_bytes + s.grad_bytes) * m
-    for record in list(program.step_comms) + _extra_records(program, pipeline):
+    for record in step_records(program, None if pipeline is None else pipeline.params) + \
+            _extra_records(program, pipeline):
         add(record)
     return out
 

@@ -141,9 +141,11 @@ def _gather_buckets(program: Program, buckets, order) -> None:
                 "partial": partial, "reduce_dtype": reduce_dtype, "keep": index == kept, "average": average})
         wait.meta["meshc.why"] = f"{why}: wait for the gathered parameters, copy them out; backward " \
                                  f"reduce-scatters their gradients"
+        k = len(bucket)
         wait.meta["meshc.comm"] = [
-            CommRecord("all_gather", axis, gather_bytes, "backward", f"{why}: gathered again for backward"),
-            CommRecord("reduce_scatter", axis, scatter_bytes, "backward", f"{why}: gradients averaged over dp")]
+            CommRecord("all_gather", axis, gather_bytes, "backward", f"{why}: gathered again for backward", tensors=k),
+            CommRecord("reduce_scatter", axis, scatter_bytes, "backward", f"{why}: gradients averaged over dp",
+                       tensors=k)]
         if index == kept:  # used last in forward, first in backward: kept, not gathered again
             wait.meta["meshc.comm"] = wait.meta["meshc.comm"][1:]
         wait.meta["meshc.bucket"] = fqns
@@ -151,7 +153,8 @@ def _gather_buckets(program: Program, buckets, order) -> None:
         with graph.inserting_before(anchor) if not waits else graph.inserting_after(anchor):
             start = graph.call_function(zero_gather_start, tuple(nodes), {"group": group, "size": n, "dtype": dtype})
         start.meta["meshc.why"] = f"{why}: all-gather issued before the previous bucket's block computes"
-        start.meta["meshc.comm"] = [CommRecord("all_gather", axis, gather_bytes, "forward", f"{why}: parameters")]
+        start.meta["meshc.comm"] = [CommRecord("all_gather", axis, gather_bytes, "forward", f"{why}: parameters",
+                                               tensors=k)]
         wait.update_arg(0, start)
         _route(graph, wait, bucket, mesh)
         waits.append(wait)
@@ -201,7 +204,8 @@ def _reduce_bucket(program: Program, index: int, bucket, order) -> None:
             "bucket": index, "fqns": fqns, "group": group, "size": n,
             "partial": partial, "reduce_dtype": reduce_dtype, "average": average})
     node.meta["meshc.why"] = why
-    node.meta["meshc.comm"] = [CommRecord("reduce_scatter", axis, elems * n * reduce_dtype.itemsize, "backward", why)]
+    node.meta["meshc.comm"] = [CommRecord("reduce_scatter", axis, elems * n * reduce_dtype.itemsize, "backward", why,
+                                          tensors=len(bucket))]
     node.meta["meshc.bucket"] = list(fqns)
     _route(graph, node, bucket, mesh)
     program.notes.append(f"bucket {index}: {block_of(first_user) or 'model'}, {len(bucket)} params")
@@ -222,8 +226,9 @@ def _step_comms(program: Program, stage: int) -> list[CommRecord]:
         if stage == 1:
             nbytes = shard_elems * n * (program.plan.reduce_dtype or program.plan.param_dtype or torch.float32).itemsize
             out.append(CommRecord("reduce_scatter", axis, nbytes, "step",
-                                  "ZeRO-1: gradients reduce-scattered at the step"))
+                                  "ZeRO-1: gradients reduce-scattered at the step", tensors=len(trainable)))
         dtype = program.plan.param_dtype or torch.float32
         out.append(CommRecord("all_gather", axis, shard_elems * dtype.itemsize, "step",
-                              f"ZeRO-{stage}: updated parameter slices all-gathered after the step"))
+                              f"ZeRO-{stage}: updated parameter slices all-gathered after the step",
+                              tensors=len(trainable)))
     return out

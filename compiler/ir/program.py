@@ -92,6 +92,7 @@ class CommRecord:
     phase: str  # "forward" | "backward"
     why: str
     count: int = 1
+    tensors: int = 0  # a ZeRO bucket's tensors, packed into or unpacked out of the call's flat buffer (their copies)
 
 
 @dataclass

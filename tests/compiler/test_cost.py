@@ -389,3 +389,49 @@ def test_compute_scale_is_the_median_of_its_timings(fake_mesh):
     assert 0.5 < scale([typical]) < 4.0  # inside the clamp: the figures below are computed, not bounds
     assert scale([typical, 10 * typical, typical]) == scale([typical])
     assert scale([10 * typical]) > 3 * scale([typical])
+
+
+def test_zero_bucket_copies_are_priced():
+    """The copies around ZeRO's collectives (runtime/ops/zero.py's pack and unpack; ZeRO-1/2's step copies the
+    gathered slices into the compute copies too) cost ATen calls and bytes: measured on the planner suite's
+    Mixtral at dp=2 (2 ranks, 2026-12-03), ZeRO-1's step spent 10 ms in them around 24 ms of collectives, which
+    the model had left out. Each record of a ZeRO bucket carries its tensors; the estimate pays their calls at a
+    third of op_overhead (a forward op with its backward's is about three calls): one more second per call
+    moves the step by exactly the calls the step's records make, and ZeRO-0 (no bucket) not at all."""
+    import dataclasses
+
+    from meshc.compiler.cost_graph import copy_time, step_records
+    from meshc.compiler.ir.program import CommRecord
+    from meshc.explain_cli import simulate
+
+    base = hardware.load("cpu-default")
+    slow = dataclasses.replace(base, op_overhead=base.op_overhead + 3.0)  # +1 s per call
+    calls = {}
+    for zero in (0, 1, 2, 3):
+        sim = simulate("gpt-tiny", {"dp": 2}, plan=meshc.Plan(trace="non-strict", zero=zero), hardware=base, layers=2)
+        program = sim.rank_program.program
+        k = sum(1 for spec in program.params.values() if spec.requires_grad)
+        assert [r.tensors for r in program.step_comms] == {0: [], 1: [k, k], 2: [k], 3: []}[zero]
+        free, paid = (estimate_compiled(sim.rank_program, hw) for hw in (base, slow))
+        calls[zero] = (paid.time["step"] - free.time["step"]) / base.compute_scale
+        buckets = [r for n in program.gm.graph.nodes for r in n.meta.get("meshc.comm", ()) if r.tensors]
+        assert sum(r.tensors for r in buckets if r.kind == "reduce_scatter") == (k if zero in (2, 3) else 0)
+    # ZeRO-1: reduce-scatter (4 calls per tensor and 2) and all-gather (9 per tensor and 1); ZeRO-2 the gather
+    assert calls[0] == calls[3] == 0
+    assert calls[1] == pytest.approx(13 * k + 3) and calls[2] == pytest.approx(9 * k + 1)
+    # a pp rank's step reduces and gathers its own stages' parameters only (runtime/param_store.py's keep)
+    plan = meshc.Plan(trace="non-strict", zero=1, microbatches=2)
+    sim = simulate("gpt-tiny", {"dp": 2, "pp": 2}, plan=plan, hardware=base, layers=2)
+    program, stages = sim.rank_program.program, sim.rank_program.pipeline.all_stages
+    held = [sum(1 for st in stages if st.index % 2 == r for f in st.params if program.params[f].requires_grad)
+            for r in range(2)]
+    assert max(held) < k and [r.tensors for r in step_records(program, sim.rank_program.pipeline.params)] == \
+        [held[sim.rank_program.pipeline.coord]] * 2
+    free, paid = (estimate_compiled(sim.rank_program, hw) for hw in (base, slow))
+    assert (paid.time["step"] - free.time["step"]) / base.compute_scale == pytest.approx(13 * max(held) + 3)
+    # bytes: each copy reads and writes; fused kernels (one per direction) make fewer calls than the unfused copies
+    gather = CommRecord("all_gather", "dp", 2**20, "forward", "a bucket", tensors=10)
+    cheap = dataclasses.replace(base, op_overhead=0.0)
+    assert copy_time(gather, {"dp": 4}, cheap) == pytest.approx((2 + 16) * 2**20 / base.mem_bandwidth * base.compute_scale)
+    assert copy_time(gather, {"dp": 4}, base, fused=True) < copy_time(gather, {"dp": 4}, base)
+    assert copy_time(dataclasses.replace(gather, tensors=0), {"dp": 4}, base) == 0.0
