@@ -35,7 +35,7 @@ from meshc.compiler.hardware import Hardware, Link, fit_alpha_beta, latency_step
 
 # payload bytes; up to 8 MiB either way: a step's gradient buckets are MiBs, and a fit from 2 MiB down (2 ranks,
 # 2026-12-03) priced 6 MiB collectives at 0.7-1.5x their time where one with 8 MiB was within 1.2x
-SIZES = {True: (2**12, 2**16, 2**19, 2**21, 2**23), False: (2**12, 2**16, 2**19, 2**21, 2**23)}
+SIZES = (2**12, 2**16, 2**19, 2**21, 2**23)
 
 
 def _median_time(fn, reps: int, barrier=None, repeat: int = 1, before=None) -> float:
@@ -220,7 +220,7 @@ def measure_links(group_name: str, size: int, quick: bool = True) -> dict[str, l
     def burst() -> None:  # ~5 ms: the compute between two of a tensor-parallel step's collectives
         for _ in range(16):
             torch.mm(a, a)
-    for nbytes in SIZES[quick]:
+    for nbytes in SIZES:
         t = torch.randn(nbytes // 4)
         runs = {"all_reduce": lambda: compat.all_reduce_sum(t, group_name),
                 "all_gather": lambda: compat.all_gather(t, size, group_name),
