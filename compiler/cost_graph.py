@@ -31,7 +31,7 @@ from torch.utils.flop_counter import flop_registry
 from .cost import Estimate
 from .hardware import Hardware
 from .ir.fx_ops import VIEW_NAMES, is_view, op_short_name
-from .ir.placement import FlatShard, data_axis
+from .ir.placement import FlatShard
 
 aten = torch.ops.aten
 SAVES_NOTHING = VIEW_NAMES | {"add", "sub", "neg", "cat", "stack", "clone", "contiguous", "sum", "mean", "zeros_like",
@@ -471,10 +471,8 @@ def step_records(program, fqns: set[str] | None = None) -> list:
         return list(program.step_comms)
     sizes, out = program.mesh.sizes, []
     for record in program.step_comms:
-        specs = {f: s for f, s in program.params.items()
-                 if s.requires_grad and s.zero and data_axis(s.placements) == record.axis}
-        elems = {f: s.local_shape(sizes)[0] for f, s in specs.items()}
-        mine = [f for f in specs if f in fqns]
+        elems = {f: program.params[f].local_shape(sizes)[0] for f in program.zero_step_params(record.axis)}
+        mine = [f for f in elems if f in fqns]
         if mine:
             share = sum(elems[f] for f in mine) / max(sum(elems.values()), 1)
             out.append(dataclasses.replace(record, bytes=int(record.bytes * share), tensors=len(mine)))

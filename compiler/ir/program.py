@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from .plan import DEFAULT_BUCKET_MB
-from .placement import FlatShard, Placement, Replicate, Shard, local_length
+from .placement import FlatShard, Placement, Replicate, Shard, data_axis, local_length
 
 if TYPE_CHECKING:
     from .mesh_spec import MeshSpec
@@ -129,6 +129,11 @@ class Program:
             return float(self.plan.bucket_mb)
         decision = self.decisions.get("bucket_mb")
         return float(decision.value) if decision is not None else DEFAULT_BUCKET_MB
+
+    def zero_step_params(self, axis: str) -> list[str]:
+        """FQNs of the trainable ZeRO-sharded parameters whose shards lie on `axis` (dp, or edp for experts'):
+        what the ZeRO-1/2 optimizer step reduces and gathers over that axis."""
+        return [f for f, s in self.params.items() if s.requires_grad and s.zero and data_axis(s.placements) == axis]
 
     def replace(self, **changes: Any) -> "Program":
         return dataclasses.replace(self, **changes)
