@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import operator
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -423,7 +422,7 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
     times = [stage_times(c, sizes, hw) for c in costs]
     makespan, busy, in_flight = _makespan(stages, times, schedule, sizes, hw)
     step = sum(comm_time(r, sizes, hw) for r in _extra_records(program, pipeline)) + max(
-        sum(comm_time(r, sizes, hw) + copy_time(r, sizes, hw) for r in step_records(program, fqns))
+        sum(comm_time(r, sizes, hw) + copy_time(r, sizes, hw) for r in program.step_records(fqns))
         for fqns in _rank_params(stages, pp if schedule is not None else 1))
     ranks = []
     for r in range(pp if schedule is not None else 1):
@@ -461,22 +460,6 @@ def _rank_params(stages, pp: int) -> list[set[str] | None]:
     if pp == 1:
         return [None]
     return [{f for index, _, fqns, _ in stages if index % pp == r for f in fqns} for r in range(pp)]
-
-
-def step_records(program, fqns: set[str] | None = None) -> list:
-    """Program.step_comms (the ZeRO-1/2 optimizer step's collectives, over every parameter of the model) as a
-    rank holding only the parameters `fqns` runs them: a pp rank's step reduces and gathers its own stages'
-    (runtime/param_store.py keeps no others), so each record keeps their share of its bytes and their count."""
-    if fqns is None:
-        return list(program.step_comms)
-    sizes, out = program.mesh.sizes, []
-    for record in program.step_comms:
-        elems = {f: program.params[f].local_shape(sizes)[0] for f in program.zero_step_params(record.axis)}
-        mine = [f for f in elems if f in fqns]
-        if mine:
-            share = sum(elems[f] for f in mine) / max(sum(elems.values()), 1)
-            out.append(dataclasses.replace(record, bytes=int(record.bytes * share), tensors=len(mine)))
-    return out
 
 
 def _splits(schedule) -> bool:
@@ -600,7 +583,7 @@ def comm_bytes(program, pipeline=None) -> dict[tuple[str, str], float]:
             for s in pipeline.local.values():
                 if s.gm is gm:
                     out[("send", "pp")] = out.get(("send", "pp"), 0.0) + (s.sent_bytes + s.grad_bytes) * m
-    for record in step_records(program, None if pipeline is None else pipeline.params) + \
+    for record in program.step_records(None if pipeline is None else pipeline.params) + \
             _extra_records(program, pipeline):
         add(record)
     return out
