@@ -417,21 +417,21 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
     sizes = program.mesh.sizes
     stages, schedule = _stages(program, pipeline)
     m = schedule.microbatches if schedule is not None else 1
-    pp = sizes.get("pp", 1)
+    pp = sizes.get("pp", 1) if schedule is not None else 1
+    by_rank = [[i for i, (index, *_rest) in enumerate(stages) if index % pp == r] for r in range(pp)]  # stage indices
     costs = [graph_cost(gm) for _, gm, _, _ in stages]
     times = [stage_times(c, sizes, hw) for c in costs]
     makespan, busy, in_flight = _makespan(stages, times, schedule, sizes, hw)
+    # a pp rank's ZeRO-1/2 step reduces and gathers its own stages' parameters (runtime/param_store.py)
+    held = [None] if pp == 1 else [{f for i in local for f in stages[i][2]} for local in by_rank]
     step = sum(comm_time(r, sizes, hw) for r in _extra_records(program, pipeline)) + max(
-        sum(comm_time(r, sizes, hw) + copy_time(r, sizes, hw) for r in program.step_records(fqns))
-        for fqns in _rank_params(stages, pp if schedule is not None else 1))
-    ranks = []
-    for r in range(pp if schedule is not None else 1):
-        local = [i for i, (index, *_rest) in enumerate(stages) if index % pp == r]
-        ranks.append(_rank_memory(program, stages, costs, local, in_flight[r], schedule, hw, sizes))
+        sum(comm_time(r, sizes, hw) + copy_time(r, sizes, hw) for r in program.step_records(fqns)) for fqns in held)
+    ranks = [_rank_memory(program, stages, costs, local, in_flight[r], schedule, hw, sizes)
+             for r, local in enumerate(by_rank)]
     fullest = max(range(len(ranks)), key=lambda r: sum(ranks[r][0].values())) if pp_rank is None else pp_rank
     memory = ranks[fullest][0]
     busiest = max(range(len(ranks)), key=lambda r: busy[r])
-    local = [i for i, (index, *_rest) in enumerate(stages) if index % pp == busiest]
+    local = by_rank[busiest]
     dp = m * sum(times[i].dp for i in local)
     pipelined = 0.0  # overheads inside the simulated actions (_makespan): part of the busiest rank's busy time
     if schedule is not None:
@@ -453,13 +453,6 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
     for (kind, axis), nbytes in comm_bytes(program, pipeline).items():
         by_axis[axis] = by_axis.get(axis, 0.0) + nbytes
     return Estimate(source="compiled", memory=memory, time=time, flops=flops, comm_bytes=by_axis)
-
-
-def _rank_params(stages, pp: int) -> list[set[str] | None]:
-    """Per pp rank, the FQNs of its stages' parameters (one None, every parameter, without a pipeline)."""
-    if pp == 1:
-        return [None]
-    return [{f for index, _, fqns, _ in stages if index % pp == r for f in fqns} for r in range(pp)]
 
 
 def _splits(schedule) -> bool:
