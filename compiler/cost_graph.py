@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import operator
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +30,7 @@ from torch.utils.flop_counter import flop_registry
 from .cost import Estimate
 from .hardware import Hardware
 from .ir.fx_ops import VIEW_NAMES, is_view, op_short_name
-from .ir.placement import FlatShard, data_axis
+from .ir.placement import FlatShard
 
 aten = torch.ops.aten
 SAVES_NOTHING = VIEW_NAMES | {"add", "sub", "neg", "cat", "stack", "clone", "contiguous", "sum", "mean", "zeros_like",
@@ -418,21 +417,21 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
     sizes = program.mesh.sizes
     stages, schedule = _stages(program, pipeline)
     m = schedule.microbatches if schedule is not None else 1
-    pp = sizes.get("pp", 1)
+    pp = sizes.get("pp", 1) if schedule is not None else 1
+    by_rank = [[i for i, (index, *_rest) in enumerate(stages) if index % pp == r] for r in range(pp)]  # stage indices
     costs = [graph_cost(gm) for _, gm, _, _ in stages]
     times = [stage_times(c, sizes, hw) for c in costs]
     makespan, busy, in_flight = _makespan(stages, times, schedule, sizes, hw)
+    # a pp rank's ZeRO-1/2 step reduces and gathers its own stages' parameters (runtime/param_store.py)
+    held = [None] if pp == 1 else [{f for i in local for f in stages[i][2]} for local in by_rank]
     step = sum(comm_time(r, sizes, hw) for r in _extra_records(program, pipeline)) + max(
-        sum(comm_time(r, sizes, hw) + copy_time(r, sizes, hw) for r in step_records(program, fqns))
-        for fqns in _rank_params(stages, pp if schedule is not None else 1))
-    ranks = []
-    for r in range(pp if schedule is not None else 1):
-        local = [i for i, (index, *_rest) in enumerate(stages) if index % pp == r]
-        ranks.append(_rank_memory(program, stages, costs, local, in_flight[r], schedule, hw, sizes))
+        sum(comm_time(r, sizes, hw) + copy_time(r, sizes, hw) for r in program.step_records(fqns)) for fqns in held)
+    ranks = [_rank_memory(program, stages, costs, local, in_flight[r], schedule, hw, sizes)
+             for r, local in enumerate(by_rank)]
     fullest = max(range(len(ranks)), key=lambda r: sum(ranks[r][0].values())) if pp_rank is None else pp_rank
     memory = ranks[fullest][0]
     busiest = max(range(len(ranks)), key=lambda r: busy[r])
-    local = [i for i, (index, *_rest) in enumerate(stages) if index % pp == busiest]
+    local = by_rank[busiest]
     dp = m * sum(times[i].dp for i in local)
     pipelined = 0.0  # overheads inside the simulated actions (_makespan): part of the busiest rank's busy time
     if schedule is not None:
@@ -454,31 +453,6 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
     for (kind, axis), nbytes in comm_bytes(program, pipeline).items():
         by_axis[axis] = by_axis.get(axis, 0.0) + nbytes
     return Estimate(source="compiled", memory=memory, time=time, flops=flops, comm_bytes=by_axis)
-
-
-def _rank_params(stages, pp: int) -> list[set[str] | None]:
-    """Per pp rank, the FQNs of its stages' parameters (one None, every parameter, without a pipeline)."""
-    if pp == 1:
-        return [None]
-    return [{f for index, _, fqns, _ in stages if index % pp == r for f in fqns} for r in range(pp)]
-
-
-def step_records(program, fqns: set[str] | None = None) -> list:
-    """Program.step_comms (the ZeRO-1/2 optimizer step's collectives, over every parameter of the model) as a
-    rank holding only the parameters `fqns` runs them: a pp rank's step reduces and gathers its own stages'
-    (runtime/param_store.py keeps no others), so each record keeps their share of its bytes and their count."""
-    if fqns is None:
-        return list(program.step_comms)
-    sizes, out = program.mesh.sizes, []
-    for record in program.step_comms:
-        specs = {f: s for f, s in program.params.items()
-                 if s.requires_grad and s.zero and data_axis(s.placements) == record.axis}
-        elems = {f: s.local_shape(sizes)[0] for f, s in specs.items()}
-        mine = [f for f in specs if f in fqns]
-        if mine:
-            share = sum(elems[f] for f in mine) / max(sum(elems.values()), 1)
-            out.append(dataclasses.replace(record, bytes=int(record.bytes * share), tensors=len(mine)))
-    return out
 
 
 def _splits(schedule) -> bool:
@@ -602,7 +576,7 @@ def comm_bytes(program, pipeline=None) -> dict[tuple[str, str], float]:
             for s in pipeline.local.values():
                 if s.gm is gm:
                     out[("send", "pp")] = out.get(("send", "pp"), 0.0) + (s.sent_bytes + s.grad_bytes) * m
-    for record in step_records(program, None if pipeline is None else pipeline.params) + \
+    for record in program.step_records(None if pipeline is None else pipeline.params) + \
             _extra_records(program, pipeline):
         add(record)
     return out

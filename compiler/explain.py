@@ -186,7 +186,7 @@ def _stage_records(program: Program, pipeline) -> list:
         nbytes = sum(program.params[f].local_bytes(program.mesh.sizes) for f in pipeline.tied)
         out.append((None, CommRecord("all_reduce", "pp", nbytes, "step",
                                      f"gradients of parameters held on several pp ranks: {', '.join(pipeline.tied)}")))
-    return out + [(None, r) for r in program.step_comms]
+    return out + [(None, r) for r in program.step_records(pipeline.params)]
 
 
 def _pipeline_lines(program: Program, pipeline) -> list[str]:

@@ -218,7 +218,7 @@ def _step_comms(program: Program, stage: int) -> list[CommRecord]:
     mesh = program.mesh
     out = []
     for axis in (AXIS, EXPERT_AXIS):
-        trainable = [s for s in program.params.values() if s.requires_grad and s.zero and axis_of(s) == axis]
+        trainable = [program.params[f] for f in program.zero_step_params(axis)]
         if not trainable:
             continue
         n = mesh.size(axis)

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from .plan import DEFAULT_BUCKET_MB
-from .placement import FlatShard, Placement, Replicate, Shard, local_length
+from .placement import FlatShard, Placement, Replicate, Shard, data_axis, local_length
 
 if TYPE_CHECKING:
     from .mesh_spec import MeshSpec
@@ -129,6 +129,26 @@ class Program:
             return float(self.plan.bucket_mb)
         decision = self.decisions.get("bucket_mb")
         return float(decision.value) if decision is not None else DEFAULT_BUCKET_MB
+
+    def zero_step_params(self, axis: str) -> list[str]:
+        """FQNs of the trainable ZeRO-sharded parameters whose shards lie on `axis` (dp, or edp for experts'):
+        what the ZeRO-1/2 optimizer step reduces and gathers over that axis."""
+        return [f for f, s in self.params.items() if s.requires_grad and s.zero and data_axis(s.placements) == axis]
+
+    def step_records(self, fqns: set[str] | None = None) -> list[CommRecord]:
+        """step_comms (the ZeRO-1/2 optimizer step's collectives, over every parameter of the model) as a rank
+        holding only the parameters `fqns` runs them (None: all): a pp rank's step reduces and gathers its own
+        stages' (runtime/param_store.py keeps no others), so each record keeps their share of its bytes and count."""
+        if fqns is None:
+            return list(self.step_comms)
+        out = []
+        for record in self.step_comms:
+            elems = {f: self.params[f].local_shape(self.mesh.sizes)[0] for f in self.zero_step_params(record.axis)}
+            mine = [f for f in elems if f in fqns]
+            if mine:
+                share = sum(elems[f] for f in mine) / max(sum(elems.values()), 1)
+                out.append(dataclasses.replace(record, bytes=int(record.bytes * share), tensors=len(mine)))
+        return out
 
     def replace(self, **changes: Any) -> "Program":
         return dataclasses.replace(self, **changes)

@@ -400,7 +400,8 @@ def test_zero_bucket_copies_are_priced():
     moves the step by exactly the calls the step's records make, and ZeRO-0 (no bucket) not at all."""
     import dataclasses
 
-    from meshc.compiler.cost_graph import copy_time, step_records
+    from meshc.compiler.cost_graph import copy_time
+    from meshc.compiler.explain import explain
     from meshc.compiler.ir.program import CommRecord
     from meshc.explain_cli import simulate
 
@@ -425,8 +426,12 @@ def test_zero_bucket_copies_are_priced():
     program, stages = sim.rank_program.program, sim.rank_program.pipeline.all_stages
     held = [sum(1 for st in stages if st.index % 2 == r for f in st.params if program.params[f].requires_grad)
             for r in range(2)]
-    assert max(held) < k and [r.tensors for r in step_records(program, sim.rank_program.pipeline.params)] == \
-        [held[sim.rank_program.pipeline.coord]] * 2
+    mine = program.step_records(sim.rank_program.pipeline.params)
+    assert max(held) < k and [r.tensors for r in mine] == [held[sim.rank_program.pipeline.coord]] * 2
+    assert all(0 < r.bytes < w.bytes for r, w in zip(mine, program.step_comms))
+    # and explain() lists the step's collectives with the bytes this rank sends, not the whole model's
+    listed = [c.bytes for c in explain(program, pipeline=sim.rank_program.pipeline).collectives if c.phase == "step"]
+    assert listed == [r.bytes for r in mine]
     free, paid = (estimate_compiled(sim.rank_program, hw) for hw in (base, slow))
     assert (paid.time["step"] - free.time["step"]) / base.compute_scale == pytest.approx(13 * max(held) + 3)
     # bytes: each copy reads and writes; fused kernels (one per direction) make fewer calls than the unfused copies
