@@ -12,6 +12,11 @@ op overhead per op; backward = 2 × forward in FLOPs and bytes; saved bytes = by
 storages that ops keep for backward (views share their base's storage); in flight = micro-batches of
 activations a rank holds at the schedule's peak (compiler/ir/schedule_sim).
 
+Zero-bubble (a schedule with I and W actions): I and W each cost half of B, W also the split's autograd calls
+(hardware.split_overhead per weight op); weight ops whose backward is one opaque function (not an ATen op:
+runtime/backward_split.py cannot ask it for one gradient only) run their whole backward in I and again in W,
+so I + W = B + that backward (`unsplit`, carried in the estimate's recompute), shared half and half.
+
 Context parallelism: a context attention (passes/context.py) computes (local queries against every key) and
 communicates (its CommRecords on axis cp: cp consecutive dp ranks, tp apart); it saves its inputs and output, and
 all-gathered the whole K, V. A "ring" record is `count` α-β `send`s of `bytes` on the group's link, each hidden
@@ -115,6 +120,11 @@ class GraphCost:
     recompute_ops: int = 0
     receives_grad: bool = False  # a received activation needs a gradient (not a first stage): I has work
     weight_ops: int = 0  # ops between a received activation and a parameter: zero-bubble W's autograd calls
+    # those of them whose backward is one opaque function (not ATen's: a torch.library or user autograd op, a
+    # meshc kernel): asked for either gradient it computes both, so zero-bubble runs it in I and again in W
+    unsplit_flops: float = 0.0
+    unsplit_bytes: float = 0.0
+    unsplit_ops: int = 0
     comms: list = field(default_factory=list)  # (CommRecord, recomputed_in_backward, FLOPs a call hides behind,
     #                                             its ZeRO bucket's copies run as meshc kernels)
 
@@ -124,6 +134,17 @@ class GraphCost:
         again = (self.recompute_flops / hw.flops + self.recompute_bytes / hw.mem_bandwidth
                  + self.recompute_ops * hw.op_overhead / 3)
         return work * hw.compute_scale, again * hw.compute_scale
+
+    def unsplit_time(self, hw: Hardware) -> float:
+        """Seconds of the backward of the weight ops zero-bubble cannot split (2/3 of their forward + backward)."""
+        work = 3 * (self.unsplit_flops / hw.flops + self.unsplit_bytes / hw.mem_bandwidth) + self.unsplit_ops * hw.op_overhead
+        return 2 * work / 3 * hw.compute_scale
+
+
+def _splits_backward(node: fx.Node) -> bool:
+    """Whether autograd computes only the gradients asked of `node` (an ATen op's derivative formula, which
+    skips the outputs nobody needs); a custom op's backward is one function that computes them all."""
+    return getattr(node.target, "namespace", None) in ("aten", "prims")
 
 
 def graph_cost(gm: fx.GraphModule) -> GraphCost:
@@ -145,8 +166,13 @@ def graph_cost(gm: fx.GraphModule) -> GraphCost:
     cost.saved += float(sum(saved.values()))
     closure = _from_received(gm.graph, grads)
     cost.receives_grad = bool(closure)
-    cost.weight_ops = sum(1 for n in closure if _is_compute(n) and
-                          any(x in grads and x not in closure for x in n.all_input_nodes))
+    weight_ops = [n for n in closure if _is_compute(n) and any(x in grads and x not in closure for x in n.all_input_nodes)]
+    cost.weight_ops = len(weight_ops)
+    for n in weight_ops:
+        if not _splits_backward(n):
+            cost.unsplit_flops += node_flops(n)
+            cost.unsplit_bytes += sum(_nbytes(a) for a in n.all_input_nodes) + _nbytes(n)
+            cost.unsplit_ops += 1
     return cost
 
 
@@ -376,6 +402,7 @@ class StageTimes:
     cp: float = 0.0  # context attention's traffic not hidden behind its blocks (part of forward and backward too)
     first: bool = False  # no received activation needs a gradient: zero-bubble's I is empty, W is all of B
     split: float = 0.0  # seconds zero-bubble's split adds to W (its autograd calls, hardware.split_overhead)
+    unsplit: float = 0.0  # seconds of the backward zero-bubble runs twice (ops it cannot split: in I and in W)
 
 
 def stage_times(cost: GraphCost, sizes: dict[str, int], hw: Hardware) -> StageTimes:
@@ -402,7 +429,8 @@ def stage_times(cost: GraphCost, sizes: dict[str, int], hw: Hardware) -> StageTi
     fwd, bwd = work / 3 + copies["forward"], 2 * work / 3 + copies["backward"]
     return StageTimes(forward=fwd + tp_fwd, backward=bwd + again + tp_bwd, recompute=again,
                       tp=tp_fwd + tp_bwd - by_axis["ep"] - by_axis["cp"], dp=dp, compute=fwd + bwd,
-                      first=not cost.receives_grad, split=cost.weight_ops * hw.split_overhead, **by_axis)
+                      first=not cost.receives_grad, split=cost.weight_ops * hw.split_overhead,
+                      unsplit=cost.unsplit_time(hw), **by_axis)
 
 
 # ---------------------------------------------------------------------------------------------- estimate
@@ -433,11 +461,14 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
     busiest = max(range(len(ranks)), key=lambda r: busy[r])
     local = by_rank[busiest]
     dp = m * sum(times[i].dp for i in local)
-    pipelined = 0.0  # overheads inside the simulated actions (_makespan): part of the busiest rank's busy time
+    pipelined = twice = 0.0  # overheads and work inside the simulated actions (_makespan): part of busy time
     if schedule is not None:
-        pipelined = (len(schedule.actions[busiest]) * hw.action_overhead
-                     + (m * sum(times[i].split for i in local) if _splits(schedule) else 0.0))
-    time = {"compute": m * sum(times[i].compute for i in local), "recompute": m * sum(times[i].recompute for i in local),
+        pipelined = len(schedule.actions[busiest]) * hw.action_overhead
+        if _splits(schedule):
+            pipelined += m * sum(times[i].split for i in local)
+            twice = m * sum(times[i].unsplit for i in local)
+    time = {"compute": m * sum(times[i].compute for i in local),
+            "recompute": m * sum(times[i].recompute for i in local) + twice,
             "bubble": max(makespan - busy[busiest], 0.0), "tp": m * sum(times[i].tp for i in local),
             "ep": m * sum(times[i].ep for i in local), "cp": m * sum(times[i].cp for i in local), "pp": 0.0,
             "dp": max(dp - hw.overlap * busy[busiest], 0.0), "step": step,
@@ -449,6 +480,8 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
             time[key] *= scale
         time["overhead"] = hw.step_overhead + pipelined * scale
     flops = m * sum(3 * costs[i].flops + costs[i].recompute_flops for i in local)
+    if _splits(schedule):
+        flops += m * sum(2 * costs[i].unsplit_flops for i in local)
     by_axis: dict[str, float] = {}
     for (kind, axis), nbytes in comm_bytes(program, pipeline).items():
         by_axis[axis] = by_axis.get(axis, 0.0) + nbytes
@@ -494,8 +527,9 @@ def _makespan(stages, times, schedule, sizes, hw):
 
     def cost(action) -> float:
         st = by_stage[action.stage]
-        half = 0.0 if st.first else st.backward / 2
-        seconds = {"F": st.forward, "B": st.backward, "I": half, "W": st.backward - half + st.split}[action.kind]
+        whole = st.backward + st.unsplit  # I and W each run the unsplit ops' whole backward
+        half = 0.0 if st.first else whole / 2
+        seconds = {"F": st.forward, "B": st.backward, "I": half, "W": whole - half + st.split}[action.kind]
         return (seconds + hw.action_overhead) / calibrated
     result = simulate(schedule, cost=cost, comm=delay, capacity=capacity)
     return result.makespan, [b * calibrated for b in result.busy], list(result.peak_in_flight)

@@ -17,7 +17,8 @@ Counted (tests/runtime/test_backward_split.py): the FLOPs of I and W sum to B's,
 result has an activation's shape. Not split: a node whose backward is one opaque function (a Python or
 torch.library autograd Function with an activation and a weight input: meshc's fused kernels, collective
 matmul, user Functions) computes all its gradients whatever the engine asks, so it runs in full in I and again
-in W phase 1: values stay right, but there I + W > B.
+in W phase 1: values stay right, but there I + W > B (the cost model prices the second run: GraphCost.unsplit_*,
+compiler/cost_graph.py).
 
 Phase 1 runs one autograd call per group of intermediates that share an edge target outside C. Autograd
 decides what a call needs by node, not by edge: in a group of several intermediates, one's activation

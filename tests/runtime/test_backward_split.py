@@ -127,3 +127,57 @@ def test_split_accumulates_through_autograd_like_b():
         assert len(fired) == (k + 1) * len(plain)
     assert sorted(fired) == plain_fired
     assert all(torch.equal(a, p.grad) for a, p in zip(plain, net.parameters()))
+
+
+class _Calls(compat.dispatch_mode_base()):
+    """Records the arguments of every call of one op while active."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.args = op, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is self.op:
+            self.args.append(args)
+        return func(*args, **(kwargs or {}))
+
+
+def test_an_op_autograd_cannot_split_runs_in_i_and_in_w_and_is_priced(fake_mesh):
+    """Mixtral's expert matmuls on CPU are transformers' grouped_mm_fallback, a torch.library op whose backward is
+    one call computing the input's and the weights' gradients: I runs it for the input's, W again for the
+    weights'. Counted from that call's arguments (2·rows·in·out FLOPs per gradient), the work the split adds over
+    B is twice those ops' forward FLOPs: what the cost model adds to each of the stage's W (GraphCost.unsplit_*),
+    and the simulated zero-bubble step carries it (as recompute) where 1F1B does not."""
+    from meshc.compiler.cost_graph import compiled_estimate, graph_cost, stage_times
+    from meshc.compiler.hardware import load
+    from meshc.compiler.pipeline_plan import PipelinePlan
+
+    traced, _ = trace(zoo.mixtral(), (zoo.batches(1, BATCH)[0][0],), mesh=fake_mesh(pp=2),
+                      plan=meshc.Plan(trace="non-strict", microbatches=2, schedule="zb-h1"))
+    backward = torch.ops.transformers.grouped_mm_fallback_backward.default  # defined once transformers' MoE loads
+    program = run_passes(traced)
+    stage = private_weight_uses(stage_graphs(program, 2)[-1])
+    cost = graph_cost(stage.gm)
+    assert cost.unsplit_ops == 2 and cost.unsplit_flops > 0  # the last block's gate-up and down projections
+
+    def flops(calls):  # dX and dW: 2 · rows · in · out each
+        return sum(2 * 2 * x.shape[0] * w.shape[1] * w.shape[2] for x, w, *_ in calls)
+    values = _values(stage)
+    leaves, loss = _run(stage, values)
+    with _Calls(backward) as plain:
+        torch.autograd.backward([loss])
+    leaves, loss = _run(stage, values)
+    with _Calls(backward) as split:
+        _, work = backward_input([loss], [None], leaves[len(leaves) - len(stage.recv):])
+        backward_weight(work)
+    assert len(plain.args) == 2 and len(split.args) == 4
+    assert flops(split.args) - flops(plain.args) == 2 * cost.unsplit_flops
+
+    hw = load("cpu-default")
+    assert stage_times(cost, {"pp": 2}, hw).unsplit == cost.unsplit_time(hw) > 0
+    estimates = {}
+    for schedule in ("zb-h1", "1f1b"):
+        plan = meshc.Plan(trace="non-strict", microbatches=2, schedule=schedule)
+        estimates[schedule] = compiled_estimate(program, hw, PipelinePlan(program.replace(plan=plan), plan))
+    twice = estimates["zb-h1"].time["recompute"] - estimates["1f1b"].time["recompute"]
+    assert twice == pytest.approx(2 * cost.unsplit_time(hw))  # m = 2 micro-batches of the last stage
