@@ -18,6 +18,7 @@ every tp rank of a stage exchanges its own (tp-local) activations with its peer.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any, Callable
@@ -56,6 +57,7 @@ class PipelineRun:
         self.grads_in: dict[tuple[int, int], list] = {}  # gradients of a stage's outputs
         self.grads_out: dict[tuple[int, int], list] = {}  # gradients of a stage's inputs
         self.weight_work: dict[tuple[int, int], WeightWork] = {}  # what I kept for W
+        self.contexts: dict[tuple[int, int], ZeroContext] = {}  # each forward's ZeRO context, until its W
         self.losses: list[torch.Tensor] = []
         self.sends: list[Any] = []
         self.busy = 0.0  # seconds of compute actions: the rest of the step is bubble or communication
@@ -87,7 +89,9 @@ class PipelineRun:
             self._forward(stage, a.microbatch)
             return
         if a.kind == "W":  # the parameters' gradients, from what I kept: no activation gradient again
-            backward_weight(self.weight_work.pop(key))
+            context = self.contexts.get(key)
+            with context.holding() if context is not None else contextlib.nullcontext():
+                backward_weight(self.weight_work.pop(key))
             self._release(key)
             return
         outs, grads = self._backward_terms(stage, key)
@@ -108,8 +112,9 @@ class PipelineRun:
         args = self.values(stage) + [self.micro[mb][i] for i in stage.inputs] + recv
         gm = tracing.marked(stage.gm)  # with module marks while job.trace records, else stage.gm
         if self.zero_context is not None:
-            with self.zero_context():
+            with self.zero_context() as context:
                 outs = gm(*args)
+            self.contexts[key] = context  # a W holds the buckets it gathers again (ZeroContext.holding)
         else:
             outs = gm(*args)
         outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
@@ -135,6 +140,7 @@ class PipelineRun:
     def _release(self, key) -> None:
         self.outputs.pop(key, None)
         self.inputs.pop(key, None)
+        self.contexts.pop(key, None)
 
     # ------------------------------------------------------------------------------ messages
     def _p2p_bytes(self, op: P2P) -> int:

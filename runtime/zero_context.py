@@ -6,6 +6,7 @@ instead of gathered parameters (re-gathered in backward); zero_reduce finds the 
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 
@@ -55,6 +56,7 @@ class ZeroContext:
         self.pending = PendingGrads() if overlap else None  # None: gradients return through autograd
         self._token = None
         self._hooks = None
+        self.hold = False  # inside holding(): buckets gathered again stay until it ends
 
     def __enter__(self):
         self._token = activate(self)
@@ -109,10 +111,28 @@ class ZeroContext:
         if full is None:
             full = self._regather(saved.bucket)
         self.outstanding[saved.bucket] -= 1
-        if self.outstanding[saved.bucket] <= 0:  # a retained graph may unpack again: it gathers again then
-            self.regathered.pop(saved.bucket, None)
+        if self.outstanding[saved.bucket] <= 0 and not self.hold:  # a retained graph may unpack again: it
+            self.regathered.pop(saved.bucket, None)  # gathers again then (once per bucket inside holding())
         self.stats.peak_bytes_backward = max(self.stats.peak_bytes_backward, self.stats.live_bytes)
         return full[saved.index].as_strided(saved.size, saved.stride, saved.offset)
+
+    @contextlib.contextmanager
+    def holding(self):
+        """Keep each bucket gathered again in the block until its end, however often autograd unpacks it.
+
+        Zero-bubble's W (runtime/backward_split.py) runs again nodes that I ran on a retained graph; autograd
+        unpacks every saved tensor of a node it runs, needed or not, so each of those nodes unpacks its saved
+        parameters once more, after I released their buckets. Without this, each such unpack gathered its whole
+        bucket again (a ZeRO-3 stage's W: one all-gather per weight op instead of one per bucket). Costs: the
+        buckets W unpacks stay gathered together until W ends."""
+        self.hold = True
+        try:
+            yield self
+        finally:
+            self.hold = False
+            for bucket, count in self.outstanding.items():
+                if count <= 0:
+                    self.regathered.pop(bucket, None)
 
     def _regather(self, bucket: int) -> list[torch.Tensor]:
         meta, shards = self.buckets[bucket]
