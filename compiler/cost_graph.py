@@ -403,11 +403,20 @@ class StageTimes:
     first: bool = False  # no received activation needs a gradient: zero-bubble's I is empty, W is all of B
     split: float = 0.0  # seconds zero-bubble's split adds to W (its autograd calls, hardware.split_overhead)
     unsplit: float = 0.0  # seconds of the backward zero-bubble runs twice (ops it cannot split: in I and in W)
+    # ZeRO-3's backward gathers once more in zero-bubble's W (it reruns nodes I ran, which unpack their saved
+    # parameters again: ZeroContext.holding gathers each bucket once): their traffic, and their copies in W
+    regather: float = 0.0
+    regather_copies: float = 0.0
+
+
+def _regathered(record) -> bool:
+    """A ZeRO-3 bucket gathered again for backward (what zero-bubble's W gathers once more)."""
+    return record.kind == "all_gather" and record.phase == "backward" and record.axis in DATA_AXES
 
 
 def stage_times(cost: GraphCost, sizes: dict[str, int], hw: Hardware) -> StageTimes:
     work, again = cost.time(hw)
-    tp_fwd = tp_bwd = dp = 0.0
+    tp_fwd = tp_bwd = dp = regather = regather_copies = 0.0
     copies = {"forward": 0.0, "backward": 0.0}
     by_axis = {"ep": 0.0, "cp": 0.0}
     for record, recomputed, hide, fused in cost.comms:
@@ -418,6 +427,9 @@ def stage_times(cost: GraphCost, sizes: dict[str, int], hw: Hardware) -> StageTi
             seconds = record.count * max(0.0, seconds / record.count - hidden)
         if record.axis in DATA_AXES:
             dp += seconds
+            if cost.receives_grad and _regathered(record):
+                regather += seconds
+                regather_copies += copy_time(record, sizes, hw, fused)
             continue
         if record.phase == "forward":
             tp_fwd += seconds
@@ -430,7 +442,7 @@ def stage_times(cost: GraphCost, sizes: dict[str, int], hw: Hardware) -> StageTi
     return StageTimes(forward=fwd + tp_fwd, backward=bwd + again + tp_bwd, recompute=again,
                       tp=tp_fwd + tp_bwd - by_axis["ep"] - by_axis["cp"], dp=dp, compute=fwd + bwd,
                       first=not cost.receives_grad, split=cost.weight_ops * hw.split_overhead,
-                      unsplit=cost.unsplit_time(hw), **by_axis)
+                      unsplit=cost.unsplit_time(hw), regather=regather, regather_copies=regather_copies, **by_axis)
 
 
 # ---------------------------------------------------------------------------------------------- estimate
@@ -466,7 +478,8 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
         pipelined = len(schedule.actions[busiest]) * hw.action_overhead
         if _splits(schedule):
             pipelined += m * sum(times[i].split for i in local)
-            twice = m * sum(times[i].unsplit for i in local)
+            twice = m * sum(times[i].unsplit + times[i].regather_copies for i in local)
+            dp += m * sum(times[i].regather for i in local)
     time = {"compute": m * sum(times[i].compute for i in local),
             "recompute": m * sum(times[i].recompute for i in local) + twice,
             "bubble": max(makespan - busy[busiest], 0.0), "tp": m * sum(times[i].tp for i in local),
@@ -529,7 +542,8 @@ def _makespan(stages, times, schedule, sizes, hw):
         st = by_stage[action.stage]
         whole = st.backward + st.unsplit  # I and W each run the unsplit ops' whole backward
         half = 0.0 if st.first else whole / 2
-        seconds = {"F": st.forward, "B": st.backward, "I": half, "W": whole - half + st.split}[action.kind]
+        seconds = {"F": st.forward, "B": st.backward, "I": half,
+                   "W": whole - half + st.split + st.regather_copies}[action.kind]
         return (seconds + hw.action_overhead) / calibrated
     result = simulate(schedule, cost=cost, comm=delay, capacity=capacity)
     return result.makespan, [b * calibrated for b in result.busy], list(result.peak_in_flight)
@@ -603,9 +617,13 @@ def comm_bytes(program, pipeline=None) -> dict[tuple[str, str], float]:
         graphs, m = [program.gm], 1
     else:
         graphs, m = [s.gm for s in pipeline.local.values()], pipeline.schedule.microbatches
+    splits = pipeline is not None and _splits(pipeline.schedule)
     for gm in graphs:
-        for record, *_ in graph_cost(gm).comms:
+        cost = graph_cost(gm)
+        for record, *_ in cost.comms:
             add(record, m)
+            if splits and cost.receives_grad and _regathered(record):
+                add(record, m)  # gathered once more in zero-bubble's W (StageTimes.regather)
         if pipeline is not None:
             for s in pipeline.local.values():
                 if s.gm is gm:

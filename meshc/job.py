@@ -156,6 +156,8 @@ class Job:
 
         def zero_context():
             return ZeroContext(self._params, self.zero_stats, release=self._release_pages())
+        if self.plan.zero >= 2:  # what this step's gathers did, as a step without pipeline stages reports it
+            self.zero_stats = ZeroStats()
         loss = self._pipe.step(flat, targets, loss_fn, values, zero_context if self.plan.zero >= 2 else None)
         specs = program.params
         holder = (lambda f: store.compute.get(f)) if self.plan.zero == 1 else (lambda f: store.masters.get(f))

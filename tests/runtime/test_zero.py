@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import meshc
+from meshc.compiler.cost_graph import comm_bytes
 from meshc.runtime.census import CommCensus
 from meshc.runtime.ops.zero import shard_size
 from tests import parity, zoo
@@ -168,18 +169,23 @@ def _zb_rank(schedule: str) -> dict:
     job = meshc.compile(zoo.build("reference"), mesh, example_inputs=(x,),
                         plan=meshc.Plan(zero=3, trace="non-strict", microbatches=2, schedule=schedule))
     job.step(x, y, zoo.lm_loss)
-    return {"gathers": (job.zero_stats.gathers_forward, job.zero_stats.gathers_backward),
-            "buckets": len(job.zero_stats.bucket_bytes), "grads": job.grad_state_dict()}
+    grads, gathers = job.grad_state_dict(), (job.zero_stats.gathers_forward, job.zero_stats.gathers_backward)
+    with CommCensus(mesh) as census:  # the next step's collectives
+        job.step(x, y, zoo.lm_loss)
+    return {"gathers": gathers, "buckets": len(job.zero_stats.bucket_bytes), "grads": grads, "gathered": census.by_kind()[("all_gather", "dp")][1],
+            "predicted": comm_bytes(job.program, job.compiled.pipeline)[("all_gather", "dp")]}
 
 
 def test_stage3_zero_bubble_gathers_each_bucket_once_in_w():
     """ZeRO-3 under ZB-H1 (dp=2 x pp=2, 2 micro-batches): W runs again nodes I ran, and autograd unpacks their
     saved parameters again; W holds what it gathers (ZeroContext.holding), so it gathers each bucket at most once,
-    where each unpack gathered its whole bucket before. Gradients as 1F1B's."""
+    where each unpack gathered its whole bucket before; the cost model's bytes (comm_bytes) are those gathered.
+    Gradients as 1F1B's."""
     zb, plain = (run_ranks(_zb_rank, 4, s, timeout=180) for s in ("zb-h1", "1f1b"))
     for rank, (z, p) in enumerate(zip(zb, plain)):
         assert z["gathers"][0] == p["gathers"][0], rank  # forward: one gather per bucket and micro-batch
         extra = z["gathers"][1] - p["gathers"][1]  # W's gathers: none on the first stage (its I is empty)
         assert 0 <= extra <= 2 * z["buckets"] and (extra > 0) == (rank >= 2), (rank, z["gathers"], p["gathers"])
+        assert z["gathered"] == z["predicted"] and p["gathered"] == p["predicted"], (rank, z, p)
         diff, where = parity.max_diff(z["grads"], p["grads"])
         assert diff < 1e-6, where  # the same sums in another order: float rounding
