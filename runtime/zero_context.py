@@ -39,6 +39,9 @@ class _Saved:
     offset: int
 
 
+HELD = 2  # buckets holding() keeps gathered at most
+
+
 class ZeroContext:
     """One step of a ZeRO program: keeps gathered parameters out of autograd's saved tensors (handles
     instead, re-gathered in backward) and tells zero_reduce where the master shards are."""
@@ -56,7 +59,7 @@ class ZeroContext:
         self.pending = PendingGrads() if overlap else None  # None: gradients return through autograd
         self._token = None
         self._hooks = None
-        self.hold = False  # inside holding(): buckets gathered again stay until it ends
+        self.held: list[int] | None = None  # inside holding(): the buckets kept gathered, least recently used first
 
     def __enter__(self):
         self._token = activate(self)
@@ -111,28 +114,39 @@ class ZeroContext:
         if full is None:
             full = self._regather(saved.bucket)
         self.outstanding[saved.bucket] -= 1
-        if self.outstanding[saved.bucket] <= 0 and not self.hold:  # a retained graph may unpack again: it
-            self.regathered.pop(saved.bucket, None)  # gathers again then (once per bucket inside holding())
+        if self.outstanding[saved.bucket] <= 0:  # a retained graph may unpack again: it gathers again then
+            self._done_with(saved.bucket)
         self.stats.peak_bytes_backward = max(self.stats.peak_bytes_backward, self.stats.live_bytes)
         return full[saved.index].as_strided(saved.size, saved.stride, saved.offset)
 
     @contextlib.contextmanager
     def holding(self):
-        """Keep each bucket gathered again in the block until its end, however often autograd unpacks it.
+        """Inside the block, gather each bucket once however often autograd unpacks it, keeping the last HELD.
 
         Zero-bubble's W (runtime/backward_split.py) runs again nodes that I ran on a retained graph; autograd
         unpacks every saved tensor of a node it runs, needed or not, so each of those nodes unpacks its saved
         parameters once more, after I released their buckets. Without this, each such unpack gathered its whole
-        bucket again (a ZeRO-3 stage's W: one all-gather per weight op instead of one per bucket). Costs: the
-        buckets W unpacks stay gathered together until W ends."""
-        self.hold = True
+        bucket again (a ZeRO-3 stage's W: one all-gather per weight op instead of one per bucket)."""
+        self.held = []
         try:
             yield self
         finally:
-            self.hold = False
-            for bucket, count in self.outstanding.items():
-                if count <= 0:
-                    self.regathered.pop(bucket, None)
+            for bucket in self.held:
+                self.regathered.pop(bucket, None)
+            self.held = None
+
+    def _done_with(self, bucket: int) -> None:
+        """No saved handle of `bucket` waits to be unpacked: release it, or inside holding() keep it among the
+        HELD buckets used last (W reruns its nodes in I's order, layer after layer: the buckets of a layer are
+        unpacked together, so W gathers each once while holding no more than B does)."""
+        if self.held is None:
+            self.regathered.pop(bucket, None)
+            return
+        if bucket in self.held:
+            self.held.remove(bucket)
+        self.held.append(bucket)
+        while len(self.held) > HELD:
+            self.regathered.pop(self.held.pop(0), None)
 
     def _regather(self, bucket: int) -> list[torch.Tensor]:
         meta, shards = self.buckets[bucket]

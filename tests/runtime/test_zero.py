@@ -167,25 +167,29 @@ def _zb_rank(schedule: str) -> dict:
     mesh = meshc.mesh(timeout_s=60, dp=2, pp=2)
     x, y = (mesh.shard_batch(t) for t in zoo.batches(1, 8)[0])
     job = meshc.compile(zoo.build("reference"), mesh, example_inputs=(x,),
-                        plan=meshc.Plan(zero=3, trace="non-strict", microbatches=2, schedule=schedule))
+                        plan=meshc.Plan(zero=3, trace="non-strict", microbatches=2, schedule=schedule,
+                                        zero_bucket_mb=0.02))
     job.step(x, y, zoo.lm_loss)
-    grads, gathers = job.grad_state_dict(), (job.zero_stats.gathers_forward, job.zero_stats.gathers_backward)
+    stats = job.zero_stats
+    grads, gathers, peak = job.grad_state_dict(), (stats.gathers_forward, stats.gathers_backward), stats.peak_bytes_backward
     with CommCensus(mesh) as census:  # the next step's collectives
         job.step(x, y, zoo.lm_loss)
-    return {"gathers": gathers, "buckets": len(job.zero_stats.bucket_bytes), "grads": grads, "gathered": census.by_kind()[("all_gather", "dp")][1],
+    return {"gathers": gathers, "peak": peak, "buckets": len(stats.bucket_bytes), "grads": grads, "gathered": census.by_kind()[("all_gather", "dp")][1],
             "predicted": comm_bytes(job.program, job.compiled.pipeline)[("all_gather", "dp")]}
 
 
 def test_stage3_zero_bubble_gathers_each_bucket_once_in_w():
-    """ZeRO-3 under ZB-H1 (dp=2 x pp=2, 2 micro-batches): W runs again nodes I ran, and autograd unpacks their
-    saved parameters again; W holds what it gathers (ZeroContext.holding), so it gathers each bucket at most once,
-    where each unpack gathered its whole bucket before; the cost model's bytes (comm_bytes) are those gathered.
-    Gradients as 1F1B's."""
+    """ZeRO-3 under ZB-H1 (dp=2 x pp=2, 2 micro-batches, 5 small buckets on the last stage): W runs again nodes I
+    ran, and autograd unpacks their saved parameters again; W keeps the 2 buckets it used last gathered
+    (ZeroContext.holding), so it gathers each bucket at most once, where each unpack gathered its whole bucket
+    before, and holds no more gathered bytes at its peak than 1F1B's backward (keeping all it gathered: 1.25x here).
+    The cost model's bytes (comm_bytes) are those gathered. Gradients as 1F1B's."""
     zb, plain = (run_ranks(_zb_rank, 4, s, timeout=180) for s in ("zb-h1", "1f1b"))
     for rank, (z, p) in enumerate(zip(zb, plain)):
         assert z["gathers"][0] == p["gathers"][0], rank  # forward: one gather per bucket and micro-batch
         extra = z["gathers"][1] - p["gathers"][1]  # W's gathers: none on the first stage (its I is empty)
         assert 0 <= extra <= 2 * z["buckets"] and (extra > 0) == (rank >= 2), (rank, z["gathers"], p["gathers"])
+        assert z["peak"] <= p["peak"], (rank, z["peak"], p["peak"])  # W keeps 2 buckets, not all it gathered
         assert z["gathered"] == z["predicted"] and p["gathered"] == p["predicted"], (rank, z, p)
         diff, where = parity.max_diff(z["grads"], p["grads"])
         assert diff < 1e-6, where  # the same sums in another order: float rounding
