@@ -130,15 +130,18 @@ class GraphCost:
 
     def time(self, hw: Hardware) -> tuple[float, float]:
         """(forward + backward seconds, recompute seconds) of compute, without communication."""
-        work = 3 * (self.flops / hw.flops + self.bytes / hw.mem_bandwidth) + self.ops * hw.op_overhead
-        again = (self.recompute_flops / hw.flops + self.recompute_bytes / hw.mem_bandwidth
-                 + self.recompute_ops * hw.op_overhead / 3)
-        return work * hw.compute_scale, again * hw.compute_scale
+        return (3 * _forward_seconds(self.flops, self.bytes, self.ops, hw),
+                _forward_seconds(self.recompute_flops, self.recompute_bytes, self.recompute_ops, hw))
 
     def unsplit_time(self, hw: Hardware) -> float:
-        """Seconds of the backward of the weight ops zero-bubble cannot split (2/3 of their forward + backward)."""
-        work = 3 * (self.unsplit_flops / hw.flops + self.unsplit_bytes / hw.mem_bandwidth) + self.unsplit_ops * hw.op_overhead
-        return 2 * work / 3 * hw.compute_scale
+        """Seconds of the backward of the weight ops zero-bubble cannot split (twice their forward)."""
+        return 2 * _forward_seconds(self.unsplit_flops, self.unsplit_bytes, self.unsplit_ops, hw)
+
+
+def _forward_seconds(flops: float, nbytes: float, ops: int, hw: Hardware) -> float:
+    """One forward of ops with these FLOPs and bytes: the roofline terms, plus a third of each op's overhead
+    (hardware.op_overhead is measured per op forward and backward), at the profile's compute scale."""
+    return (flops / hw.flops + nbytes / hw.mem_bandwidth + ops * hw.op_overhead / 3) * hw.compute_scale
 
 
 def _splits_backward(node: fx.Node) -> bool:
