@@ -390,7 +390,7 @@ def copy_time(record, sizes: dict[str, int], hw: Hardware, fused: bool = False) 
         calls, nbytes = (k + 2, 2 * record.bytes + 2 * full) if fused else (8 * k + 1, 2 * record.bytes + 4 * full)
         if record.phase == "step":  # and into the compute copies
             calls, nbytes = calls + k, nbytes + 2 * full
-    return (calls * hw.op_overhead / 3 + nbytes / hw.mem_bandwidth) * hw.compute_scale
+    return _forward_seconds(0.0, nbytes, calls, hw)
 
 
 @dataclass
