@@ -24,7 +24,15 @@ five (global batch, sequence) shapes. For each case:
 3. per case: the planner's choice (its #1) measured over the fastest measured plan, Spearman's rank
    correlation of predicted and measured step time, and the median |predicted / measured - 1|; the choice is
    measured a second time, last in each round ("repeat": how far its two times are apart, the run's noise
-   floor: a choice within 1.05x of the best means little where the same plan differs by more).
+   floor: a choice within 1.05x of the best means little where the same plan differs by more);
+4. calibration's compute-scale step (meshc/calibrate.py's ScaleProbe, dp over the case's ranks) is timed last
+   in each round too, and priced as calibration prices it: "scale in rounds" is the machine's speed over the
+   minutes the plans were timed, "scale" the profile's, measured a few minutes before. Each measured plan's
+   program (rank 0's, as the ranks compiled it on the profile) is predicted again at the in-round scale:
+   "median |error| in rounds" is the cost model's error with the machine's drift between calibration and
+   timing taken out (run G, 2026-12-03: per-case predicted/measured medians 0.60-1.51 with calibrated scales
+   0.51-2.96, while within a case the plans sat within 3.7% of their case's median). "rank 0 vs planner": the
+   largest gap between the planner's prediction (a simulated rank) and the same plan's program on rank 0.
 
 A case whose measurement fails (a rank's error, or a wait past the mesh's 300 s timeout) is measured once more;
 its log is kept beside the case's profile (`<case>.stacks.failed<N>.log`, with every thread's stack per rank in
@@ -106,10 +114,11 @@ def worker(config: dict) -> None:
     import torch.distributed as dist
 
     import meshc
+    from meshc.calibrate import ScaleProbe
 
     torch.set_num_threads(1)
     x, y = tokens(config["batch"], config["seq"])
-    steps = []
+    steps, jobs = [], []
     for sizes, fields in config["plans"]:
         mesh = meshc.mesh(timeout_s=300, **sizes)
         xs, ys = mesh.shard_batch(x), mesh.shard_batch(y)
@@ -123,6 +132,9 @@ def worker(config: dict) -> None:
             opt.zero_grad()
         step()
         steps.append(step)
+        jobs.append(job)
+    probe = ScaleProbe(meshc.mesh(timeout_s=300), quick=False)  # calibration's compute-scale step, timed last
+    steps.append(probe.step)  # in each round: the machine's speed over the same minutes as the plans
     stacks = f"{config['stacks']}.rank{dist.get_rank()}.txt"
     with open(stacks, "w") as f:
         # the timing takes seconds to a minute; past 240 s every thread's stack goes to this file, before the
@@ -136,9 +148,29 @@ def worker(config: dict) -> None:
         os.remove(stacks)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, times)  # a step ends when its slowest rank does: the max over ranks
-    report({"seconds": [statistics.median(max(t) for t in zip(*(rank[i] for rank in everyone)))
-                        for i in range(len(steps))]})
+    *seconds, probe_seconds = [statistics.median(max(t) for t in zip(*(rank[i] for rank in everyone)))
+                               for i in range(len(steps))]
+    if dist.get_rank() == 0:
+        report({"seconds": seconds, **in_round_predictions(jobs, probe, probe_seconds)})
     dist.barrier()
+
+
+def in_round_predictions(jobs, probe, probe_seconds: float) -> dict:
+    """The compute scale of the machine while the plans were timed (calibration's probe step timed in the same
+    rounds, priced as calibration prices it), and each measured program (this rank's, as compiled on the
+    case's profile) predicted on the profile and on the profile at that scale."""
+    import dataclasses
+
+    from meshc.calibrate import compute_scale
+    from meshc.compiler.cost_graph import estimate_compiled
+    from meshc.compiler.hardware import load
+
+    hw = load(os.environ["MESHC_HARDWARE"])
+    scale = compute_scale(hw, probe.job.compiled, probe_seconds)
+    now = dataclasses.replace(hw, compute_scale=scale)
+    return {"scale in rounds": scale, "probe seconds": probe_seconds,
+            "predicted on profile": [estimate_compiled(job.compiled, hw).step_time for job in jobs],
+            "predicted in rounds": [estimate_compiled(job.compiled, now).step_time for job in jobs]}
 
 
 def sample(n: int, k: int) -> list[int]:
@@ -206,8 +238,9 @@ def run_case(case: dict, hw, path: str, args) -> dict:
     failures = []
     while True:
         try:
-            *measured, again = launch(os.path.abspath(__file__), case["world"], config, timeout=3600,
-                                      env={"MESHC_HARDWARE": os.path.abspath(path)})["seconds"]
+            out = launch(os.path.abspath(__file__), case["world"], config, timeout=3600,
+                         env={"MESHC_HARDWARE": os.path.abspath(path)})
+            *measured, again = out["seconds"]
             break
         except RuntimeError as e:  # kept, with the ranks' stacks if one waited past 240 s; measured once more
             failed = f"{stacks}.failed{len(failures) + 1}"
@@ -223,13 +256,20 @@ def run_case(case: dict, hw, path: str, args) -> dict:
                 raise
     predicted = [r.estimate.step_time for r in picked]
     errors = [abs(p / m - 1) for p, m in zip(predicted, measured)]
+    now = out["predicted in rounds"][: len(picked)]
+    # the ranks' own programs against the planner's simulated rank 0: the same plan, so nearly the same figure
+    rank0 = max(abs(r / p - 1) for r, p in zip(out["predicted on profile"], predicted))
     return {"case": case["name"], "fits": len(result.ranked), "measured": len(picked),
             "choice": picked[0].candidate.describe(), "choice / best": measured[0] / min(measured),
             "best": picked[measured.index(min(measured))].candidate.describe(),
             "spearman": _spearman(predicted, measured), "median |error|": statistics.median(errors),
             "repeat": abs(again / measured[0] - 1),
+            "scale": hw.compute_scale, "scale in rounds": out["scale in rounds"],
+            "median |error| in rounds": statistics.median(abs(p / m - 1) for p, m in zip(now, measured)),
+            "rank 0 vs planner": rank0,
             "planning (s)": planning, "profile": path, "failed launches": failures,
-            "plans": [(r.candidate.describe(), p, m) for r, p, m in zip(picked, predicted, measured)]}
+            "plans": [(r.candidate.describe(), p, m) for r, p, m in zip(picked, predicted, measured)],
+            "predicted in rounds": now}
 
 
 def summary(rows: list[dict]) -> str:
@@ -237,15 +277,20 @@ def summary(rows: list[dict]) -> str:
     repeats = [r["repeat"] for r in rows if "repeat" in r]
     noise = (f"; the same plan (the choice) measured twice in one run differs by {statistics.median(repeats):.0%} "
              f"in the median case, {max(repeats):.0%} at most") if repeats else ""
+    rounds = [r["median |error| in rounds"] for r in rows if "median |error| in rounds" in r]
+    drift = (f"; at the compute scale measured in the rounds, median |error| {statistics.median(rounds):.0%}"
+             if rounds else "")
     return (f"{len(rows)} cases: choice within 1.05x of the best measured in {within:.0%} (goal >= 90%); "
             f"median Spearman {statistics.median(r['spearman'] for r in rows):.2f} (goal >= 0.9); "
-            f"median |error| {statistics.median(r['median |error|'] for r in rows):.0%} (goal <= 15%){noise}")
+            f"median |error| {statistics.median(r['median |error|'] for r in rows):.0%} (goal <= 15%){drift}{noise}")
 
 
 def _line(row: dict) -> str:
     return (f"{row['case']}: choice/best {row['choice / best']:.2f}, Spearman {row['spearman']:.2f}, "
             f"median |error| {row['median |error|']:.0%} ({row['measured']} of {row['fits']} plans)"
-            + (f", the choice measured twice {row['repeat']:.0%} apart" if "repeat" in row else ""))
+            + (f", the choice measured twice {row['repeat']:.0%} apart" if "repeat" in row else "")
+            + (f"; compute scale {row['scale']:.2f} calibrated, {row['scale in rounds']:.2f} in the rounds: "
+               f"median |error| {row['median |error| in rounds']:.0%}" if "scale in rounds" in row else ""))
 
 
 def main() -> None:
@@ -298,6 +343,8 @@ def main() -> None:
     cols = ["case", "fits", "measured", "choice", "best", "choice / best", "spearman", "median |error|"]
     if any("repeat" in r for r in rows):
         cols.append("repeat")
+    if any("scale in rounds" in r for r in rows):
+        cols += ["scale", "scale in rounds", "median |error| in rounds"]
     text = table(rows, cols) + "\n\n" + summary(rows) + f"\n\nload average at the end: {os.getloadavg()[0]:.1f}\n"
     if args.rescore:
         text = f"re-predicted by today's cost model against the measurements saved in {args.rescore}\n\n" + text

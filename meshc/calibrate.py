@@ -308,7 +308,7 @@ def runtime_overheads(hw: Hardware, mesh, quick: bool, probe: ScaleProbe) -> Har
     import dataclasses
 
     probe.time()
-    hw = dataclasses.replace(hw, compute_scale=_compute_scale(hw, probe))
+    hw = dataclasses.replace(hw, compute_scale=probe.scale(hw))
     hw = dataclasses.replace(hw, step_overhead=max(0.0, _job_excess(hw, {"dp": mesh.world_size}, 1, quick)))
     if mesh.world_size >= 2:
         hw = dataclasses.replace(hw, action_overhead=_action_overhead(hw, mesh.world_size, quick))
@@ -364,18 +364,22 @@ class ScaleProbe:
     def time(self) -> None:
         self.times.append(_step_seconds(self.step, self.reps))
 
+    def scale(self, hw: Hardware) -> float:
+        """The compute scale from the median of the timings so far."""
+        return compute_scale(hw, self.job.compiled, statistics.median(self.times))
 
-def _compute_scale(hw: Hardware, probe: ScaleProbe) -> float:
-    """Measured over predicted compute of the probe's step (the median of its timings): the part of a step that
-    is not communication, optimizer or overhead, over its roofline."""
+
+def compute_scale(hw: Hardware, compiled, seconds: float) -> float:
+    """Measured over predicted compute of a job's step (`compiled`, timed at `seconds`): the part of the step
+    that is not communication, optimizer or overhead, over its roofline; clamped to 0.5-4. Calibration prices
+    ScaleProbe's step with it; benchmarks/planner_suite.py the same step timed between the plans it measures."""
     import dataclasses
 
     from meshc.compiler.cost_graph import estimate_compiled
 
-    measured = statistics.median(probe.times)
-    est = estimate_compiled(probe.job.compiled, dataclasses.replace(hw, compute_scale=1.0))
+    est = estimate_compiled(compiled, dataclasses.replace(hw, compute_scale=1.0))
     compute = est.time["compute"] + est.time["recompute"]
-    return min(max((measured - (est.step_time - compute)) / compute, 0.5), 4.0)
+    return min(max((seconds - (est.step_time - compute)) / compute, 0.5), 4.0)
 
 
 def _job_excess(hw: Hardware, sizes: dict, m: int, quick: bool) -> float:

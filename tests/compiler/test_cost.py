@@ -375,8 +375,6 @@ def test_compute_scale_is_the_median_of_its_timings(fake_mesh):
     """meshc calibrate times its compute-scale step at several points of the calibration (calibrate.ScaleProbe)
     and prices from their median: one timing taken while the shared machine was slow (10× here) moves nothing,
     where a scale from that timing alone would be several times larger."""
-    import types
-
     from meshc import calibrate
     from meshc.compiler.hardware import load
 
@@ -384,7 +382,8 @@ def test_compute_scale_is_the_median_of_its_timings(fake_mesh):
     probe = calibrate.ScaleProbe(fake_mesh(dp=2), quick=True)
 
     def scale(times):
-        return calibrate._compute_scale(hw, types.SimpleNamespace(job=probe.job, times=times))
+        probe.times = times
+        return probe.scale(hw)
     typical = 0.05
     assert 0.5 < scale([typical]) < 4.0  # inside the clamp: the figures below are computed, not bounds
     assert scale([typical, 10 * typical, typical]) == scale([typical])
