@@ -199,7 +199,11 @@ def rescore(saved: list[dict], world_profile) -> list[dict]:
     """A saved run (--json) re-predicted by the cost model as it is now, on the same profiles, against the
     same measurements: what a change to the model would have scored, without measuring again. The planner's
     new choice may be a plan that run did not measure: then choice / best is the first measured plan in the
-    new ranking over the best, and the row says so."""
+    new ranking over the best, and the row says so. A run that timed the compute-scale step in its rounds is
+    re-planned once more at that scale for "median |error| in rounds" (the plans re-planned at that scale,
+    where the run predicted the programs its ranks had compiled on the profile)."""
+    import dataclasses
+
     from meshc.compiler.hardware import load
 
     by_name = {c["name"]: c for c in cases()}
@@ -207,7 +211,8 @@ def rescore(saved: list[dict], world_profile) -> list[dict]:
     for old in saved:
         case = by_name[old["case"]]
         measured = {describe: m for describe, _, m in old["plans"]}
-        ranked = plan_case(case, load(old["profile"]) if "profile" in old else world_profile(case["world"])[0]).ranked
+        hw = load(old["profile"]) if "profile" in old else world_profile(case["world"])[0]
+        ranked = plan_case(case, hw).ranked
         new = {r.candidate.describe(): r.estimate.step_time for r in ranked}
         names = [d for d in measured if d in new]
         predicted, times = [new[d] for d in names], [measured[d] for d in names]
@@ -220,6 +225,12 @@ def rescore(saved: list[dict], world_profile) -> list[dict]:
                      "median |error|": statistics.median(abs(p / m - 1) for p, m in zip(predicted, times)),
                      "plans": [(d, new[d], measured[d]) for d in names],
                      **({"profile": old["profile"]} if "profile" in old else {})})
+        if "scale in rounds" in old:
+            now = dataclasses.replace(hw, compute_scale=old["scale in rounds"])
+            again = {r.candidate.describe(): r.estimate.step_time for r in plan_case(case, now).ranked}
+            rows[-1].update({"scale": hw.compute_scale, "scale in rounds": old["scale in rounds"],
+                             "median |error| in rounds": statistics.median(
+                                 abs(again[d] / measured[d] - 1) for d in names if d in again)})
     return rows
 
 
