@@ -2,7 +2,7 @@
 (`pipeline()` + `SplitPoint`) under the same schedule, ranks and micro-batches, in one run; and meshc's
 measured bubble against its simulator's prediction.
 
-    python benchmarks/pp_bench.py [--pp 2] [--microbatches 8] [--steps 6] [--schedules gpipe,1f1b,zb-h1]
+    python benchmarks/pp_bench.py [--pp 2] [--microbatches 8] [--steps 6] [--schedules gpipe,1f1b,zb-h1,zbv]
 
 Model: torch's reference Transformer, 4 layers, dim 256, 8 heads, vocab 1024, untied head (torch's
 pipeline() cannot split a tied weight), batch 16 x 128 tokens, fp32, AdamW; gloo on loopback, one
@@ -11,7 +11,8 @@ the stage forward/backward actions), averaged over ranks; the simulator predicts
 forward FLOPs (backward = 2 x forward; zb-h1's I = W = forward), with no communication time, and again from
 the actions' measured mean durations per (kind, stage) (what the schedule itself predicts once the real
 cost of each action is known: the gap between the two is the FLOP model's, the rest is communication). zb-h1 runs on
-meshc only (torch's zero-bubble schedules need several stages per rank).
+meshc only (torch's zero-bubble schedules need several stages per rank); zbv (two stages per rank in a V) on both,
+torch's ScheduleZBVZeroBubble over pipeline()'s split into 2·pp stages.
 """
 from __future__ import annotations
 
@@ -83,25 +84,30 @@ def worker(config: dict) -> None:
                 "replayed": replayed, "action_ms": action_ms,
                 "stages": [s.blocks for s in job.program.stage_info]})
         return
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleZBVZeroBubble, SplitPoint, pipeline
 
     model = _model()
-    per = LAYERS // pp
-    spec = {f"layers.{per * k}": SplitPoint.BEGINNING for k in range(1, pp)}
+    v = 2 if config["schedule"] == "zbv" else 1
+    count, rank = pp * v, mesh.coord("pp")
+    per = LAYERS // count
+    spec = {f"layers.{per * k}": SplitPoint.BEGINNING for k in range(1, count)}
     pipe = pipeline(model, mb_args=(x.chunk(m)[0],), split_spec=spec)
-    stage = pipe.build_stage(mesh.coord("pp"), torch.device("cpu"), group=mesh.group("pp"))
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[config["schedule"]]
-    schedule = cls(stage, m, loss_fn=lm_loss)
-    opt = torch.optim.AdamW(stage.submod.parameters(), lr=1e-3)
-    first, last = mesh.coord("pp") == 0, mesh.coord("pp") == pp - 1
+    indexes = [rank, count - 1 - rank] if v == 2 else [rank]  # the V: rank r holds stages r and 2pp-1-r
+    if v == 2:  # PipelineStage over pipeline()'s stage modules: build_stage's stages open a gloo pair to their own rank
+        from torch.distributed.pipelining import PipelineStage
+        stages = [PipelineStage(pipe.get_stage_module(i), i, count, torch.device("cpu"), group=mesh.group("pp"))
+                  for i in indexes]
+    else:
+        stages = [pipe.build_stage(i, torch.device("cpu"), group=mesh.group("pp")) for i in indexes]
+    if v == 2:
+        schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=lm_loss)
+    else:
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[config["schedule"]](stages[0], m, loss_fn=lm_loss)
+    opt = torch.optim.AdamW([p for s in stages for p in s.submod.parameters()], lr=1e-3)
+    first, last = 0 in indexes, count - 1 in indexes
 
     def step():
-        if first:
-            schedule.step(x)
-        elif last:
-            schedule.step(target=y)
-        else:
-            schedule.step()
+        schedule.step(*((x,) if first else ()), **({"target": y} if last else {}))
         opt.step()
         opt.zero_grad()
     report({"step_s": median_step(step, steps=config["steps"], barrier=dist.barrier)})
@@ -112,7 +118,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--schedules", default="gpipe,1f1b,zb-h1")
+    p.add_argument("--schedules", default="gpipe,1f1b,zb-h1,zbv")
     args = p.parse_args()
     if run_worker(args, worker):
         return
@@ -120,7 +126,7 @@ def main() -> None:
     rows = []
     for schedule in args.schedules.split(","):
         base = {"pp": args.pp, "microbatches": args.microbatches, "steps": args.steps, "schedule": schedule}
-        torch_run = launch(script, args.pp, {**base, "impl": "torch"}) if schedule in ("gpipe", "1f1b") else None
+        torch_run = launch(script, args.pp, {**base, "impl": "torch"}) if schedule in ("gpipe", "1f1b", "zbv") else None
         ours = launch(script, args.pp, {**base, "impl": "meshc"})
         torch_s = torch_run["step_s"] if torch_run else float("nan")
         rows.append({"schedule": schedule, "torch.distributed.pipelining (s)": torch_s,

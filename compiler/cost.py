@@ -16,7 +16,8 @@ under cp, where c ranks share each sequence: s·b is still the rank's tokens). P
 pb (compute copy), gb (gradient), ko (optimizer: master copy and Adam's two moments); cb bytes per
 activation element. I_f, I_l: micro-batches of activations the first and last pp ranks hold at peak;
 β: the bubble, idle over busy time (closed forms below, checked against the schedule simulator).
-Mesh facts, also 0/1: o (one pp stage holds the whole model), u_t u_n u_p (the tp, dp, pp axis has more
+Mesh facts, also 0/1: o (one pp stage holds the whole model), w (zbv's V placement: the first pp rank holds
+the last stage too), u_t u_n u_p (the tp, dp, pp axis has more
 than one rank), q (the pipeline executor runs: pp > 1 or m > 1), x_t x_n x_p (the tp, dp, pp groups span
 nodes); c_kv: how many ways the k/v projections are split (t, or 1 where there are fewer kv heads than t);
 u_c, x_c, r_c, g_c, y_c: context parallelism's (compiler/cost_cp.py).
@@ -45,8 +46,10 @@ Formulas:
       ring (c−1) sends of the rank's K,V forward, twice that backward, each hidden behind one block of the
       attention as far as `overlap` goes; all_gather an all-gather of K,V and a reduce-scatter of c·K,V (and
       c·K,V saved without remat); all_to_all 2 exchanges of (2q + K,V); m·L/p·(forward·(1 + rf) + backward).
-  bubble: GPipe and 1F1B (p−1)/m, interleaved (p−1)/(v·m), ZB-H1 (p−1)/(3m) for m ≥ p.
-  in flight: GPipe m; 1F1B min(m, p) on the first rank, 1 on the last; ZB-H1 min(m, p) on both;
+  bubble: GPipe and 1F1B (p−1)/m, interleaved (p−1)/(v·m), ZB-H1 (p−1)/(3m) for m ≥ p and (2p−1−m)/(3m)
+      below, ZBV max(p−1, 2(2p−1−m))/(6m) (half ZB-H1's once m ≥ 2p − 1); all equal to the simulator's.
+  in flight: GPipe m; 1F1B min(m, p) on the first rank, 1 on the last; ZB-H1 min(m, p) on both; ZBV
+      min(m+1, 2p) first and min(2m, 2p) last (stage-sets of L/(2p) layers; rank 0 holds the head's logits, w);
       interleaved min(v·m, v·p + p − 1) first and min(v·m, (v−1)·p + 1) last (stage-sets of L/(p·v) layers).
   step time: m·t_mb·(1 + β) + T_tp + T_ep + T_cp + T_pp + max(0, T_dp − overlap·m·t_mb) + T_step + T_opt, with
       t_mb = (3·(FLOPs/F + bytes/BW) + ops·τ)·κ, κ the profile's calibrated compute_scale (+ a forward again under full recompute, + its
@@ -74,9 +77,9 @@ from .ir.errors import MeshcValueError
 OPS_PER_LAYER = 30  # compute ops per transformer block in a traced graph (views excluded): τ's multiplier
 
 SYMBOLS = sympy.symbols("L h a k f V s E K P_pos B N t p m v I_f I_l beta z1 z2 z3 rs rf sp vp pb gb ko cb "
-                        "o u_t u_n u_p q c_kv x_t x_n x_p e x_e u_e", positive=True)
+                        "o u_t u_n u_p q c_kv x_t x_n x_p e x_e u_e w", positive=True)
 (L, h, a, k, f, V, s, E, K, P_pos, B, N, t, p, m, v, I_f, I_l, beta,
- z1, z2, z3, rs, rf, sp, vp, pb, gb, ko, cb, o, u_t, u_n, u_p, q, c_kv, x_t, x_n, x_p, e, x_e, u_e) = SYMBOLS
+ z1, z2, z3, rs, rf, sp, vp, pb, gb, ko, cb, o, u_t, u_n, u_p, q, c_kv, x_t, x_n, x_p, e, x_e, u_e, w) = SYMBOLS
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers")
 TIME_KEYS = ("compute", "recompute", "bubble", "tp", "ep", "cp", "pp", "dp", "step", "optimizer", "overhead")
 
@@ -279,13 +282,14 @@ def _activations_per_layer(flags):
 
 
 def _stage_params(flags):
-    """(Ψ first pp rank, Ψ last pp rank, Ψ of one layer), tp-local."""
+    """(Ψ first pp rank, Ψ last pp rank, Ψ of one layer), tp-local. Under zbv (w) the first rank holds the last
+    stage's final norm and head as well (a tied head is the embedding itself there), the last rank only layers."""
     _gated, tied, _bias, norm, _moe = flags
     layer = _layer_params(flags)
     v_div = 1 + vp * (t - 1)
     emb, head, fin = V * h / v_div + P_pos * h, V * h / v_div, (2 if norm == "layer" else 1) * h
-    first = L / p * layer + emb + o * ((0 if tied else head) + fin)
-    last = o * first + (1 - o) * (L / p * layer + fin + head)  # a tied head is a copy on the last stage
+    first = L / p * layer + emb + (o + w) * ((0 if tied else head) + fin)
+    last = o * first + (1 - o) * (L / p * layer + (1 - w) * (fin + head))  # a tied head is a copy on the last stage
     return first, last, layer
 
 
@@ -345,13 +349,14 @@ def formulas(hw: Hardware, flags, inline: bool = True) -> dict[str, sympy.Expr]:
     dp_step = dp_step + _coll(hw, "all_reduce", N, 4, x_n)
     send = _coll(hw, "send", 2, boundary, x_p)  # neighbouring stages are N·t ranks apart
     pp_time = u_p * (2 * (p - 1) + 2 * (m - 1) * (1 - hw.overlap)) * send
-    if tied:
-        pp_time += u_p * _coll(hw, "all_reduce", 2, V * h / v_div * gb, x_p)
+    if tied:  # the tied embedding and head on the first and the last pp rank: not under zbv, where both are rank 0's
+        pp_time += u_p * (1 - w) * _coll(hw, "all_reduce", 2, V * h / v_div * gb, x_p)
     compute = m * (t_mb + recompute)
     return {
-        **{f"{key}_first": value for key, value in sf.items()}, "activations_first": I_f * L / (p * v) * (act_layer + cp_saved),
+        **{f"{key}_first": value for key, value in sf.items()},
+        "activations_first": I_f * L / (p * v) * (act_layer + cp_saved) + w * logits,
         **{f"{key}_last": value for key, value in sl.items()},
-        "activations_last": I_l * L / (p * v) * (act_layer + cp_saved) + logits * I_l / v, "buffers": buffers,
+        "activations_last": I_l * L / (p * v) * (act_layer + cp_saved) + (1 - w) * logits * I_l / v, "buffers": buffers,
         "compute": m * t_mb, "recompute": m * recompute, "bubble": beta * compute, "tp": tp_time, "ep": ep_time,
         "cp": m * L / p * cp_layer, "cp_bytes": m * L / p * cp_bytes, "pp": pp_time,
         "dp": Max(0, dp_bwd - hw.overlap * compute, evaluate=False), "step": dp_step,
@@ -369,7 +374,7 @@ def _plus(x: dict, y: dict) -> dict:
 
 
 ARGS = (L, h, a, k, f, V, s, E, K, P_pos, B, N, t, p, m, v, I_f, I_l, beta, z1, z2, z3, rs, rf, sp, vp, pb, gb, ko, cb,
-        o, u_t, u_n, u_p, q, c_kv, x_t, x_n, x_p, e, x_e, u_e) + CP_TERMS
+        o, u_t, u_n, u_p, q, c_kv, x_t, x_n, x_p, e, x_e, u_e, w) + CP_TERMS
 PARTS = ("params", "grads", "optimizer", "activations")
 OUT_KEYS = tuple(f"{x}_{r}" for r in ("first", "last") for x in PARTS) + (
     "buffers", "compute", "recompute", "bubble", "tp", "ep", "cp", "pp", "dp", "step", "optimizer_time", "overhead",
@@ -405,8 +410,10 @@ def schedule_terms(schedule: str, pp: int, m: int, virtual: int = 1) -> tuple[fl
     if schedule == "interleaved":
         return (float(min(virtual * m, virtual * pp + pp - 1)), float(min(virtual * m, (virtual - 1) * pp + 1)),
                 (pp - 1) / (virtual * m))
-    if schedule == "zb-h1" and m >= pp:
-        return float(pp), float(pp), (pp - 1) / (3 * m)
+    if schedule == "zb-h1":  # below m = p the ramp is not covered: 2(2p-1-m) idle F-units per rank over 6m
+        return float(min(m, pp)), float(min(m, pp)), max(2 * (pp - 1), 2 * (2 * pp - 1 - m)) / (6 * m)
+    if schedule == "zbv":  # stage-sets of half a rank's layers; the V is full from m = 2p-1
+        return float(min(m + 1, 2 * pp)), float(min(2 * m, 2 * pp)), max(pp - 1, 2 * (2 * pp - 1 - m)) / (6 * m)
     return _simulated_terms(schedule, pp, m, virtual)
 
 
@@ -462,7 +469,8 @@ def formula_values(shape: ModelShape, sizes: tuple, choice: tuple, batch: int, h
             int(sp_), int(vp_), precision.param, precision.grad, precision.optimizer, precision.activation,
             int(pp == 1), int(tp > 1), int(n > 1), int(pp > 1), int(pp > 1 or mb > 1),
             kv_split, int(hw.spans_nodes(1, tp)), int(hw.spans_nodes(tp, n)),
-            int(hw.spans_nodes(1, n * tp * pp) and pp > 1), ep, int(hw.spans_nodes(tp, ep)), int(ep > 1)) + cps
+            int(hw.spans_nodes(1, n * tp * pp) and pp > 1), ep, int(hw.spans_nodes(tp, ep)), int(ep > 1),
+            int(schedule == "zbv" and pp > 1)) + cps
 
 
 def plan_choice(plan) -> tuple:

@@ -461,7 +461,8 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
     stages, schedule = _stages(program, pipeline)
     m = schedule.microbatches if schedule is not None else 1
     pp = sizes.get("pp", 1) if schedule is not None else 1
-    by_rank = [[i for i, (index, *_rest) in enumerate(stages) if index % pp == r] for r in range(pp)]  # stage indices
+    rank_of = schedule.rank_of if schedule is not None else (lambda index: 0)
+    by_rank = [[i for i, (index, *_rest) in enumerate(stages) if rank_of(index) == r] for r in range(pp)]  # stage indices
     costs = [graph_cost(gm) for _, gm, _, _ in stages]
     times = [stage_times(c, sizes, hw) for c in costs]
     makespan, busy, in_flight = _makespan(stages, times, schedule, sizes, hw)
@@ -630,7 +631,7 @@ def comm_bytes(program, pipeline=None) -> dict[tuple[str, str], float]:
         if pipeline is not None:
             for s in pipeline.local.values():
                 if s.gm is gm:
-                    out[("send", "pp")] = out.get(("send", "pp"), 0.0) + (s.sent_bytes + s.grad_bytes) * m
+                    out[("send", "pp")] = out.get(("send", "pp"), 0.0) + sum(pipeline.messages(s)) * m
     for record in program.step_records(None if pipeline is None else pipeline.params) + \
             _extra_records(program, pipeline):
         add(record)

@@ -175,7 +175,7 @@ def _stage_records(program: Program, pipeline) -> list:
             for r in node.meta.get("meshc.comm", ()):
                 out.append((node, dataclasses.replace(r, count=r.count * m)))
     for stage in pipeline.local.values():
-        sent, grads = stage.sent_bytes, stage.grad_bytes
+        sent, grads = pipeline.messages(stage)  # none to a neighbour stage on this rank
         if sent:
             out.append((None, CommRecord("send", "pp", sent, "forward", f"stage {stage.index}'s activations to "
                                          f"stage {stage.index + 1}, per micro-batch", count=m)))
@@ -194,7 +194,7 @@ def _pipeline_lines(program: Program, pipeline) -> list[str]:
 
     lines = []
     for s in program.stage_info:
-        where = f"pp rank {s.stage % program.mesh.size('pp')}"
+        where = f"pp rank {pipeline.schedule.rank_of(s.stage)}"
         lines.append(f"stage {s.stage} ({where}): {', '.join(s.blocks) or '-'}; {s.flops / 1e9:.3f} GFLOP forward per "
                      f"micro-batch, {s.param_bytes / 2**20:.2f} MiB parameters, {s.boundary_bytes / 2**10:.1f} KiB "
                      "sent to the next stage")

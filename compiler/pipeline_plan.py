@@ -2,7 +2,7 @@
 
 A program is pipelined when the mesh has pp > 1 or the plan asks for micro-batches. It is traced on one
 micro-batch; compiler/stages.py cuts it into pp × virtual stage graphs, and the rank keeps the ones it runs
-(stage s on pp rank s % pp) with only those stages' parameters. The schedule (ir/schedule.py) is built and
+(the schedule's placement: stage s on pp rank s % pp, or in a V for zbv) with only those stages' parameters. The schedule (ir/schedule.py) is built and
 simulated here, with each stage's forward FLOPs as its cost, before anything runs. A parameter held by
 stages on several pp ranks (a tied embedding and LM head) is listed in `tied`: the runtime sums its
 gradient over those ranks after each step (runtime/pipelined.py runs the step). Under a schedule that splits
@@ -33,22 +33,31 @@ class PipelinePlan:
         self.coord = mesh.coord("pp", program.rank)
         self.schedule = make_schedule(plan.schedule, pp, m, v)
         split = any(a.kind == "W" for row in self.schedule.actions for a in row)  # backward in I and W halves
-        self.local = {s.index: private_weight_uses(s) if split else s for s in stages if s.index % pp == self.coord}
+        rank_of = self.schedule.rank_of
+        self.local = {s.index: private_weight_uses(s) if split else s for s in stages if rank_of(s.index) == self.coord}
         self.params = {f for s in self.local.values() for f in s.params}
         self.buffers = {f for s in self.local.values() for f in s.buffers}
         holders: dict[str, set[int]] = {}
         for s in stages:
             for f in s.params:
-                holders.setdefault(f, set()).add(s.index % pp)
+                holders.setdefault(f, set()).add(rank_of(s.index))
         self.holders = holders
         self.tied = sorted(f for f, ranks in holders.items() if len(ranks) > 1)
         self.simulated = simulate(self.schedule, cost=self._cost)
+
+    def messages(self, stage: Stage) -> tuple[int, int]:
+        """(bytes of activations, bytes of input gradients) `stage` sends another pp rank per micro-batch: none
+        to a neighbour stage on its own rank (the bottom of a V, or pp = 1), which gets them handed over."""
+        here, rank_of, count = self.schedule.rank_of(stage.index), self.schedule.rank_of, len(self.all_stages)
+        forward = stage.sent_bytes if stage.index + 1 < count and rank_of(stage.index + 1) != here else 0
+        backward = stage.grad_bytes if stage.index > 0 and rank_of(stage.index - 1) != here else 0
+        return forward, backward
 
     def owner(self, fqn: str) -> int:
         """The first pp rank holding a parameter or buffer (buffers: the first stage using it)."""
         if fqn in self.holders:
             return min(self.holders[fqn])
-        users = [s.index % self.pp for s in self.all_stages if fqn in s.buffers]
+        users = [self.schedule.rank_of(s.index) for s in self.all_stages if fqn in s.buffers]
         return min(users) if users else 0
 
     def tied_copies(self) -> set[str]:

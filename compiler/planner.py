@@ -38,7 +38,7 @@ from .cost import Estimate, ModelShape, formula_estimate, formula_functions, for
 from .hardware import Hardware
 from .offload_cost import KINDS, with_offload
 from .ir.errors import MeshcValueError
-from .ir.plan import Plan
+from .ir.plan import SPLIT_BACKWARD, Plan
 from .show import human_bytes
 
 log = logging.getLogger("meshc.planner")
@@ -111,7 +111,7 @@ class Search:
 
     zero: tuple[int, ...] = (0, 1, 2, 3)
     remat: tuple[str, ...] = ("none", "selective", "full")
-    schedules: tuple[str, ...] = ("1f1b", "gpipe", "zb-h1", "interleaved")
+    schedules: tuple[str, ...] = ("1f1b", "gpipe", "zb-h1", "interleaved", "zbv")
     microbatches: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to max_microbatches
     max_microbatches: int = 64
     sequence_parallel: tuple[bool, ...] = (False, True)
@@ -266,7 +266,7 @@ def choices_for(sizes: tuple[int, ...], batch: int, search: Search, layers: int 
     vps = search.vocab_parallel if tp > 1 else (False,)
     for m, zero, remat, sp, vp, method in itertools.product(ms, zeros, search.remat, sps, vps, methods):
         for schedule, virtual in _schedules(pp, m, search, layers):
-            if remat == "selective" and schedule == "zb-h1":  # Plan refuses it: two backward halves per block
+            if remat == "selective" and schedule in SPLIT_BACKWARD:  # Plan refuses it: two backward halves per block
                 continue
             yield (m, schedule, virtual, zero, remat, sp, vp, method)
 
@@ -286,7 +286,10 @@ def _schedules(pp: int, m: int, search: Search, layers: int | None) -> list[tupl
     for name in search.schedules:
         if m == 1 and name == "gpipe" and "1f1b" in search.schedules:
             continue  # one micro-batch: GPipe's actions are 1F1B's (each rank's F, then its B), the same plan
-        if name != "interleaved":
+        if name == "zbv":
+            if layers is None or layers >= 2 * pp:  # two stages per rank
+                out.append((name, 2))
+        elif name != "interleaved":
             out.append((name, 1))
         elif m % pp == 0 and (layers is None or layers >= pp * search.virtual):
             out.append((name, search.virtual))

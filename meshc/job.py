@@ -430,7 +430,8 @@ class Job:
 
     def graph(self, rank: int | None = None, stage: int | None = None) -> torch.fx.GraphModule:
         """The transformed GraphModule that `rank` (default: this one) runs: the whole program, or with pipeline
-        stages the graph of stage `stage` (stage s runs on pp rank s % pp; default: the rank's first stage)."""
+        stages the graph of stage `stage` (on the pp rank the schedule places it: s % pp, or in a V for zbv;
+        default: the rank's first stage)."""
         own = rank is None or rank == self.mesh.rank
         rank = self.mesh.rank if rank is None else rank
         if self._layout is None:
@@ -442,10 +443,10 @@ class Job:
         stage = layout.coord if stage is None else stage
         if not 0 <= stage < count:
             raise MeshcValueError(f"job.graph: expected a stage in [0, {count}), got {stage}")
-        if stage % layout.pp != layout.coord:
-            raise MeshcValueError(f"job.graph: stage {stage} runs on pp rank {stage % layout.pp}, rank {rank} is pp rank "
-                                  f"{layout.coord}; ask for one of its stages "
-                                  f"{sorted(s for s in range(count) if s % layout.pp == layout.coord)} or another rank")
+        if layout.schedule.rank_of(stage) != layout.coord:
+            raise MeshcValueError(f"job.graph: stage {stage} runs on pp rank {layout.schedule.rank_of(stage)}, rank {rank} "
+                                  f"is pp rank {layout.coord}; ask for one of its stages "
+                                  f"{list(layout.schedule.stages_of(layout.coord))} or another rank")
         return layout.all_stages[stage].gm
 
     def _program_for(self, args: tuple, kwargs: dict) -> Program:

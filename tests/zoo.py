@@ -128,6 +128,7 @@ def uneven(seed: int = 0) -> torch.nn.Module:
 MODELS["uneven"] = uneven
 MODELS["reference4"] = lambda seed=0: reference_transformer(seed, layers=4)
 MODELS["gpt2_4"] = lambda seed=0: gpt2(seed, layers=4)
+MODELS["llama4"] = lambda seed=0: llama(seed, layers=4)
 
 
 class StraightThrough(torch.autograd.Function):

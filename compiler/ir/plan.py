@@ -16,7 +16,8 @@ from .errors import MeshcTypeError, MeshcValueError
 
 CP_ATTENTION = ("ring", "all_gather", "all_to_all")
 TP_STYLES = ("colwise", "rowwise", "vocab", "replicate")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+SPLIT_BACKWARD = ("zb-h1", "zbv")  # schedules that run each backward as input- and weight-gradient halves
 DEFAULT_BUCKET_MB = 25.0  # gradient bucket MiB where the cost model has nothing to decide (cost_buckets)
 
 
@@ -72,15 +73,19 @@ class Plan:
         reduce_dtype: dtype in which ZeRO reduces gradients (default: param_dtype, or fp32); needs zero >= 1.
         microbatches: micro-batches per step (m): the dp-local batch is split into m equal parts, run
             through the pipeline stages in the order `schedule` gives, gradients accumulated.
-        schedule: "gpipe", "1f1b", "interleaved" (needs virtual >= 2 and m a multiple of pp) or "zb-h1"
-            (zero-bubble: backward split into input- and weight-gradient halves).
-        virtual: pipeline stages per pp rank (interleaved 1F1B); pp x virtual stages in all.
+        schedule: "gpipe", "1f1b", "interleaved" (needs virtual >= 2 and m a multiple of pp), "zb-h1"
+            (zero-bubble: backward split into input- and weight-gradient halves) or "zbv" (zero-bubble with
+            two stages per rank placed in a V: rank r holds stages r and 2pp-1-r; half ZB-H1's bubble at the
+            same peak activations once m >= 2pp-1; a tied embedding and head share rank 0).
+        virtual: pipeline stages per pp rank (interleaved 1F1B; zbv's 2, set when left at 1); pp x virtual
+            stages in all.
         split_points: module names, in forward order, before which a stage begins (pp x virtual - 1
             of them); default: the compiler balances the stages. A meshc.pipe_split() call in the model
             marks a cut too.
         remat: activation checkpointing: "none", "full" (each block recomputed in backward) or
             "selective" (matmul and collective outputs kept, cheap elementwise ops and softmax recomputed;
-            not with schedule="zb-h1", whose two backward halves torch's selective checkpoint cannot run).
+            not with schedule="zb-h1" or "zbv", whose two backward halves torch's selective checkpoint
+            cannot run).
         fusion: rewrite the chains next to collectives into meshc's fused kernels (bias-dropout-add-norm,
             bias+GeLU/SwiGLU, ZeRO copy-in/out and gradient prologue). None (default): the cost model decides
             kernel by kernel for the device at hand (fused only where it predicts the kernel faster than the
@@ -220,7 +225,12 @@ class Plan:
                 raise MeshcValueError(f"Plan.{name}: expected a positive int, got {value!r}")
         if self.schedule not in SCHEDULES:
             raise MeshcValueError(f"Plan.schedule: expected one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if (self.schedule == "interleaved") != (self.virtual > 1):
+        if self.schedule == "zbv":
+            if self.virtual not in (1, 2):
+                raise MeshcValueError(f"Plan.virtual: schedule='zbv' runs two stages per rank: expected virtual=2 "
+                                      f"(or 1, read as 2), got {self.virtual}; use 'interleaved' for more")
+            object.__setattr__(self, "virtual", 2)
+        elif (self.schedule == "interleaved") != (self.virtual > 1):
             raise MeshcValueError(f"Plan.schedule: the interleaved schedule and virtual > 1 go together, got "
                                   f"schedule={self.schedule!r} with virtual={self.virtual}")
         if self.split_points is not None:
@@ -229,8 +239,8 @@ class Plan:
             object.__setattr__(self, "split_points", tuple(self.split_points))
         if self.remat not in ("none", "full", "selective"):
             raise MeshcValueError(f"Plan.remat: expected 'none', 'full' or 'selective', got {self.remat!r}")
-        if self.remat == "selective" and self.schedule == "zb-h1":
-            raise MeshcValueError("Plan.remat: expected 'none' or 'full' with schedule='zb-h1' (its input- and "
+        if self.remat == "selective" and self.schedule in SPLIT_BACKWARD:
+            raise MeshcValueError(f"Plan.remat: expected 'none' or 'full' with schedule={self.schedule!r} (its input- and "
                                   "weight-gradient halves run backward twice over each block, and torch's selective "
                                   "checkpoint lets a block run backward once), got 'selective'; use remat='full', "
                                   "or another schedule")

@@ -4,9 +4,12 @@ valid and deadlock-free, and times it, before an executor runs it.
 
 Terms:
   pp          ranks on the pipeline axis.
-  stage       a slice of the model's layers; there are `pp * virtual` stages and stage s lives on
-              rank `s % pp` (Megatron-LM's and torch.distributed.pipelining's interleaved placement).
-  virtual     stages per rank (v); v > 1 only for the interleaved schedule.
+  stage       a slice of the model's layers; there are `pp * virtual` stages. Placement "loop" puts
+              stage s on rank `s % pp` (Megatron-LM's and torch.distributed.pipelining's interleaved
+              placement); placement "v" runs the stages down the ranks and back up, zig-zag: stage s
+              on rank `s % pp` when `s // pp` is even, on `pp - 1 - s % pp` when odd (with v = 2, rank r
+              holds stages r and 2pp-1-r, so the first and the last stage share rank 0).
+  virtual     stages per rank (v); v > 1 for the interleaved and zbv schedules.
   microbatch  one of the m = `microbatches` slices of a batch, numbered 0..m-1.
   action      one unit of compute, `Action(stage, kind, microbatch)`, printed `2F0` like torch's
               `_Action`. Kinds:
@@ -29,6 +32,9 @@ zb-h1 equals ScheduleInterleavedZeroBubble's order with one stage per rank; Sche
   interleaved  Megatron-LM's interleaved 1F1B over v stages per rank (m a multiple of pp).  Narayanan et al. 2021
   zb-h1        1F1B with B split into I and W; rank r defers its Ws by r steady steps so Ws fill the
                warm-up and cool-down bubbles at 1F1B's peak memory (pp micro-batches).   Qi et al. 2023
+  zbv          two stages per rank in a V (placement "v"), B split into I and W: the stage handed over
+               at the V's bottom stays on one rank, so the last rank turns a micro-batch round without
+               waiting; equals torch's ScheduleZBVZeroBubble order.                      Qi et al. 2024
 """
 from __future__ import annotations
 
@@ -139,7 +145,8 @@ class Schedule:
                   hand-made schedule).
     pp:           ranks on the pipeline axis.
     microbatches: m, micro-batches per step.
-    virtual:      v, stages per rank; there are pp * v stages and stage s lives on rank s % pp.
+    virtual:      v, stages per rank; there are pp * v stages.
+    placement:    "loop" (stage s on rank s % pp) or "v" (down the ranks and back up; see the module doc).
     actions:      actions[r] is rank r's compute order (Actions only; messages are derived).
 
     Only the layout is checked here; `schedule_sim.check` proves the orders complete, matched and
@@ -150,11 +157,15 @@ class Schedule:
     pp: int
     microbatches: int
     virtual: int = 1
+    placement: str = "loop"
     actions: tuple[tuple[Action, ...], ...]
 
     def __post_init__(self):
         if not isinstance(self.name, str):
             raise MeshcTypeError(f"Schedule.name: expected a str, got {self.name!r}")
+        if self.placement not in PLACEMENTS:
+            raise MeshcValueError(f"Schedule.placement: expected one of {', '.join(PLACEMENTS)}, got "
+                                  f"{self.placement!r}")
         _check_int("Schedule.pp", self.pp, 1)
         _check_int("Schedule.microbatches", self.microbatches, 1)
         _check_int("Schedule.virtual", self.virtual, 1)
@@ -184,15 +195,15 @@ class Schedule:
         return tuple(self.rank_of(s) for s in range(self.num_stages))
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.pp
+        return rank_of(stage, self.pp, self.placement)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        return tuple(range(rank, self.num_stages, self.pp))
+        return tuple(s for s in range(self.num_stages) if self.rank_of(s) == rank)
 
     def program(self, rank: int) -> tuple[Op, ...]:
         """Rank `rank`'s ops: each compute action preceded by the receive it blocks on and followed
         by the send it produces (activation of F to stage s+1, input gradient of B or I to stage s-1).
-        Neighbouring stages on the same rank (pp == 1) hand over locally, with no message."""
+        Neighbouring stages on the same rank (pp == 1, the bottom of a V) hand over locally, with no message."""
         if not 0 <= rank < self.pp:
             raise MeshcValueError(f"Schedule.program: expected a rank in [0, {self.pp}), got {rank}")
         out: list[Op] = []
@@ -213,7 +224,17 @@ class Schedule:
 
     def __str__(self) -> str:
         head = f"{self.name}: pp={self.pp} microbatches={self.microbatches} virtual={self.virtual}"
+        head += f" placement={self.placement}" if self.placement != "loop" else ""
         return "\n".join([head] + [f"  rank {r}: " + " ".join(map(str, row)) for r, row in enumerate(self.actions)])
+
+
+PLACEMENTS = ("loop", "v")
+
+
+def rank_of(stage: int, pp: int, placement: str = "loop") -> int:
+    """The pipeline rank that runs `stage` under `placement` ("loop" or "v", see the module doc)."""
+    chunk, pos = divmod(stage, pp)
+    return pp - 1 - pos if placement == "v" and chunk % 2 else pos
 
 
 def _msg_kind(a: Action) -> str:
@@ -226,8 +247,11 @@ def check_sizes(name: str, pp: int, m: int, virtual: int, *, allowed_virtual: in
     _check_int(f"{name} microbatches", m, 1)
     _check_int(f"{name} virtual", virtual, 1)
     if allowed_virtual is not None and virtual != allowed_virtual:
-        raise MeshcValueError(f"{name} runs one stage per rank: expected virtual=1, got {virtual}; "
-                              "use 'interleaved' for virtual stages")
+        if allowed_virtual == 1:
+            raise MeshcValueError(f"{name} runs one stage per rank: expected virtual=1, got {virtual}; "
+                                  "use 'interleaved' for virtual stages")
+        raise MeshcValueError(f"{name} runs {allowed_virtual} stages per rank: expected virtual={allowed_virtual}, "
+                              f"got {virtual}")
 
 
 def gpipe(pp: int, m: int) -> Schedule:
@@ -315,10 +339,65 @@ def zb_h1(pp: int, m: int) -> Schedule:
     return Schedule(name="zb-h1", pp=pp, microbatches=m, actions=rows)
 
 
+def zbv(pp: int, m: int) -> Schedule:
+    """ZB-V (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory": the V-shaped zero-bubble
+    schedule). Two stages per rank in a V: rank r runs stage r on the way down and stage 2pp-1-r on the way
+    back up, each B split into I and W. Rank r runs
+      warm-up    2(pp-r)-1 forwards of its down stage; r times (F up, F down); then pp-r times the up stage's
+                 F, I and W (at the bottom of the V, rank pp-1 turns each micro-batch round by itself);
+      steady     F down (while forwards are left), I and W down, then F, I and W up, until the up stage has
+                 run as many forwards as the down stage and the down stage all of them;
+      cool-down  r times (I down, I up), their Ws deferred; pp-r times (I down, the oldest deferred W down);
+                 then the up stage's deferred Ws, then the down stage's.
+    The order is built for max(m, 2pp-1) micro-batches (what fills the V) and the actions of micro-batches m
+    and above are dropped, which keeps it valid (every dependency of a kept action is kept). With F = I = W
+    and m >= 2pp-1 the only idle time is the ramp at both ends. Rank 0 holds at most 2pp stage-sets of
+    activations at once, each of half a rank's layers: 1F1B's pp micro-batches of a whole rank.
+    The same order as torch's ScheduleZBVZeroBubble.
+    """
+    check_sizes("zbv", pp, m, 2, allowed_virtual=2)
+    filled, top = max(m, 2 * pp - 1), 2 * pp - 1
+    rows = []
+    for r in range(pp):
+        down, up = r, top - r
+        done = {(stage, kind): 0 for stage in (down, up) for kind in "FIW"}  # actions of each kind so far
+        row: list[Action] = []
+
+        def run(stage: int, *kinds: str) -> None:
+            for kind in kinds:
+                row.append(Action(stage, kind, done[stage, kind]))
+                done[stage, kind] += 1
+        for _ in range(2 * (pp - r) - 1):
+            run(down, "F")
+        for _ in range(r):
+            run(up, "F")
+            run(down, "F")
+        for _ in range(pp - r):
+            run(up, "F", "I", "W")
+        while done[up, "F"] < done[down, "F"] or done[down, "F"] < filled:
+            if done[down, "F"] < filled:
+                run(down, "F")
+            run(down, "I", "W")
+            run(up, "F", "I", "W")
+        for _ in range(r):
+            run(down, "I")
+            run(up, "I")
+        for _ in range(pp - r):
+            run(down, "I", "W")
+        while done[up, "W"] < done[up, "I"]:
+            run(up, "W")
+        while done[down, "W"] < done[down, "I"]:
+            run(down, "W")
+        rows.append([a for a in row if a.microbatch < m])
+    return Schedule(name="zbv", pp=pp, microbatches=m, virtual=2, placement="v", actions=rows)
+
+
 ALIASES = {
     "gpipe": "gpipe",
     "1f1b": "1f1b", "one_f_one_b": "1f1b",
     "interleaved": "interleaved", "interleaved_1f1b": "interleaved", "interleaved-1f1b": "interleaved",
     "zb-h1": "zb-h1", "zbh1": "zb-h1", "zb_h1": "zb-h1",
+    "zbv": "zbv", "zb-v": "zbv", "zb_v": "zbv",
 }
-NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+VIRTUAL = {"zbv": 2}  # schedules that fix the stages per rank

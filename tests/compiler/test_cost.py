@@ -44,9 +44,9 @@ def test_published_parameter_counts():
 
 
 def test_bubble_and_in_flight_forms_match_the_simulator():
-    for name, virtual in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)):
-        for pp in (2, 4):
-            for m in (4, 8):
+    for name, virtual in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zbv", 2)):
+        for pp in (2, 3, 4, 8):
+            for m in range(1, 3 * pp + 1) if name in ("zb-h1", "zbv") else (pp, 2 * pp):  # the forms' every branch
                 got = cost.schedule_terms(name, pp, m, virtual)
                 assert got == pytest.approx(cost._simulated_terms(name, pp, m, virtual), rel=1e-9), (name, pp, m)
 
@@ -440,3 +440,33 @@ def test_zero_bucket_copies_are_priced():
     assert copy_time(gather, {"dp": 4}, cheap) == pytest.approx((2 + 16) * 2**20 / base.mem_bandwidth * base.compute_scale)
     assert copy_time(gather, {"dp": 4}, base, fused=True) < copy_time(gather, {"dp": 4}, base)
     assert copy_time(dataclasses.replace(gather, tensors=0), {"dp": 4}, base) == 0.0
+
+
+def test_zbv_prices_its_v_placement():
+    """ZBV at pp=2 (four stages of one block each, placed 0 1 | 1 0): pp rank 1 hands stage 1's output to stage 2
+    on itself, so neither its activations nor their gradient are a message (priced or counted); pp rank 0 holds the
+    embedding and the tied head both, so nothing is summed over pp; the formulas (w) put the head on rank 0 too."""
+    from meshc.explain_cli import simulate
+
+    plan = meshc.Plan(trace="non-strict", microbatches=4, schedule="zbv")
+    assert plan.virtual == 2
+    sims = [simulate("gpt-tiny", {"pp": 2}, rank=r, plan=plan, hardware="cpu-default", layers=4) for r in (0, 1)]
+    pipes = [s.rank_program.pipeline for s in sims]
+    assert [sorted(p.local) for p in pipes] == [[0, 3], [1, 2]] and not pipes[0].tied
+    one, two = (pipes[1].all_stages[i] for i in (1, 2))
+    assert one.sent_bytes > 0 and two.grad_bytes > 0  # the boundary is there, handed over on the rank
+    assert pipes[1].messages(one) == (0, one.grad_bytes) and pipes[1].messages(two) == (two.sent_bytes, 0)
+    for pipe in pipes:
+        program = pipe.schedule.program(pipe.coord)
+        sends = sum(1 for op in program if getattr(op, "op", None) == "send")
+        assert sends == 2 * 4  # m activations down, m gradients back up, per rank
+        assert comm_bytes(pipe.program, pipe)[("send", "pp")] == 4 * sum(sum(pipe.messages(s)) for s in pipe.local.values())
+    assert "stage 2 (pp rank 1)" in str(sims[1].report) and "stage 3 (pp rank 0)" in str(sims[1].report)
+    head = [fqn for fqn in pipes[0].params if not fqn.startswith("blocks.")]
+    assert head and not [fqn for fqn in pipes[1].params if not fqn.startswith("blocks.")], head
+    # formulas: the head's bytes move from the last pp rank to the first; the tied gradients' all-reduce goes
+    shape = models.shape("gpt2-small")
+    hw = hardware.load("cpu-default")
+    one_f, v = (formula_estimate(shape, {"pp": 2}, meshc.Plan(microbatches=4, schedule=s), 8, hw)
+                for s in ("zb-h1", "zbv"))
+    assert v.time["pp"] < one_f.time["pp"] and v.time["bubble"] < one_f.time["bubble"]

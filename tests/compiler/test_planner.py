@@ -251,3 +251,15 @@ def test_one_microbatch_schedules_are_enumerated_once():
     plans = list(plans_for((1, 1, 2), 8, search))
     by_m = {m: sorted(p.schedule for p in plans if p.microbatches == m) for m in (1, 2)}
     assert by_m == {1: ["1f1b", "zb-h1"], 2: ["1f1b", "gpipe", "zb-h1"]}
+
+
+def test_zbv_is_enumerated_where_each_rank_gets_two_stages():
+    """ZBV runs 2·pp stages: offered (with virtual=2, at every micro-batch count) only to a model with at least
+    2·pp layers, and never with selective recompute (its I and W halves run backward twice)."""
+    from meshc.compiler.planner import Search, plans_for
+
+    search = Search(zero=(0,), remat=("none", "selective"), schedules=("zbv",), microbatches=(1, 3))
+    plans = list(plans_for((1, 1, 2), 6, search, layers=4))
+    assert sorted((p.microbatches, p.virtual, p.remat) for p in plans) == [(1, 2, "none"), (3, 2, "none")]
+    assert not list(plans_for((1, 1, 2), 6, search, layers=3))
+    assert "zbv" in Search().schedules

@@ -1,5 +1,6 @@
 """Pipeline parallelism against one process: every schedule on pp=2 and pp=4, tied weights across stages,
-3D (dp x tp x pp with ZeRO-3) on 8 ranks, and activation checkpointing leaving results unchanged.
+3D (dp x tp x pp with ZeRO-3) on 8 ranks, ZBV's V placement (two stages per rank, also under ZeRO-3), and
+activation checkpointing leaving results unchanged.
 
 Tolerances: a pipeline computes the same ops as one process on micro-batches of the batch and sums
 their gradients (each micro-batch's loss scaled by 1/m); only the order of the sums changes. Measured
@@ -7,6 +8,8 @@ here: losses <= 2e-6, step-1 gradients <= 2.5e-7, parameters after 5 AdamW steps
 ZeRO as in their tests). Bounds as in test_tp_parity: 2e-5, 2e-6, 5e-5.
 """
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -19,6 +22,7 @@ SCHEDULES = [{"schedule": "gpipe"}, {"schedule": "1f1b"}, {"schedule": "zb-h1"},
 CASES = ([(m, {"pp": 2}, {**s, "microbatches": 4}) for m in ("reference", "gpt2") for s in SCHEDULES]
          + [(m, {"pp": 4}, {**s, "microbatches": 4}) for m in ("reference4", "gpt2_4") for s in SCHEDULES]
          + [("reference", {"dp": 2, "tp": 2, "pp": 2}, {"zero": 3, "microbatches": 2}),
+            ("reference4", {"dp": 2, "pp": 2}, {"schedule": "zbv", "zero": 3, "microbatches": 2}),  # 2 stages' buckets
             ("gpt2", {"pp": 2}, {"microbatches": 2, "remat": "full"}),
             ("gpt2", {"tp": 2}, {"remat": "selective"}),
             ("llama", {"dp": 2}, {"remat": "selective", "zero": 3}),
@@ -26,6 +30,25 @@ CASES = ([(m, {"pp": 2}, {**s, "microbatches": 4}) for m in ("reference", "gpt2"
             # an encoder-decoder cut between stages, and ALiBi with a custom autograd.Function (issue 13)
             ("t5", {"pp": 2}, {"microbatches": 2}),
             ("bloom", {"pp": 2}, {"microbatches": 2})])
+# a tied embedding and head; an untied one under full recompute, with fewer micro-batches than the V's 2pp-1
+ZBV = [("gpt2_4", 4, {}), ("llama4", 2, {"remat": "full"})]
+
+
+@pytest.mark.parametrize("model,m,extra", ZBV, ids=[f"{model}-pp2-zbv-m{m}" for model, m, _ in ZBV])
+def test_zbv_matches_single_process_with_stages_in_a_v(model, m, extra):
+    """ZBV at pp=2: four stages of one block each, rank 0 holding stages 0 and 3 (the embedding, block 0, block 3
+    and the head), rank 1 stages 1 and 2 (blocks 1 and 2); the stage 1 -> 2 hand-over stays on rank 1."""
+    ref = parity.reference(model, STEPS, BATCH)
+    results = run_ranks(parity.meshc_rank, 2, model, STEPS, BATCH, {"pp": 2},
+                        {"trace": "non-strict", "schedule": "zbv", "microbatches": m, **extra}, timeout=240)
+    for rank, out in enumerate(results):
+        parity.assert_matches(rank, out, ref, STEPS)
+    blocks = [{int(k) for fqn in out["local_shapes"] for k in re.findall(r"(?:^|\.)(?:h|layers)\.(\d+)\.", fqn)}
+              for out in results]
+    assert blocks == [{0, 3}, {1, 2}], blocks
+    ends = [{fqn for fqn in out["local_shapes"] if not re.search(r"(?:^|\.)(?:h|layers)\.\d+\.", fqn)}
+            for out in results]
+    assert ends[0] and not ends[1], ends  # embeddings, final norm and head all on rank 0
 
 
 def _id(case):

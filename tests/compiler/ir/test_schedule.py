@@ -4,7 +4,8 @@ bubble against the textbook formulas, in-flight memory, and the grid.
 Cost settings (relative units): GPipe and 1F1B use F=1, B=2, giving bubble (p-1)/m; interleaved uses
 F=1/v, B=2/v per virtual stage (a rank's work is unchanged), giving (p-1)/(v*m); ZB-H1 uses
 F=I=W=1 against 1F1B with F=1, B=I+W=2, the setting of Qi et al. 2023 where ZB-H1's bubble is
-(p-1)(F+I-W) against 1F1B's (p-1)(F+I+W): a third.
+(p-1)(F+I-W) against 1F1B's (p-1)(F+I+W): a third. ZBV uses F=I=W=1/2 per stage (two stages per rank,
+a rank's work unchanged), where its bubble is half of ZB-H1's, (p-1)/(6m), once m >= 2p-1.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from meshc.compiler.ir.named_schedule import schedule
 from meshc.compiler.ir.schedule import (
-    P2P, Action, Schedule, ScheduleError, actions, gpipe, interleaved_1f1b, one_f_one_b, zb_h1,
+    P2P, Action, Schedule, ScheduleError, actions, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zbv,
 )
 from meshc.compiler.ir.schedule_sim import DEFAULT_COST, check, grid, simulate
 
@@ -80,13 +81,57 @@ def test_zb_h1_bubble_is_a_third_of_1f1b(p):
         assert max(zb.peak_in_flight) <= max(base.peak_in_flight) == p  # 1F1B's peak memory
 
 
+@pytest.mark.parametrize("p", PS)
+def test_zbv_bubble_is_half_of_zb_h1(p):
+    for m in range(1, 4 * p + 1):
+        v = simulate(schedule("zbv", p, m), scaled(2))
+        h1 = simulate(schedule("zb-h1", p, m), UNIFORM)
+        assert v.bubble <= h1.bubble * 1.0001, (p, m, v.bubble, h1.bubble)  # never worse than ZB-H1
+        if m >= 2 * p - 1:  # the V is full: the ramp at both ends is all that is left
+            assert close(v.bubble, (p - 1) / (6 * m)), (p, m, v.bubble)
+            # 2p stage-sets of half a rank's layers on every rank: 1F1B's peak of p whole micro-batches
+            assert v.peak_in_flight == (2 * p,) * p
+
+
+def test_zbv_places_stages_in_a_v_and_hands_over_locally_at_the_bottom():
+    s = zbv(3, 5)
+    assert s.placement == "v" and s.virtual == 2 and s.stage_to_rank == (0, 1, 2, 2, 1, 0)
+    assert s.stages_of(0) == (0, 5) and s.stages_of(2) == (2, 3)
+    bottom = [op for op in s.program(2) if isinstance(op, P2P) and {op.stage, op.peer_stage} == {2, 3}]
+    assert bottom == []  # stage 2 -> 3 and its gradient back never leave rank 2
+    sends = [op for op in s.program(0) if isinstance(op, P2P) and op.op == "send"]
+    assert {(op.stage, op.kind, op.peer) for op in sends} == {(0, "F", 1), (5, "B", 1)}
+    assert schedule("ZB-V", 3, 5) == s and str(s).startswith("zbv: pp=3 microbatches=5 virtual=2 placement=v")
+    with pytest.raises(ValueError, match=r"zbv runs 2 stages per rank: expected virtual=2, got 3"):
+        schedule("zbv", 3, 5, virtual=3)
+    with pytest.raises(ValueError, match=r"placement: expected 0F0 on rank 0 \(stage 0 lives there\), got it on rank 1"):
+        Schedule(name="bad", pp=2, microbatches=1, virtual=2, placement="v", actions=[[], [Action(0, "F", 0)]])
+    with pytest.raises(ValueError, match=r"Schedule.placement: expected one of loop, v, got 'w'"):
+        Schedule(name="bad", pp=1, microbatches=1, placement="w", actions=[[]])
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_zbv_order_equals_torch_schedule_zbv(p):
+    """The same compute order as torch.distributed.pipelining's ScheduleZBVZeroBubble (which pads rank r's order
+    with r empty slots and blanks the actions of micro-batches it added to fill the V)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    for m in (1, p, 2 * p - 1, 2 * p + 3):
+        state = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
+        for r in range(p):
+            theirs = [str(a) for a in ScheduleZBVZeroBubble._calculate_single_rank_operations(state, r) if a]
+            assert theirs == [str(a) for a in zbv(p, m).actions[r]], (p, m, r)
+
+
 def test_sizes_an_algorithm_does_not_allow_raise():
     for name in ("gpipe", "1f1b", "zb-h1"):
         with pytest.raises(ValueError, match=rf"{name} runs one stage per rank: expected virtual=1, got 2"):
             schedule(name, 4, 8, virtual=2)
     with pytest.raises(ValueError, match=r"expected virtual >= 2, got 1"):
         schedule("interleaved", 4, 8)
-    with pytest.raises(ValueError, match=r"unknown schedule: expected one of gpipe, 1f1b, interleaved, zb-h1"):
+    with pytest.raises(ValueError, match=r"unknown schedule: expected one of gpipe, 1f1b, interleaved, zb-h1, zbv"):
         schedule("pipedream", 4, 8)
     with pytest.raises(ValueError, match=r"microbatches: expected an int >= 1, got 0"):
         schedule("1f1b", 4, 0)
@@ -95,7 +140,7 @@ def test_sizes_an_algorithm_does_not_allow_raise():
 
 
 def test_one_rank_and_fewer_microbatches_than_ranks():
-    for name in ("gpipe", "1f1b", "zb-h1"):
+    for name in ("gpipe", "1f1b", "zb-h1", "zbv"):
         assert simulate(schedule(name, 1, 3), UNIFORM).bubble == 0.0
         check(schedule(name, 4, 2))
     one = schedule("interleaved", 1, 3, 2)  # both stages on rank 0: hand-overs are local, no messages
