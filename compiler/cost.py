@@ -463,14 +463,23 @@ def formula_values(shape: ModelShape, sizes: tuple, choice: tuple, batch: int, h
     cps = (0, 0, 0) if cp == 1 else cp_numbers(hw, shape, cp, choice[7] if len(choice) > 7 else "ring",
                                                shape.seq * batch / (n * mb), tp, kv_split, precision.activation, remat)
     i_f, i_l, bub = schedule_terms(schedule, pp, mb, virtual)
-    return (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.ffn, shape.vocab, shape.seq,
-            shape.experts, shape.top_k, shape.positions, batch, n, tp, pp, mb, virtual, i_f, i_l, bub,
+    head, mesh = _fixed_values(shape, batch, n, tp, pp, ep, hw)
+    return (head + (mb, virtual, i_f, i_l, bub,
             int(zero == 1), int(zero == 2), int(zero == 3), int(remat == "selective"), int(remat == "full"),
             int(sp_), int(vp_), precision.param, precision.grad, precision.optimizer, precision.activation,
-            int(pp == 1), int(tp > 1), int(n > 1), int(pp > 1), int(pp > 1 or mb > 1),
-            kv_split, int(hw.spans_nodes(1, tp)), int(hw.spans_nodes(tp, n)),
-            int(hw.spans_nodes(1, n * tp * pp) and pp > 1), ep, int(hw.spans_nodes(tp, ep)), int(ep > 1),
-            int(schedule == "zbv" and pp > 1)) + cps
+            int(pp == 1), int(tp > 1), int(n > 1), int(pp > 1), int(pp > 1 or mb > 1))
+            + mesh + (int(schedule == "zbv" and pp > 1),) + cps)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fixed_values(shape: ModelShape, batch: int, n: int, tp: int, pp: int, ep: int, hw: Hardware) -> tuple:
+    """The parts of formula_values that one mesh's plans share (the planner scores thousands per mesh): the
+    model's and mesh's numbers up to p, and c_kv .. u_e."""
+    head = (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.ffn, shape.vocab, shape.seq,
+            shape.experts, shape.top_k, shape.positions, batch, n, tp, pp)
+    mesh = (tp if shape.kv_heads >= tp else 1, int(hw.spans_nodes(1, tp)), int(hw.spans_nodes(tp, n)),
+            int(hw.spans_nodes(1, n * tp * pp) and pp > 1), ep, int(hw.spans_nodes(tp, ep)), int(ep > 1))
+    return head, mesh
 
 
 def plan_choice(plan) -> tuple:
