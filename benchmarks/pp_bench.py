@@ -2,7 +2,7 @@
 (`pipeline()` + `SplitPoint`) under the same schedule, ranks and micro-batches, in one run; and meshc's
 measured bubble against its simulator's prediction.
 
-    python benchmarks/pp_bench.py [--pp 2] [--microbatches 8] [--steps 6] [--schedules gpipe,1f1b,zb-h1,zbv]
+    python benchmarks/pp_bench.py [--pp 2] [--microbatches 8] [--steps 6] [--schedules gpipe,1f1b,zb-h1,zbv,dualpipev]
 
 Model: torch's reference Transformer, 4 layers, dim 256, 8 heads, vocab 1024, untied head (torch's
 pipeline() cannot split a tied weight), batch 16 x 128 tokens, fp32, AdamW; gloo on loopback, one
@@ -11,8 +11,9 @@ the stage forward/backward actions), averaged over ranks; the simulator predicts
 forward FLOPs (backward = 2 x forward; zb-h1's I = W = forward), with no communication time, and again from
 the actions' measured mean durations per (kind, stage) (what the schedule itself predicts once the real
 cost of each action is known: the gap between the two is the FLOP model's, the rest is communication). zb-h1 runs on
-meshc only (torch's zero-bubble schedules need several stages per rank); zbv (two stages per rank in a V) on both,
-torch's ScheduleZBVZeroBubble over pipeline()'s split into 2·pp stages.
+meshc only (torch's zero-bubble schedules need several stages per rank); zbv and dualpipev (two stages per rank in a V)
+on both, torch's ScheduleZBVZeroBubble and ScheduleDualPipeV over pipeline()'s split into 2·pp stages (torch's runtime,
+as meshc's, runs DualPipeV's overlapped forward+backward pairs one after the other unless given an overlap callback).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from common import (arg_parser, launch, lm_loss, median_step, reference_transfor
                     table, token_batch)
 
 LAYERS, DIM, HEADS, VOCAB, SEQ, BATCH = 4, 256, 8, 1024, 128, 16
+V_SHAPED = ("zbv", "dualpipev")  # two stages per rank
 
 
 def _model():
@@ -84,10 +86,11 @@ def worker(config: dict) -> None:
                 "replayed": replayed, "action_ms": action_ms,
                 "stages": [s.blocks for s in job.program.stage_info]})
         return
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleZBVZeroBubble, SplitPoint, pipeline
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleZBVZeroBubble,
+                                              SplitPoint, pipeline)
 
     model = _model()
-    v = 2 if config["schedule"] == "zbv" else 1
+    v = 2 if config["schedule"] in V_SHAPED else 1
     count, rank = pp * v, mesh.coord("pp")
     per = LAYERS // count
     spec = {f"layers.{per * k}": SplitPoint.BEGINNING for k in range(1, count)}
@@ -100,7 +103,8 @@ def worker(config: dict) -> None:
     else:
         stages = [pipe.build_stage(i, torch.device("cpu"), group=mesh.group("pp")) for i in indexes]
     if v == 2:
-        schedule = ScheduleZBVZeroBubble(stages, m, loss_fn=lm_loss)
+        cls = {"zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[config["schedule"]]
+        schedule = cls(stages, m, loss_fn=lm_loss)
     else:
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[config["schedule"]](stages[0], m, loss_fn=lm_loss)
     opt = torch.optim.AdamW([p for s in stages for p in s.submod.parameters()], lr=1e-3)
@@ -118,7 +122,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--schedules", default="gpipe,1f1b,zb-h1,zbv")
+    p.add_argument("--schedules", default="gpipe,1f1b,zb-h1,zbv,dualpipev")
     args = p.parse_args()
     if run_worker(args, worker):
         return
@@ -126,7 +130,7 @@ def main() -> None:
     rows = []
     for schedule in args.schedules.split(","):
         base = {"pp": args.pp, "microbatches": args.microbatches, "steps": args.steps, "schedule": schedule}
-        torch_run = launch(script, args.pp, {**base, "impl": "torch"}) if schedule in ("gpipe", "1f1b", "zbv") else None
+        torch_run = launch(script, args.pp, {**base, "impl": "torch"}) if schedule in ("gpipe", "1f1b", *V_SHAPED) else None
         ours = launch(script, args.pp, {**base, "impl": "meshc"})
         torch_s = torch_run["step_s"] if torch_run else float("nan")
         rows.append({"schedule": schedule, "torch.distributed.pipelining (s)": torch_s,

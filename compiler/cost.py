@@ -50,6 +50,7 @@ Formulas:
       below, ZBV max(p−1, 2(2p−1−m))/(6m) (half ZB-H1's once m ≥ 2p − 1); all equal to the simulator's.
   in flight: GPipe m; 1F1B min(m, p) on the first rank, 1 on the last; ZB-H1 min(m, p) on both; ZBV
       min(m+1, 2p) first and min(2m, 2p) last (stage-sets of L/(2p) layers; rank 0 holds the head's logits, w);
+      DualPipeV (m ≥ 2p) ZBV's bubble and 2p + 1 stage-sets;
       interleaved min(v·m, v·p + p − 1) first and min(v·m, (v−1)·p + 1) last (stage-sets of L/(p·v) layers).
   step time: m·t_mb·(1 + β) + T_tp + T_ep + T_cp + T_pp + max(0, T_dp − overlap·m·t_mb) + T_step + T_opt, with
       t_mb = (3·(FLOPs/F + bytes/BW) + ops·τ)·κ, κ the profile's calibrated compute_scale (+ a forward again under full recompute, + its
@@ -73,6 +74,7 @@ from sympy import Max, Min
 from .cost_cp import CP_TERMS, cp_layer_terms, cp_numbers
 from .hardware import Hardware
 from .ir.errors import MeshcValueError
+from .ir.schedule import V_SHAPED
 
 OPS_PER_LAYER = 30  # compute ops per transformer block in a traced graph (views excluded): τ's multiplier
 
@@ -414,6 +416,8 @@ def schedule_terms(schedule: str, pp: int, m: int, virtual: int = 1) -> tuple[fl
         return float(min(m, pp)), float(min(m, pp)), max(2 * (pp - 1), 2 * (2 * pp - 1 - m)) / (6 * m)
     if schedule == "zbv":  # stage-sets of half a rank's layers; the V is full from m = 2p-1
         return float(min(m + 1, 2 * pp)), float(min(2 * m, 2 * pp)), max(pp - 1, 2 * (2 * pp - 1 - m)) / (6 * m)
+    if schedule == "dualpipev" and m >= 2 * pp:  # zbv's bubble, one stage-set more held (it needs m >= 2p)
+        return float(2 * pp + 1), float(2 * pp + 1), (pp - 1) / (6 * m)
     return _simulated_terms(schedule, pp, m, virtual)
 
 
@@ -468,7 +472,7 @@ def formula_values(shape: ModelShape, sizes: tuple, choice: tuple, batch: int, h
             int(zero == 1), int(zero == 2), int(zero == 3), int(remat == "selective"), int(remat == "full"),
             int(sp_), int(vp_), precision.param, precision.grad, precision.optimizer, precision.activation,
             int(pp == 1), int(tp > 1), int(n > 1), int(pp > 1), int(pp > 1 or mb > 1))
-            + mesh + (int(schedule == "zbv" and pp > 1),) + cps)
+            + mesh + (int(schedule in V_SHAPED and pp > 1),) + cps)
 
 
 @functools.lru_cache(maxsize=4096)

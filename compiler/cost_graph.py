@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -480,10 +481,10 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
     pipelined = twice = 0.0  # overheads and work inside the simulated actions (_makespan): part of busy time
     if schedule is not None:
         pipelined = len(schedule.actions[busiest]) * hw.action_overhead
-        if _splits(schedule):
-            pipelined += m * sum(times[i].split for i in local)
-            twice = m * sum(times[i].unsplit + times[i].regather_copies for i in local)
-            dp += m * sum(times[i].regather for i in local)
+        ws = _weight_actions(schedule, busiest)  # Ws per stage: m under zero-bubble, fewer under dualpipev
+        pipelined += sum(ws[stages[i][0]] * times[i].split for i in local)
+        twice = sum(ws[stages[i][0]] * (times[i].unsplit + times[i].regather_copies) for i in local)
+        dp += sum(ws[stages[i][0]] * times[i].regather for i in local)
     time = {"compute": m * sum(times[i].compute for i in local),
             "recompute": m * sum(times[i].recompute for i in local) + twice,
             "bubble": max(makespan - busy[busiest], 0.0), "tp": m * sum(times[i].tp for i in local),
@@ -497,17 +498,18 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
             time[key] *= scale
         time["overhead"] = hw.step_overhead + pipelined * scale
     flops = m * sum(3 * costs[i].flops + costs[i].recompute_flops for i in local)
-    if _splits(schedule):
-        flops += m * sum(2 * costs[i].unsplit_flops for i in local)
+    if schedule is not None:
+        ws = _weight_actions(schedule, busiest)
+        flops += sum(ws[stages[i][0]] * 2 * costs[i].unsplit_flops for i in local)
     by_axis: dict[str, float] = {}
     for (kind, axis), nbytes in comm_bytes(program, pipeline).items():
         by_axis[axis] = by_axis.get(axis, 0.0) + nbytes
     return Estimate(source="compiled", memory=memory, time=time, flops=flops, comm_bytes=by_axis)
 
 
-def _splits(schedule) -> bool:
-    """Whether the schedule splits backward into I and W (zero-bubble)."""
-    return schedule is not None and any(getattr(op, "kind", None) == "W" for op in schedule.program(0))
+def _weight_actions(schedule, rank: int) -> Counter:
+    """stage index -> W actions of `rank` in one step (each one reruns its stage's unsplit ops and gathers)."""
+    return Counter(a.stage for a in schedule.actions[rank] if a.kind == "W")
 
 
 def _stages(program, pipeline):
@@ -621,13 +623,14 @@ def comm_bytes(program, pipeline=None) -> dict[tuple[str, str], float]:
         graphs, m = [program.gm], 1
     else:
         graphs, m = [s.gm for s in pipeline.local.values()], pipeline.schedule.microbatches
-    splits = pipeline is not None and _splits(pipeline.schedule)
-    for gm in graphs:
+    ws = _weight_actions(pipeline.schedule, pipeline.coord) if pipeline is not None else Counter()
+    indices = [0] if pipeline is None else list(pipeline.local)
+    for index, gm in zip(indices, graphs):
         cost = graph_cost(gm)
         for record, *_ in cost.comms:
             add(record, m)
-            if splits and cost.receives_grad and _regathered(record):
-                add(record, m)  # gathered once more in zero-bubble's W (StageTimes.regather)
+            if ws[index] and cost.receives_grad and _regathered(record):
+                add(record, ws[index])  # gathered once more in each zero-bubble W (StageTimes.regather)
         if pipeline is not None:
             for s in pipeline.local.values():
                 if s.gm is gm:

@@ -38,7 +38,7 @@ from .cost import Estimate, ModelShape, formula_estimate, formula_functions, for
 from .hardware import Hardware
 from .offload_cost import KINDS, with_offload
 from .ir.errors import MeshcValueError
-from .ir.plan import SPLIT_BACKWARD, Plan
+from .ir.plan import SPLIT_BACKWARD, V_SHAPED, Plan
 from .show import human_bytes
 
 log = logging.getLogger("meshc.planner")
@@ -111,7 +111,7 @@ class Search:
 
     zero: tuple[int, ...] = (0, 1, 2, 3)
     remat: tuple[str, ...] = ("none", "selective", "full")
-    schedules: tuple[str, ...] = ("1f1b", "gpipe", "zb-h1", "interleaved", "zbv")
+    schedules: tuple[str, ...] = ("1f1b", "gpipe", "zb-h1", "interleaved", "zbv", "dualpipev")
     microbatches: tuple[int, ...] | None = None  # None: 1, 2, 4, ... up to max_microbatches
     max_microbatches: int = 64
     sequence_parallel: tuple[bool, ...] = (False, True)
@@ -286,8 +286,8 @@ def _schedules(pp: int, m: int, search: Search, layers: int | None) -> list[tupl
     for name in search.schedules:
         if m == 1 and name == "gpipe" and "1f1b" in search.schedules:
             continue  # one micro-batch: GPipe's actions are 1F1B's (each rank's F, then its B), the same plan
-        if name == "zbv":
-            if layers is None or layers >= 2 * pp:  # two stages per rank
+        if name in V_SHAPED:
+            if (layers is None or layers >= 2 * pp) and (name == "zbv" or m >= 2 * pp):  # two stages per rank
                 out.append((name, 2))
         elif name != "interleaved":
             out.append((name, 1))

@@ -107,7 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
     p.add_argument("--microbatches", type=int, default=1, help="micro-batches per step")
-    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1 or zbv")
+    p.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zb-h1, zbv or dualpipev")
     p.add_argument("--virtual", type=int, default=1, help="stages per pp rank (interleaved)")
     p.add_argument("--remat", default="none", help="none, selective or full")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")

@@ -5,7 +5,8 @@
 from __future__ import annotations
 
 from .errors import MeshcValueError
-from .schedule import NAMES, ALIASES, VIRTUAL, Schedule, check_sizes, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zbv
+from .schedule import (NAMES, ALIASES, VIRTUAL, Schedule, check_sizes, dualpipev, gpipe, interleaved_1f1b,
+                       one_f_one_b, zb_h1, zbv)
 from .schedule_sim import check
 
 
@@ -13,8 +14,9 @@ def schedule(name: str, pp: int, microbatches: int, virtual: int | None = None) 
     """The named schedule, proven valid and deadlock-free by `schedule_sim.check` before it is returned.
 
     name: "gpipe", "1f1b", "interleaved" (alias "interleaved_1f1b"; needs virtual >= 2 and microbatches
-    a multiple of pp), "zb-h1" (alias "zbh1") or "zbv" (alias "zb-v"; virtual=2, placed in a V). Other sizes
-    raise ValueError naming the rule. virtual None: the schedule's own (2 for zbv, else 1).
+    a multiple of pp), "zb-h1" (alias "zbh1"), "zbv" (alias "zb-v"; virtual=2, placed in a V) or "dualpipev" (the
+    same V; microbatches >= 2 pp). Other sizes raise ValueError naming the rule. virtual None: the schedule's
+    own (2 for zbv and dualpipev, else 1).
     """
     out = unchecked(name, pp, microbatches, virtual)
     check(out)
@@ -32,4 +34,5 @@ def unchecked(name: str, pp: int, microbatches: int, virtual: int | None = None)
     if canonical == "interleaved":
         return interleaved_1f1b(pp, microbatches, virtual)
     check_sizes(canonical, pp, microbatches, virtual, allowed_virtual=VIRTUAL.get(canonical, 1))
-    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zbv": zbv}[canonical](pp, microbatches)
+    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zbv": zbv,
+            "dualpipev": dualpipev}[canonical](pp, microbatches)

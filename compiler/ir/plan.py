@@ -12,12 +12,13 @@ from typing import Any
 import torch
 
 from .errors import MeshcTypeError, MeshcValueError
+from .schedule import V_SHAPED
 
 
 CP_ATTENTION = ("ring", "all_gather", "all_to_all")
 TP_STYLES = ("colwise", "rowwise", "vocab", "replicate")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-SPLIT_BACKWARD = ("zb-h1", "zbv")  # schedules that run each backward as input- and weight-gradient halves
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev")  # schedules that run backwards as input- and weight-gradient halves
 DEFAULT_BUCKET_MB = 25.0  # gradient bucket MiB where the cost model has nothing to decide (cost_buckets)
 
 
@@ -76,16 +77,18 @@ class Plan:
         schedule: "gpipe", "1f1b", "interleaved" (needs virtual >= 2 and m a multiple of pp), "zb-h1"
             (zero-bubble: backward split into input- and weight-gradient halves) or "zbv" (zero-bubble with
             two stages per rank placed in a V: rank r holds stages r and 2pp-1-r; half ZB-H1's bubble at the
-            same peak activations once m >= 2pp-1; a tied embedding and head share rank 0).
-        virtual: pipeline stages per pp rank (interleaved 1F1B; zbv's 2, set when left at 1); pp x virtual
-            stages in all.
+            same peak activations once m >= 2pp-1; a tied embedding and head share rank 0) or "dualpipev" (the
+            same V, m >= 2pp; its steady state pairs one stage's forward with the other's full backward, which
+            meshc runs one after the other; only the backwards at both ends are split).
+        virtual: pipeline stages per pp rank (interleaved 1F1B; the V schedules' 2, set when left at 1); pp x
+            virtual stages in all.
         split_points: module names, in forward order, before which a stage begins (pp x virtual - 1
             of them); default: the compiler balances the stages. A meshc.pipe_split() call in the model
             marks a cut too.
         remat: activation checkpointing: "none", "full" (each block recomputed in backward) or
             "selective" (matmul and collective outputs kept, cheap elementwise ops and softmax recomputed;
-            not with schedule="zb-h1" or "zbv", whose two backward halves torch's selective checkpoint
-            cannot run).
+            not with schedule="zb-h1", "zbv" or "dualpipev", whose two backward halves torch's selective
+            checkpoint cannot run).
         fusion: rewrite the chains next to collectives into meshc's fused kernels (bias-dropout-add-norm,
             bias+GeLU/SwiGLU, ZeRO copy-in/out and gradient prologue). None (default): the cost model decides
             kernel by kernel for the device at hand (fused only where it predicts the kernel faster than the
@@ -225,10 +228,10 @@ class Plan:
                 raise MeshcValueError(f"Plan.{name}: expected a positive int, got {value!r}")
         if self.schedule not in SCHEDULES:
             raise MeshcValueError(f"Plan.schedule: expected one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.schedule == "zbv":
+        if self.schedule in V_SHAPED:
             if self.virtual not in (1, 2):
-                raise MeshcValueError(f"Plan.virtual: schedule='zbv' runs two stages per rank: expected virtual=2 "
-                                      f"(or 1, read as 2), got {self.virtual}; use 'interleaved' for more")
+                raise MeshcValueError(f"Plan.virtual: schedule={self.schedule!r} runs two stages per rank: expected "
+                                      f"virtual=2 (or 1, read as 2), got {self.virtual}; use 'interleaved' for more")
             object.__setattr__(self, "virtual", 2)
         elif (self.schedule == "interleaved") != (self.virtual > 1):
             raise MeshcValueError(f"Plan.schedule: the interleaved schedule and virtual > 1 go together, got "

@@ -35,6 +35,9 @@ zb-h1 equals ScheduleInterleavedZeroBubble's order with one stage per rank; Sche
   zbv          two stages per rank in a V (placement "v"), B split into I and W: the stage handed over
                at the V's bottom stays on one rank, so the last rank turns a micro-batch round without
                waiting; equals torch's ScheduleZBVZeroBubble order.                      Qi et al. 2024
+  dualpipev    zbv's V with each rank's steady state pairing one stage's F with the other's B (the pair
+               a runtime can overlap), I and W split at both ends; m >= 2pp; equals torch's
+               ScheduleDualPipeV order (pairs written F then B).                     DeepSeek-V3, 2024
 """
 from __future__ import annotations
 
@@ -392,12 +395,88 @@ def zbv(pp: int, m: int) -> Schedule:
     return Schedule(name="zbv", pp=pp, microbatches=m, virtual=2, placement="v", actions=rows)
 
 
+def dualpipev(pp: int, m: int) -> Schedule:
+    """DualPipeV (DeepSeek-V3's DualPipe folded onto a V: Liu et al. 2024, and its open "DualPipeV" cut-in-half
+    variant). The stages of zbv's V (rank r: stage r down, 2pp-1-r up); in the middle of the step each rank pairs
+    the forward of one of its stages with the full backward (B) of the other, so that an implementation running
+    the pair at once hides one's communication behind the other's compute (meshc's executor runs the pair one
+    after the other: the order is kept, the overlap is not); the backwards at both ends are split into I and W,
+    the Ws run in the order their Is did. Needs m >= 2pp. Rank r runs
+      warm-up    2(pp-r-1) forwards down; r+1 times (F down, F up); pp-r-1 times (I up, the oldest W, F up);
+      steady     m-2pp+r+1 times (F down, B up, F up, B down);
+      drain      pp-r-1 times (B up, F up, B down); r+1 times a backward up and one down, B until half way
+                 through (on odd ranks the switch comes between up and down), I after; pp-r-1 times (the oldest
+                 W, I down); then its last r+1 Ws.
+    The same order as torch's ScheduleDualPipeV, each overlapped pair written as its forward and then its
+    backward.
+    """
+    check_sizes("dualpipev", pp, m, 2, allowed_virtual=2)
+    if m < 2 * pp:
+        raise MeshcValueError(f"dualpipev needs at least as many micro-batches as stages: expected microbatches >= "
+                              f"{2 * pp} (2 x pp), got {m}; use microbatches={2 * pp}, or zbv")
+    top = 2 * pp - 1
+    rows = []
+    for r in range(pp):
+        down, up = r, top - r
+        forwards = {down: 0, up: 0}
+        backwards = {down: 0, up: 0}  # B or I so far: the next micro-batch each stage's backward takes
+        waiting: list[Action] = []  # Ws of the Is run so far, oldest first
+        row: list[Action] = []
+
+        def run(stage: int, kind: str) -> None:
+            if kind == "F":
+                row.append(Action(stage, "F", forwards[stage]))
+                forwards[stage] += 1
+                return
+            row.append(Action(stage, kind, backwards[stage]))
+            if kind == "I":
+                waiting.append(Action(stage, "W", backwards[stage]))
+            backwards[stage] += 1
+
+        def weight() -> None:
+            if waiting:
+                row.append(waiting.pop(0))
+        for _ in range(2 * (pp - r - 1)):
+            run(down, "F")
+        for _ in range(r + 1):
+            run(down, "F")
+            run(up, "F")
+        for _ in range(pp - r - 1):
+            run(up, "I")
+            weight()
+            run(up, "F")
+        for _ in range(m - 2 * pp + r + 1):
+            for stage, other in ((down, up), (up, down)):
+                run(stage, "F")
+                run(other, "B")
+        for _ in range(pp - r - 1):
+            run(up, "B")
+            run(up, "F")
+            run(down, "B")
+        split = False
+        half = (r + 1) // 2
+        for i in range(r + 1):
+            split = split or (i == half and r % 2 == 1)
+            run(up, "I" if split else "B")
+            split = split or (i == half and r % 2 == 0)
+            run(down, "I" if split else "B")
+        for _ in range(pp - r - 1):
+            weight()
+            run(down, "I")
+        while waiting:
+            weight()
+        rows.append(row)
+    return Schedule(name="dualpipev", pp=pp, microbatches=m, virtual=2, placement="v", actions=rows)
+
+
 ALIASES = {
     "gpipe": "gpipe",
     "1f1b": "1f1b", "one_f_one_b": "1f1b",
     "interleaved": "interleaved", "interleaved_1f1b": "interleaved", "interleaved-1f1b": "interleaved",
     "zb-h1": "zb-h1", "zbh1": "zb-h1", "zb_h1": "zb-h1",
     "zbv": "zbv", "zb-v": "zbv", "zb_v": "zbv",
+    "dualpipev": "dualpipev", "dualpipe-v": "dualpipev", "dualpipe_v": "dualpipev",
 }
-NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-VIRTUAL = {"zbv": 2}  # schedules that fix the stages per rank
+NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
+VIRTUAL = {"zbv": 2, "dualpipev": 2}  # schedules that fix the stages per rank
+V_SHAPED = ("zbv", "dualpipev")  # two stages per rank placed in a V

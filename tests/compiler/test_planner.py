@@ -255,11 +255,14 @@ def test_one_microbatch_schedules_are_enumerated_once():
 
 def test_zbv_is_enumerated_where_each_rank_gets_two_stages():
     """ZBV runs 2·pp stages: offered (with virtual=2, at every micro-batch count) only to a model with at least
-    2·pp layers, and never with selective recompute (its I and W halves run backward twice)."""
+    2·pp layers, and never with selective recompute (its I and W halves run backward twice); DualPipeV likewise,
+    from 2·pp micro-batches."""
     from meshc.compiler.planner import Search, plans_for
 
     search = Search(zero=(0,), remat=("none", "selective"), schedules=("zbv",), microbatches=(1, 3))
     plans = list(plans_for((1, 1, 2), 6, search, layers=4))
     assert sorted((p.microbatches, p.virtual, p.remat) for p in plans) == [(1, 2, "none"), (3, 2, "none")]
     assert not list(plans_for((1, 1, 2), 6, search, layers=3))
-    assert "zbv" in Search().schedules
+    assert {"zbv", "dualpipev"} <= set(Search().schedules)
+    dual = dataclasses.replace(search, schedules=("dualpipev",), microbatches=(2, 4))  # needs m >= 2 pp
+    assert [(p.schedule, p.microbatches) for p in plans_for((1, 1, 2), 8, dual, layers=4)] == [("dualpipev", 4)]

@@ -31,13 +31,15 @@ CASES = ([(m, {"pp": 2}, {**s, "microbatches": 4}) for m in ("reference", "gpt2"
             ("t5", {"pp": 2}, {"microbatches": 2}),
             ("bloom", {"pp": 2}, {"microbatches": 2})])
 # a tied embedding and head; an untied one under full recompute, with fewer micro-batches than the V's 2pp-1
-ZBV = [("gpt2_4", 4, {}), ("llama4", 2, {"remat": "full"})]
+ZBV = [("gpt2_4", 4, {}), ("llama4", 2, {"remat": "full"}), ("gpt2_4", 4, {"schedule": "dualpipev"})]
 
 
-@pytest.mark.parametrize("model,m,extra", ZBV, ids=[f"{model}-pp2-zbv-m{m}" for model, m, _ in ZBV])
+@pytest.mark.parametrize("model,m,extra", ZBV,
+                         ids=[f"{model}-pp2-{extra.get('schedule', 'zbv')}-m{m}" for model, m, extra in ZBV])
 def test_zbv_matches_single_process_with_stages_in_a_v(model, m, extra):
-    """ZBV at pp=2: four stages of one block each, rank 0 holding stages 0 and 3 (the embedding, block 0, block 3
-    and the head), rank 1 stages 1 and 2 (blocks 1 and 2); the stage 1 -> 2 hand-over stays on rank 1."""
+    """ZBV (and DualPipeV, the same V) at pp=2: four stages of one block each, rank 0 holding stages 0 and 3 (the
+    embedding, block 0, block 3 and the head), rank 1 stages 1 and 2 (blocks 1 and 2); the stage 1 -> 2 hand-over
+    stays on rank 1."""
     ref = parity.reference(model, STEPS, BATCH)
     results = run_ranks(parity.meshc_rank, 2, model, STEPS, BATCH, {"pp": 2},
                         {"trace": "non-strict", "schedule": "zbv", "microbatches": m, **extra}, timeout=240)

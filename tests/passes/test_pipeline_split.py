@@ -75,11 +75,13 @@ def test_split_point_that_names_no_module(fake_mesh):
 def test_plan_errors_for_schedules():
     with pytest.raises(ValueError, match="interleaved schedule and virtual > 1 go together"):
         meshc.Plan(schedule="interleaved")
-    with pytest.raises(ValueError, match="Plan.schedule: expected one of gpipe, 1f1b, interleaved, zb-h1, zbv, got 'zb'"):
+    with pytest.raises(ValueError, match="Plan.schedule: expected one of gpipe, 1f1b, interleaved, zb-h1, zbv, "
+                                         "dualpipev, got 'zb'"):
         meshc.Plan(schedule="zb")
     assert meshc.Plan(schedule="zbv").virtual == 2 == meshc.Plan(schedule="zbv", virtual=2).virtual  # a V: 2 per rank
     with pytest.raises(ValueError, match=r"Plan.virtual: schedule='zbv' runs two stages per rank: expected virtual=2"):
         meshc.Plan(schedule="zbv", virtual=4)
+    assert meshc.Plan(schedule="dualpipev").virtual == 2
     with pytest.raises(ValueError, match=r"Plan.remat: expected 'none' or 'full' with schedule='zbv'"):
         meshc.Plan(schedule="zbv", remat="selective")
     from meshc.compiler.ir.named_schedule import schedule

@@ -13,7 +13,7 @@ import pytest
 
 from meshc.compiler.ir.named_schedule import schedule
 from meshc.compiler.ir.schedule import (
-    P2P, Action, Schedule, ScheduleError, actions, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zbv,
+    P2P, Action, Schedule, ScheduleError, actions, dualpipev, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zbv,
 )
 from meshc.compiler.ir.schedule_sim import DEFAULT_COST, check, grid, simulate
 
@@ -125,13 +125,47 @@ def test_zbv_order_equals_torch_schedule_zbv(p):
             assert theirs == [str(a) for a in zbv(p, m).actions[r]], (p, m, r)
 
 
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_dualpipev_order_equals_torch_schedule_dualpipev(p):
+    """torch.distributed.pipelining's ScheduleDualPipeV, each overlapped forward+backward pair written as its
+    forward and then its full backward: the same order, action by action."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+
+    def flat(action) -> list[str]:
+        pair = getattr(action, "sub_actions", None)
+        return [x for a in pair for x in flat(a)] if pair else [str(action)]
+    for m in (2 * p, 2 * p + 1, 3 * p + 2):
+        state = SimpleNamespace(pp_group_size=p, _n_microbatches=m)
+        for r in range(p):
+            theirs = [x for a in ScheduleDualPipeV._calculate_single_rank_operations(state, r) if a for x in flat(a)]
+            assert theirs == [str(a) for a in dualpipev(p, m).actions[r]], (p, m, r)
+
+
+@pytest.mark.parametrize("p", PS)
+def test_dualpipev_keeps_zbv_bubble_with_most_backwards_whole(p):
+    """Its steady state runs full backwards (the F&B pairs), so only the ends split: zbv's bubble with F = B/2 =
+    I = W, one stage-set more at its peak; fewer than 2p micro-batches are refused, naming the rule."""
+    for m in range(2 * p, 4 * p + 1):
+        s = schedule("dualpipev", p, m)
+        assert s.placement == "v" and s.stage_to_rank == zbv(p, m).stage_to_rank
+        assert close(simulate(s, scaled(2)).bubble, (p - 1) / (6 * m)), (p, m)
+        assert simulate(s, scaled(2)).peak_in_flight == (2 * p + 1,) * p
+        kinds = [a.kind for row in s.actions for a in row]
+        assert kinds.count("B") > kinds.count("I") or p == 1
+    with pytest.raises(ValueError, match=rf"dualpipev needs at least as many micro-batches as stages: expected "
+                                         rf"microbatches >= {2 * p} \(2 x pp\), got {2 * p - 1}"):
+        schedule("dualpipev", p, 2 * p - 1)
+
+
 def test_sizes_an_algorithm_does_not_allow_raise():
     for name in ("gpipe", "1f1b", "zb-h1"):
         with pytest.raises(ValueError, match=rf"{name} runs one stage per rank: expected virtual=1, got 2"):
             schedule(name, 4, 8, virtual=2)
     with pytest.raises(ValueError, match=r"expected virtual >= 2, got 1"):
         schedule("interleaved", 4, 8)
-    with pytest.raises(ValueError, match=r"unknown schedule: expected one of gpipe, 1f1b, interleaved, zb-h1, zbv"):
+    with pytest.raises(ValueError, match=r"unknown schedule: expected one of gpipe, 1f1b, interleaved, zb-h1, zbv, dualpipev"):
         schedule("pipedream", 4, 8)
     with pytest.raises(ValueError, match=r"microbatches: expected an int >= 1, got 0"):
         schedule("1f1b", 4, 0)
