@@ -15,7 +15,8 @@ activations a rank holds at the schedule's peak (compiler/ir/schedule_sim).
 Zero-bubble (a schedule with I and W actions): I and W each cost half of B, W also the split's autograd calls
 (hardware.split_overhead per weight op); weight ops whose backward is one opaque function (not an ATen op:
 runtime/backward_split.py cannot ask it for one gradient only) run their whole backward in I and again in W,
-so I + W = B + that backward (`unsplit`, carried in the estimate's recompute), shared half and half.
+so I + W = B + that backward (`unsplit`, carried in the estimate's recompute), shared half and half. These
+extras are paid per W action of the stage (m under ZB-H1 and ZBV; DualPipeV splits only the backwards at its ends).
 
 Context parallelism: a context attention (passes/context.py) computes (local queries against every key) and
 communicates (its CommRecords on axis cp: cp consecutive dp ranks, tp apart); it saves its inputs and output, and
