@@ -1,14 +1,14 @@
 """Every plan combination trains at parity with one process or is refused at construction (issue 13).
 
 The options of meshc.Plan and the mesh are crossed pairwise: a covering array (every pair of values of
-any two factors appears in some case, not the full product of 13,824) over
+any two factors appears in some case, not the full product of 124,416) over
 
     mesh              dp2, tp2, pp2, dp2xtp2, tp2xpp2, dp2xpp2
     zero              0, 1, 2, 3
     remat             none, full, selective
     sequence_parallel off, on
     vocab_parallel    off, on
-    schedule          1f1b, gpipe, interleaved (virtual=2), zb-h1
+    schedule          1f1b, gpipe, interleaved (virtual=2), zb-h1, zbv, dualpipev (both virtual=2, in a V)
     param_dtype       fp32, bf16
     fusion            on, off
     collective_matmul off, on
@@ -24,9 +24,9 @@ gets one case of its own, which must be refused by Plan(...) or meshc.compile wi
 message names the option. Anything else raised (in job.step, the optimizer step, or a non-meshc error
 at construction) is a failure.
 
-The array has 46 cases: 39 that must train (13 on dp2xpp2, where alone ZeRO stages meet pipeline
-schedules on a real dp axis; 7 on dp2xtp2, 6 on tp2xpp2, 5 on pp2, 5 on dp2, 3 on tp2; 15 of them with
-offload) and 7 refusals (one per rule in RULES). They run on the reference Transformer (2 layers, dim 32, vocab 64) for 2 AdamW
+The array has 56 cases: 48 that must train (19 on dp2xpp2, where alone ZeRO stages meet pipeline
+schedules on a real dp axis; 8 on pp2, 7 on tp2xpp2, 6 on dp2xtp2, 5 on dp2, 3 on tp2; 18 of them with
+offload; 5 or 6 with each schedule on a pp mesh) and 8 refusals (one per rule in RULES). They run on the reference Transformer (2 layers, dim 32, vocab 64) for 2 AdamW
 steps on a global batch of 8: one run_ranks spawn per mesh, whose ranks compile and train each of that
 mesh's cases in turn, so six process start-ups in all. About 80 s on 2 CPU cores (up to 2.5 min when the
 machine is busy with other work).
@@ -34,11 +34,13 @@ machine is busy with other work).
 Tolerances: fp32 cases as every parity test (parity.assert_matches: losses 2e-5, step-1 gradients 2e-6,
 parameters 5e-5; tests/models/test_pp_parity.py and test_tp_parity.py say why). bf16 cases against
 parity.mixed_reference, as tests/runtime/test_zero.py's mixed-precision test: losses within 3e-2 and
-parameters within 3e-3 (bf16 rounding of gradients summed in another order; see there). Measured here:
+parameters within 4.5e-3 (bf16 rounding of gradients summed in another order: AdamW moves a weight by about
+lr = 1e-3 a step whatever its gradient's size, so a tiny gradient whose sign the rounding flips can leave a weight
+up to 2 x lr apart per step, 4e-3 after the 2 steps). Measured here:
 fp32 losses <= 2e-6, step-1 gradients <= 4.2e-7, parameters <= 3.9e-6; bf16 losses <= 1.4e-2 (the fused
 kernels compute in fp32 inside, so with fusion on meshc's first loss sits nearer the fp32 loss than the
-eager bf16 reference does) and parameters <= 2.6e-3 (a tiny gradient whose sign flips moves a weight by 2 x lr in
-AdamW's first step).
+eager bf16 reference does) and parameters <= 3.4e-3 (tp2xpp2, ZeRO-1, sequence and vocabulary parallel, collective
+matmuls: a sign flip in the first step and part of one in the second).
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ FACTORS = {
     "remat": ("none", "full", "selective"),
     "sequence_parallel": (False, True),
     "vocab_parallel": (False, True),
-    "schedule": ("1f1b", "gpipe", "interleaved", "zb-h1"),
+    "schedule": ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "dualpipev"),
     "param_dtype": ("fp32", "bf16"),
     "fusion": (True, False),
     "collective_matmul": (False, True),
@@ -101,8 +103,11 @@ RULES = {
         "collective_matmul", lambda c: c["collective_matmul"] and not c["sequence_parallel"]),
     "collective matmuls are made by the fusion pass": (
         "collective_matmul", lambda c: c["collective_matmul"] and not c["fusion"]),
-    "zb-h1 runs backward twice per block, torch's selective checkpoint once": (
-        "remat", lambda c: c["remat"] == "selective" and c["schedule"] == "zb-h1"),
+    "zb-h1, zbv and dualpipev run backward twice per block, torch's selective checkpoint once": (
+        "remat", lambda c: c["remat"] == "selective" and c["schedule"] in ("zb-h1", "zbv", "dualpipev")),
+    "dualpipev: at least as many micro-batches as stages (2 pp)": (
+        "microbatches", lambda c: c["schedule"] == "dualpipev" and _size(c, "pp") > 1
+        and c["microbatches"] < 2 * _size(c, "pp")),  # pp = 1: 2 stages on one rank, m >= 2 whenever it pipelines
     "offload moves ZeRO's optimizer-state shards: zero >= 1": (
         "offload", lambda c: c["offload"] != "none" and c["zero"] == 0),
     "offload_params moves ZeRO-3's parameter shards: zero = 3": (
@@ -227,7 +232,7 @@ def test_the_array_covers_every_pair():
         if expected_refusal(c) is None:
             reachable |= _pairs(c)
     assert covered == reachable
-    assert len(CASES) == len({case_id(c) for c in CASES}) == 46, [case_id(c) for c in CASES]
+    assert len(CASES) == len({case_id(c) for c in CASES}) == 56, [case_id(c) for c in CASES]
     assert [expected_refusal(c) for c in CASES[-len(RULES):]] == [option for option, _ in RULES.values()]
 
 
@@ -279,7 +284,7 @@ def _judge(case: dict, results: list[dict]) -> str | None:
                 worst = max(abs(a - b) for a, b in zip(out["losses"], ref["losses"]))
                 assert worst < 3e-2, f"rank {rank}: losses {out['losses']} against {ref['losses']}"
                 diff, where = parity.max_diff(out["params"], ref["params"])
-                assert diff < 3e-3, f"rank {rank}: parameter {where} off by {diff}"
+                assert diff < 4.5e-3, f"rank {rank}: parameter {where} off by {diff}"  # 2 steps x 2 lr (above)
             report = out["report"]
             if _size(case, "tp") > 1:
                 assert "tp:S(" in report, f"rank {rank}: nothing sharded on tp"
