@@ -58,7 +58,8 @@ Formulas:
       T_tp: 4 collectives of s·b·h per layer and micro-batch (6 with full recompute: Megatron's f/g);
       T_dp: meshc reduces per micro-batch (DP all-reduce, ZeRO-2 reduce-scatter, ZeRO-3 2 all-gathers +
       a reduce-scatter) and at the step (ZeRO-1/2 all-gather, ZeRO-1 reduce-scatter);
-      T_pp: (2(p−1) + 2(m−1)(1 − overlap)) sends of the boundary activation.
+      T_pp: (2(p−1) + 2(m−1)(1 − overlap)) sends of the boundary activation, twice that under a V (w: 2p − 2
+      rank boundaries each way, 2m messages per rank and direction).
   collectives: hardware.Link's α-β model; a group uses the inter-node link once it spans nodes (tp
       groups are consecutive ranks, dp groups stride t, pp groups stride N·t), which is what puts
       tensor parallelism inside a node and pipeline parallelism across nodes.
@@ -350,7 +351,7 @@ def formulas(hw: Hardware, flags, inline: bool = True) -> dict[str, sympy.Expr]:
     ep_time = m * L / p * (4 + 2 * rf) * _coll(hw, "all_to_all", e, a2a_payload, x_e) if flags[4] else sympy.Integer(0)
     dp_step = dp_step + _coll(hw, "all_reduce", N, 4, x_n)
     send = _coll(hw, "send", 2, boundary, x_p)  # neighbouring stages are N·t ranks apart
-    pp_time = u_p * (2 * (p - 1) + 2 * (m - 1) * (1 - hw.overlap)) * send
+    pp_time = u_p * (1 + w) * (2 * (p - 1) + 2 * (m - 1) * (1 - hw.overlap)) * send  # a V crosses each rank twice
     if tied:  # the tied embedding and head on the first and the last pp rank: not under zbv, where both are rank 0's
         pp_time += u_p * (1 - w) * _coll(hw, "all_reduce", 2, V * h / v_div * gb, x_p)
     compute = m * (t_mb + recompute)

@@ -2,7 +2,7 @@
 
 A program is pipelined when the mesh has pp > 1 or the plan asks for micro-batches. It is traced on one
 micro-batch; compiler/stages.py cuts it into pp × virtual stage graphs, and the rank keeps the ones it runs
-(the schedule's placement: stage s on pp rank s % pp, or in a V for zbv) with only those stages' parameters. The schedule (ir/schedule.py) is built and
+(the schedule's placement: stage s on pp rank s % pp, or in a V for zbv and dualpipev) with only those stages' parameters. The schedule (ir/schedule.py) is built and
 simulated here, with each stage's forward FLOPs as its cost, before anything runs. A parameter held by
 stages on several pp ranks (a tied embedding and LM head) is listed in `tied`: the runtime sums its
 gradient over those ranks after each step (runtime/pipelined.py runs the step). Under a schedule that splits

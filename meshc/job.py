@@ -430,7 +430,7 @@ class Job:
 
     def graph(self, rank: int | None = None, stage: int | None = None) -> torch.fx.GraphModule:
         """The transformed GraphModule that `rank` (default: this one) runs: the whole program, or with pipeline
-        stages the graph of stage `stage` (on the pp rank the schedule places it: s % pp, or in a V for zbv;
+        stages the graph of stage `stage` (on the pp rank the schedule places it: s % pp, or in a V for zbv and dualpipev;
         default: the rank's first stage)."""
         own = rank is None or rank == self.mesh.rank
         rank = self.mesh.rank if rank is None else rank

@@ -15,7 +15,7 @@ Requires: "meshc.shape" and "val" on values (shapes, tensor_parallel); the loss 
 Ensures: every activation (a value computed from both parameters and inputs, or from other activations)
     carries "meshc.stage"; values computed only from parameters, or only from inputs and buffers, carry
     none: each stage that needs one computes it itself. Program.stage_info describes the stages.
-Terms: stage s in [0, pp*virtual) runs on pipeline rank s % pp (zbv: in a V, see ir/schedule.py); crossing
+Terms: stage s in [0, pp*virtual) runs on pipeline rank s % pp (zbv, dualpipev: in a V, see ir/schedule.py); crossing
     bytes at a cut = bytes of the activations defined before it and used after it (sent between the stages, per
     micro-batch).
 

@@ -38,7 +38,6 @@ import threading
 import time
 import types
 import weakref
-from collections import Counter
 from datetime import timedelta
 
 import torch
@@ -376,18 +375,20 @@ def _differ(what: str, a, b, r: int) -> str:
 
 
 def _unmatched_message(everyone: list[dict]) -> str | None:
-    """Every pipeline send must meet exactly one receive on the peer. Messages are paired by their tag (kind,
-    micro-batch, stage), not by order: a V schedule sends a pair of ranks its activations and gradients in
-    another order than the peer awaits them, which the schedule's proof (schedule_sim) showed cannot hang."""
+    """Every pipeline send must meet its receive on the peer, in the same order per kind: activations and gradients
+    travel on groups of their own (Mesh.pipeline_group), each paired in order by a backend without tags (NCCL);
+    a V schedule interleaves the two kinds differently on the two ends, which is fine."""
     for src, fp in enumerate(everyone):
         for dst in sorted({peer for op, peer, _ in fp["messages"] if op == "send"}):
-            sent = [what for op, peer, what in fp["messages"] if op == "send" and peer == dst]
-            got = [what for op, peer, what in everyone[dst]["messages"] if op == "recv" and peer == src]
-            unawaited, unsent = Counter(sent) - Counter(got), Counter(got) - Counter(sent)
-            if unawaited or unsent:
-                x = next((w for w in sent if w in unawaited), "nothing")
-                y = next((w for w in got if w in unsent), "nothing")
-                return (f"pre-flight: pipeline messages from rank {src} to rank {dst}: expected every send awaited "
-                        f"once on the other end, got {x} sent by rank {src} with no receive, and {y} awaited by "
-                        f"rank {dst} with no send; give every rank the same Plan (microbatches, schedule, virtual)")
+            for kind in ("F", "B"):
+                sent = [w for op, peer, w in fp["messages"] if op == "send" and peer == dst and w.startswith(kind)]
+                got = [w for op, peer, w in everyone[dst]["messages"]
+                       if op == "recv" and peer == src and w.startswith(kind)]
+                for i in range(max(len(sent), len(got))):
+                    x, y = (sent[i] if i < len(sent) else "nothing"), (got[i] if i < len(got) else "nothing")
+                    if x != y:
+                        what = "activation" if kind == "F" else "gradient"
+                        return (f"pre-flight: pipeline {what} message #{i} from rank {src} to rank {dst}: expected the "
+                                f"same on both ends, got {x} sent by rank {src} and {y} awaited by rank {dst}; give "
+                                "every rank the same Plan (microbatches, schedule, virtual)")
     return None

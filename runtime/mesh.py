@@ -54,6 +54,12 @@ class Mesh:
                 group = dist.new_group(list(row), timeout=timeout)
                 if self.rank in row:
                     self._groups[axis] = group
+        self._gradient_group: dist.ProcessGroup | None = None
+        if self.sizes.get("pp", 1) > 1:  # a second group over each pp group's ranks: see pipeline_group
+            for row in shape.all_groups("pp"):
+                group = dist.new_group(list(row), timeout=timeout)
+                if self.rank in row:
+                    self._gradient_group = group
         self.spec = MeshSpec(self.sizes, self._exchange_group_names(shape), device_type=device.type,
                              backend=self.backend)
         self._device_mesh = None
@@ -89,6 +95,15 @@ class Mesh:
         """This rank's process group along `axis`."""
         self.spec.size(axis)  # checks the axis
         return self._groups[axis]
+
+    def pipeline_group(self, kind: str) -> dist.ProcessGroup:
+        """The group a pipeline message of `kind` travels on: activations ("F") on the pp group, input gradients
+        ("B") on a second group over the same ranks. A backend without tags (NCCL) matches a pair's point-to-point
+        messages first in, first out; a V schedule sends a pair of ranks activations and gradients in another order
+        than the peer awaits them, each kind in the same order (schedule_sim proves it): one stream per kind."""
+        if kind == "F" or self._gradient_group is None:
+            return self.group("pp")
+        return self._gradient_group
 
     def close(self) -> None:
         """End this process's part of the mesh cleanly, on every rank at the end of training: wait for the

@@ -1,8 +1,9 @@
 """Pipeline execution: one rank runs its stages' micro-batches in the order its schedule gives.
 
 The schedule (compiler/ir/schedule.py) is data, proven before anything runs (compiler/ir/schedule_sim.py):
-every receive has its send and nothing deadlocks under blocking receives and buffered sends, which is
-exactly how this executor runs each rank's program:
+every receive has its send, each kind of message between two ranks is awaited in the order it is sent, and
+nothing deadlocks under blocking receives and buffered sends, which is exactly how this executor runs each rank's
+program:
 
     RECV  irecv + wait       the activations (F) or gradients (B, I) a compute action needs
     F     forward of a stage on a micro-batch; the last stage's output is the micro-batch's loss
@@ -14,7 +15,10 @@ exactly how this executor runs each rank's program:
     SEND  isend, waited at the end of the step
 
 Point-to-point messages go over the pp group between ranks with the same dp and tp coordinates, so
-every tp rank of a stage exchanges its own (tp-local) activations with its peer.
+every tp rank of a stage exchanges its own (tp-local) activations with its peer. Activations and gradients travel
+on two groups over those ranks (Mesh.pipeline_group): NCCL ignores tags and pairs a rank pair's messages in order,
+and under a V schedule a pair's activations and gradients interleave differently on the two ends, each kind alone
+in the same order on both (schedule_sim's fifo check).
 """
 from __future__ import annotations
 
@@ -46,7 +50,6 @@ class PipelineRun:
                  loss_of: Callable[[tuple, int], torch.Tensor], zero_context: Callable[[], ZeroContext] | None):
         self.stages, self.schedule, self.mesh = stages, schedule, mesh
         self.values, self.loss_of, self.zero_context = values, loss_of, zero_context
-        self.group = mesh.group("pp")
         self.rank = mesh.coord("pp")
         self.m = schedule.microbatches
 
@@ -153,17 +156,18 @@ class PipelineRun:
         key = (op.stage, op.microbatch)
         stage = self.stages[op.stage]
         peer = self.mesh.group_ranks("pp")[op.peer]
+        group = self.mesh.pipeline_group(op.kind)
         tag = (op.microbatch * 2 + KINDS[op.kind if op.kind in KINDS else "B"]) * 4096 + min(op.stage, op.peer_stage)
         if op.op == "send":
             tensors = self.outputs[key] if op.kind == "F" else self.grads_out.pop(key)
             metas = stage.send if op.kind == "F" else stage.recv
             for i, (t, b) in enumerate(zip(tensors, metas)):
                 t = torch.zeros(b.shape, dtype=b.dtype, device=self.mesh.device) if t is None else t.detach()
-                self.sends.append(dist.isend(_wire(t).contiguous(), peer, group=self.group, tag=tag * 64 + i))
+                self.sends.append(dist.isend(_wire(t).contiguous(), peer, group=group, tag=tag * 64 + i))
             return
         metas = stage.recv if op.kind == "F" else stage.send
         bufs = [torch.empty(b.shape, dtype=_wire_dtype(b.dtype), device=self.mesh.device) for b in metas]
-        for work in [dist.irecv(t, peer, group=self.group, tag=tag * 64 + i) for i, t in enumerate(bufs)]:
+        for work in [dist.irecv(t, peer, group=group, tag=tag * 64 + i) for i, t in enumerate(bufs)]:
             work.wait()
         if op.kind == "F":
             self.inputs[key] = [_leaf(_unwire(t, b.dtype), b.grad) for t, b in zip(bufs, metas)]

@@ -9,7 +9,7 @@ Terms:
               placement); placement "v" runs the stages down the ranks and back up, zig-zag: stage s
               on rank `s % pp` when `s // pp` is even, on `pp - 1 - s % pp` when odd (with v = 2, rank r
               holds stages r and 2pp-1-r, so the first and the last stage share rank 0).
-  virtual     stages per rank (v); v > 1 for the interleaved and zbv schedules.
+  virtual     stages per rank (v); v > 1 for the interleaved schedule and the V schedules (zbv, dualpipev).
   microbatch  one of the m = `microbatches` slices of a batch, numbered 0..m-1.
   action      one unit of compute, `Action(stage, kind, microbatch)`, printed `2F0` like torch's
               `_Action`. Kinds:
@@ -254,7 +254,7 @@ def check_sizes(name: str, pp: int, m: int, virtual: int, *, allowed_virtual: in
             raise MeshcValueError(f"{name} runs one stage per rank: expected virtual=1, got {virtual}; "
                                   "use 'interleaved' for virtual stages")
         raise MeshcValueError(f"{name} runs {allowed_virtual} stages per rank: expected virtual={allowed_virtual}, "
-                              f"got {virtual}")
+                              f"got {virtual}; leave virtual out (the schedule's own), or use 'interleaved' for more")
 
 
 def gpipe(pp: int, m: int) -> Schedule:
@@ -405,8 +405,8 @@ def dualpipev(pp: int, m: int) -> Schedule:
       warm-up    2(pp-r-1) forwards down; r+1 times (F down, F up); pp-r-1 times (I up, the oldest W, F up);
       steady     m-2pp+r+1 times (F down, B up, F up, B down);
       drain      pp-r-1 times (B up, F up, B down); r+1 times a backward up and one down, B until half way
-                 through (on odd ranks the switch comes between up and down), I after; pp-r-1 times (the oldest
-                 W, I down); then its last r+1 Ws.
+                 through, I after (at the half-way pair, odd ranks switch before its up stage, even ranks between
+                 its up and down stages); pp-r-1 times (the oldest W, I down); then its last r+1 Ws.
     The same order as torch's ScheduleDualPipeV, each overlapped pair written as its forward and then its
     backward.
     """

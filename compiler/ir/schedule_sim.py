@@ -5,6 +5,9 @@ of the per-rank programs of `meshc.compiler.ir.schedule`, with blocking receives
   placement    every op sits on the rank of its stage, and a message's peer is the other stage's rank;
   coverage     every (stage, microbatch) gets exactly one F and either one B or one I and one W;
   matching     every send has exactly one receive on its peer rank, and every receive one send;
+  fifo         per pair of ranks and kind (activations, gradients), sends and receives come in the same order
+               (a backend without tags, NCCL, pairs them in order: runtime/pipeline.py sends each kind on a
+               group of its own);
   order        on each rank: F of stage s on micro-batch i comes after F of s-1 on i; B or I of s comes
                after F of s and after B or I of s+1; W comes after its I; a send comes after the action
                that produces its tensor. A dependency on another rank must be a receive earlier in the
@@ -169,6 +172,24 @@ def _check_matching(progs) -> None:
             f"got {ends['send']} and {ends['recv']} (unmatched {extra})")
 
 
+def _check_fifo(progs) -> None:
+    """Per pair of ranks and kind of message, the sends leave in the order the receives await them: what a
+    backend without tags (NCCL) needs to pair them, with activations and gradients on groups of their own."""
+    sent: dict = {}
+    awaited: dict = {}
+    for rank, prog in enumerate(progs):
+        for op in prog:
+            if isinstance(op, P2P):
+                src, dst = (rank, op.peer) if op.op == "send" else (op.peer, rank)
+                (sent if op.op == "send" else awaited).setdefault((src, dst, op.kind), []).append((op.key, op))
+    for (src, dst, kind), sends in sent.items():
+        recvs = awaited.get((src, dst, kind), [])
+        for (key, send), (other, recv) in zip(sends, recvs):
+            if key != other:
+                raise ScheduleError(f"fifo: expected rank {dst} to await {kind} messages from rank {src} in the order "
+                                    f"they are sent, got {send} sent when {recv} is awaited")
+
+
 def _check_order(schedule: Schedule, rank: int, prog, grad_kind) -> None:
     """Walk one rank's program: every input of an op is produced earlier on this rank or received."""
     done: set = set()
@@ -201,6 +222,7 @@ def _check_static(schedule: Schedule, progs) -> None:
             _check_placement(schedule, rank, op)
     grad_kind = _check_coverage(schedule, progs)
     _check_matching(progs)
+    _check_fifo(progs)
     for rank, prog in enumerate(progs):
         _check_order(schedule, rank, prog, grad_kind)
 

@@ -469,6 +469,20 @@ def test_zbv_prices_its_v_placement():
     # formulas: the head's bytes move from the last pp rank to the first; the tied gradients' all-reduce goes
     shape = models.shape("gpt2-small")
     hw = hardware.load("cpu-default")
-    one_f, v = (formula_estimate(shape, {"pp": 2}, meshc.Plan(microbatches=4, schedule=s), 8, hw)
-                for s in ("zb-h1", "zbv"))
-    assert v.time["pp"] < one_f.time["pp"] and v.time["bubble"] < one_f.time["bubble"]
+    h1, v = (formula_estimate(shape, {"pp": 2}, meshc.Plan(microbatches=4, schedule=s), 8, hw) for s in ("zb-h1", "zbv"))
+    assert v.time["bubble"] < h1.time["bubble"]
+    # the V sends twice the messages; GPT-2 ties its head, so the tied-gradient all-reduce over pp is gone
+    summed = hw.intra.time("all_reduce", 2, shape.vocab * shape.hidden * 4)
+    assert v.time["pp"] == pytest.approx(2 * (h1.time["pp"] - summed))
+    h1_values = cost.formula_values(shape, (1, 1, 2, 1, 1), cost.plan_choice(meshc.Plan(microbatches=4,
+                                                                                        schedule="zb-h1")), 8, hw, cost.FP32)
+    v_values = cost.formula_values(shape, (1, 1, 2, 1, 1), cost.plan_choice(meshc.Plan(microbatches=4, schedule="zbv")),
+                                   8, hw, cost.FP32)
+    out = {key: (a, b) for key, a, b in zip(cost.OUT_KEYS, cost.compiled_formulas(hw, shape.flags())(*h1_values),
+                                            cost.compiled_formulas(hw, shape.flags())(*v_values))}
+    assert out["params_first"][1] > out["params_first"][0]  # the final norm joins rank 0
+    assert out["params_last"][1] < out["params_last"][0]  # the last rank holds blocks only (no norm, no head copy)
+    head = shape.vocab * shape.hidden * 4  # fp32 bytes of the tied head's copy on the last rank under ZB-H1
+    assert out["params_last"][0] - out["params_last"][1] >= head
+    logits = (out["activations_last"][0] - out["activations_first"][0]) / 2  # ZB-H1's last rank: I_l = 2 micro-batches'
+    assert logits > 0 and out["activations_first"][1] - out["activations_last"][1] == pytest.approx(logits, rel=0.05)

@@ -67,3 +67,26 @@ def test_pipeline_matches_single_process(case):
                         timeout=240)
     for rank, out in enumerate(results):
         parity.assert_matches(rank, out, ref, STEPS)
+
+
+def _untagged_rank(*args) -> dict:
+    """A parity rank whose point-to-point messages carry no tags (tag 0), as NCCL pairs them: in order per group."""
+    import torch.distributed as dist
+
+    isend, irecv = dist.isend, dist.irecv
+    dist.isend = lambda tensor, dst=None, group=None, tag=0, **kw: isend(tensor, dst, group=group, tag=0, **kw)
+    dist.irecv = lambda tensor, src=None, group=None, tag=0, **kw: irecv(tensor, src, group=group, tag=0, **kw)
+    return parity.meshc_rank(*args)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_need_no_tags(schedule):
+    """Under a V, a pair of ranks exchanges activations and gradients interleaved differently on its two ends;
+    NCCL ignores tags and pairs messages in order, so each kind travels on a group of its own (Mesh.pipeline_group).
+    With every tag 0 on gloo (pairing in order, as NCCL does) the V schedules still match one process; on one group
+    the swapped activation and gradient (same shape here) would train silently wrong."""
+    ref = parity.reference("reference", STEPS, BATCH)
+    results = run_ranks(_untagged_rank, 2, "reference", STEPS, BATCH, {"pp": 2},
+                        {"trace": "non-strict", "schedule": schedule, "microbatches": 4}, timeout=240)
+    for rank, out in enumerate(results):
+        parity.assert_matches(rank, out, ref, STEPS)

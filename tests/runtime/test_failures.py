@@ -178,19 +178,25 @@ def test_preflight_names_the_first_collective_that_differs():
 
 
 def test_preflight_pairs_every_pipeline_send_with_its_receive():
+    """In order per kind: NCCL pairs a rank pair's messages in order (activations and gradients on groups of their
+    own), so a rank awaiting another order of activations is refused; activations and gradients interleaved
+    differently on the two ends (a V schedule) are not."""
     base = {"world": 2, "mesh": {"pp": 2}, "plan": {}, "params": [], "collectives": []}
     first, second = "F micro-batch 0 from stage 0", "F micro-batch 1 from stage 0"
     sender = dict(base, messages=[("send", 1, first), ("send", 1, second)])
-    receiver = dict(base, messages=[("recv", 0, second), ("recv", 0, "B micro-batch 0 from stage 1")])
+    receiver = dict(base, messages=[("recv", 0, second), ("recv", 0, first)])  # one rank expects another order
     message = first_mismatch([sender, receiver])
-    assert "pipeline messages from rank 0 to rank 1: expected every send awaited once" in message
-    assert (f"got {first} sent by rank 0 with no receive, and B micro-batch 0 from stage 1 awaited by rank 1 with no "
-            "send") in message
+    assert "pipeline activation message #0 from rank 0 to rank 1" in message
+    assert f"got {first} sent by rank 0 and {second} awaited by rank 1" in message
     matched = dict(base, messages=[("recv", 0, what) for _, _, what in sender["messages"]])
     assert first_mismatch([sender, matched]) is None
-    # paired by tag, not order: a V schedule awaits a pair's messages in another order than they were sent
-    reordered = dict(base, messages=[("recv", 0, second), ("recv", 0, first)])
-    assert first_mismatch([sender, reordered]) is None
+    grad = "B micro-batch 0 from stage 3"
+    mixed = dict(base, messages=[("send", 1, first), ("send", 1, grad), ("send", 1, second)])
+    other_mix = dict(base, messages=[("recv", 0, first), ("recv", 0, second), ("recv", 0, grad)])
+    assert first_mismatch([mixed, other_mix]) is None
+    missing = dict(base, messages=[("recv", 0, first), ("recv", 0, second)])
+    assert "pipeline gradient message #0 from rank 0 to rank 1: expected the same on both ends, got " \
+           f"{grad} sent by rank 0 and nothing awaited by rank 1" in first_mismatch([mixed, missing])
 
 
 # ---------------------------------------------------------------------------------------- elastic restart

@@ -224,10 +224,21 @@ def hand_made(*rows: str, pp: int = 2, m: int = 2) -> Schedule:
 
 def test_deadlock_names_the_stuck_ranks():
     # rank 0 waits for 1B0's gradient before sending 0F1; rank 1 waits for 0F1 before running 1B0
-    bad = hand_made("0F0 0B0 0F1 0B1", "1F1 1B1 1F0 1B0")
+    bad = hand_made("0F0 0B0 0F1 0B1", "1F0 1F1 1B0 1B1")
     with pytest.raises(ScheduleError, match=r"deadlock: expected every rank to finish, got ranks \[0, 1\] stuck "
                                             r"\(rank 0 waits on 0RECV_B0 from rank 1, rank 1 waits on 1RECV_F1"):
         check(bad)
+
+
+def test_messages_of_a_kind_are_awaited_in_the_order_they_are_sent():
+    """NCCL pairs a rank pair's messages in order, whatever their tags: rank 1 awaiting micro-batch 1's activations
+    before micro-batch 0's is refused (gloo would pair them by tag, a GPU run would swap them)."""
+    with pytest.raises(ScheduleError, match=r"fifo: expected rank 1 to await F messages from rank 0 in the order they "
+                                            r"are sent, got 0SEND_F0 sent when 1RECV_F1 is awaited"):
+        check(hand_made("0F0 0B0 0F1 0B1", "1F1 1B1 1F0 1B0"))
+    for name in ("zbv", "dualpipev"):  # activations and gradients interleave apart, each kind in order
+        for p in range(2, 7):
+            check(schedule(name, p, 2 * p + 3))
 
 
 def test_unmatched_send_and_receive():
