@@ -96,6 +96,19 @@ def block_coverage(local_shapes: dict, model: torch.nn.Module, n: int) -> float:
     return sharded / total
 
 
+def max_relative(a: dict, b: dict) -> tuple[float, str]:
+    """The largest per-tensor relative difference ||a - b|| / ||b|| (L2 over the tensor), and where; the two must
+    hold the same keys. For low-precision runs, where single elements may differ in sign but tensors do not."""
+    assert a.keys() == b.keys(), f"keys on one side only: {sorted(a.keys() ^ b.keys())}"
+    worst, where = 0.0, ""
+    for k in a.keys():
+        x, y = a[k].float(), b[k].float()
+        d = ((x - y).norm() / y.norm().clamp_min(1e-12)).item()
+        if d > worst:
+            worst, where = d, k
+    return worst, where
+
+
 def max_diff(a: dict, b: dict) -> tuple[float, str]:
     """The largest absolute difference, and where; the two must hold the same keys (a tensor missing on one
     side is a failure, not a pass)."""
@@ -116,13 +129,15 @@ def mixed_reference(model: str, steps: int, batch: int, dtype=torch.bfloat16) ->
     for p in m.parameters():
         p.data = p.data.to(dtype)
     opt = torch.optim.AdamW(masters.values(), lr=LR)
-    losses = []
-    for x, y in zoo.batches(steps, batch):
+    losses, grads0 = [], {}
+    for i, (x, y) in enumerate(zoo.batches(steps, batch)):
         loss = zoo.lm_loss(m(x), y)
         loss.backward()
         for n, p in m.named_parameters():
             masters[n].grad = p.grad.float()
             p.grad = None
+        if i == 0:
+            grads0 = {n: t.grad.clone() for n, t in masters.items()}
         opt.step()
         opt.zero_grad()
         with torch.no_grad():
@@ -132,4 +147,4 @@ def mixed_reference(model: str, steps: int, batch: int, dtype=torch.bfloat16) ->
     by_id = {id(p): n for n, p in m.named_parameters()}  # state_dict keys (tied aliases too), as job.state_dict
     params = {k: (masters[by_id[id(v)]] if id(v) in by_id else v).detach()
               for k, v in m.state_dict(keep_vars=True).items()}
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "grads0": grads0, "params": params}
