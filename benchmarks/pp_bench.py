@@ -26,8 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (arg_parser, launch, lm_loss, median_step, reference_transformer, report, run_worker,  # noqa: E402
                     table, token_batch)
 
+from meshc.compiler.ir.schedule import V_SHAPED  # noqa: E402  (two stages per rank)
+
 LAYERS, DIM, HEADS, VOCAB, SEQ, BATCH = 4, 256, 8, 1024, 128, 16
-V_SHAPED = ("zbv", "dualpipev")  # two stages per rank
 
 
 def _model():
@@ -100,12 +101,10 @@ def worker(config: dict) -> None:
         from torch.distributed.pipelining import PipelineStage
         stages = [PipelineStage(pipe.get_stage_module(i), i, count, torch.device("cpu"), group=mesh.group("pp"))
                   for i in indexes]
-    else:
-        stages = [pipe.build_stage(i, torch.device("cpu"), group=mesh.group("pp")) for i in indexes]
-    if v == 2:
         cls = {"zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[config["schedule"]]
         schedule = cls(stages, m, loss_fn=lm_loss)
     else:
+        stages = [pipe.build_stage(i, torch.device("cpu"), group=mesh.group("pp")) for i in indexes]
         schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[config["schedule"]](stages[0], m, loss_fn=lm_loss)
     opt = torch.optim.AdamW([p for s in stages for p in s.submod.parameters()], lr=1e-3)
     first, last = 0 in indexes, count - 1 in indexes

@@ -16,8 +16,8 @@ under cp, where c ranks share each sequence: s·b is still the rank's tokens). P
 pb (compute copy), gb (gradient), ko (optimizer: master copy and Adam's two moments); cb bytes per
 activation element. I_f, I_l: micro-batches of activations the first and last pp ranks hold at peak;
 β: the bubble, idle over busy time (closed forms below, checked against the schedule simulator).
-Mesh facts, also 0/1: o (one pp stage holds the whole model), w (zbv's V placement: the first pp rank holds
-the last stage too), u_t u_n u_p (the tp, dp, pp axis has more
+Mesh facts, also 0/1: o (one pp stage holds the whole model), w (the V placement of zbv and dualpipev: the first
+pp rank holds the last stage too), u_t u_n u_p (the tp, dp, pp axis has more
 than one rank), q (the pipeline executor runs: pp > 1 or m > 1), x_t x_n x_p (the tp, dp, pp groups span
 nodes); c_kv: how many ways the k/v projections are split (t, or 1 where there are fewer kv heads than t);
 u_c, x_c, r_c, g_c, y_c: context parallelism's (compiler/cost_cp.py).

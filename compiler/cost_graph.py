@@ -480,9 +480,9 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
     local = by_rank[busiest]
     dp = m * sum(times[i].dp for i in local)
     pipelined = twice = 0.0  # overheads and work inside the simulated actions (_makespan): part of busy time
+    ws = _weight_actions(schedule, busiest) if schedule is not None else Counter()  # m per stage under zero-bubble
     if schedule is not None:
         pipelined = len(schedule.actions[busiest]) * hw.action_overhead
-        ws = _weight_actions(schedule, busiest)  # Ws per stage: m under zero-bubble, fewer under dualpipev
         pipelined += sum(ws[stages[i][0]] * times[i].split for i in local)
         twice = sum(ws[stages[i][0]] * (times[i].unsplit + times[i].regather_copies) for i in local)
         dp += sum(ws[stages[i][0]] * times[i].regather for i in local)
@@ -498,10 +498,8 @@ def compiled_estimate(program, hw: Hardware, pipeline=None, pp_rank: int | None 
         for key in ("compute", "recompute", "tp", "ep", "cp"):
             time[key] *= scale
         time["overhead"] = hw.step_overhead + pipelined * scale
-    flops = m * sum(3 * costs[i].flops + costs[i].recompute_flops for i in local)
-    if schedule is not None:
-        ws = _weight_actions(schedule, busiest)
-        flops += sum(ws[stages[i][0]] * 2 * costs[i].unsplit_flops for i in local)
+    flops = m * sum(3 * costs[i].flops + costs[i].recompute_flops + ws[stages[i][0]] * 2 * costs[i].unsplit_flops
+                    for i in local)
     by_axis: dict[str, float] = {}
     for (kind, axis), nbytes in comm_bytes(program, pipeline).items():
         by_axis[axis] = by_axis.get(axis, 0.0) + nbytes
@@ -621,21 +619,18 @@ def comm_bytes(program, pipeline=None) -> dict[tuple[str, str], float]:
         key = (record.kind, record.axis)
         out[key] = out.get(key, 0.0) + record.bytes * record.count * times
     if pipeline is None:
-        graphs, m = [program.gm], 1
+        stages, m, ws = [(0, program.gm, None)], 1, Counter()
     else:
-        graphs, m = [s.gm for s in pipeline.local.values()], pipeline.schedule.microbatches
-    ws = _weight_actions(pipeline.schedule, pipeline.coord) if pipeline is not None else Counter()
-    indices = [0] if pipeline is None else list(pipeline.local)
-    for index, gm in zip(indices, graphs):
+        stages = [(index, s.gm, s) for index, s in pipeline.local.items()]
+        m, ws = pipeline.schedule.microbatches, _weight_actions(pipeline.schedule, pipeline.coord)
+    for index, gm, stage in stages:
         cost = graph_cost(gm)
         for record, *_ in cost.comms:
             add(record, m)
             if ws[index] and cost.receives_grad and _regathered(record):
                 add(record, ws[index])  # gathered once more in each zero-bubble W (StageTimes.regather)
-        if pipeline is not None:
-            for s in pipeline.local.values():
-                if s.gm is gm:
-                    out[("send", "pp")] = out.get(("send", "pp"), 0.0) + sum(pipeline.messages(s)) * m
+        if stage is not None:
+            out[("send", "pp")] = out.get(("send", "pp"), 0.0) + sum(pipeline.messages(stage)) * m
     for record in program.step_records(None if pipeline is None else pipeline.params) + \
             _extra_records(program, pipeline):
         add(record)
