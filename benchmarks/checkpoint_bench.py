@@ -50,7 +50,7 @@ def _meshc_worker(cfg: dict) -> dict:
     import torch
 
     import meshc
-    from meshc.runtime.checkpoint import full_optimizer_state
+    from meshc.runtime.checkpoint.save_load import full_optimizer_state
 
     folder = cfg["folder"]
     x, y = _data()

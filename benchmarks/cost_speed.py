@@ -37,8 +37,8 @@ def _find(candidates, runs, **want) -> dict:
 
 
 def main() -> None:
-    from meshc.compiler import hardware
-    from meshc.compiler.planner_compiled import plan_compiled
+    from meshc.compiler.cost import hardware
+    from meshc.compiler.cost.planner_compiled import plan_compiled
     from tests.compiler import cost_runs
 
     x, _ = cost_runs.batch()

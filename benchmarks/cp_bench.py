@@ -30,7 +30,7 @@ context_parallel(DeviceMesh("cpu", (cp,)), buffers=[tokens, targets, position_id
 balancer is the same zigzag layout), parameters replicated, gradients averaged by hand with all_reduce. Its
 rotate method (allgather by default, alltoall) is set only through set_rotate_method, which lives in the private
 module torch.distributed.tensor.experimental._attention: the project imports no private torch module outside
-compiler/_torch_compat.py, so the alltoall row says so instead of running. Where a peer fails (torch CP has no
+compiler/ir/torch_compat.py, so the alltoall row says so instead of running. Where a peer fails (torch CP has no
 CPU attention kernel with a sharding rule), the row holds the failing rank's own first error line.
 """
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _held_after_forward(forward, rows: int) -> tuple[int, int]:
     from torch.distributed.tensor import DTensor
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from meshc.compiler import _torch_compat as compat
+    from meshc.compiler.ir import torch_compat as compat
 
     refs: dict[int, tuple] = {}
 

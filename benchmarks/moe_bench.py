@@ -105,7 +105,7 @@ def _meshc(cfg: dict, base: float) -> dict:
     import torch
 
     import meshc
-    from meshc.runtime.census import CommCensus
+    from meshc.runtime.monitor.census import CommCensus
 
     mesh = meshc.mesh(dp=RANKS, ep=cfg["ep"])
     x, y = _batch(mesh.rank)

@@ -129,7 +129,7 @@ def _plan_steps(config: dict) -> list[dict]:
     import torch.distributed as dist
 
     import meshc
-    from meshc.compiler import _torch_compat as compat
+    from meshc.compiler.ir import torch_compat as compat
 
     mesh = meshc.mesh(tp=config["tp"], timeout_s=300)
     x, y = token_batch(B, T, VOCAB)

@@ -25,7 +25,7 @@ DIM, HEADS, VOCAB, SEQ, BATCH = 256, 8, 1024, 128, 4
 def _live_after_forward(job, x) -> int:
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from meshc.compiler import _torch_compat as compat
+    from meshc.compiler.ir import torch_compat as compat
 
     refs: dict[int, tuple] = {}
     held = [*dict(job.named_parameters()).values(), *job.compute_copies().values(), *dict(job.named_buffers()).values()]

@@ -6,7 +6,7 @@ fake tensors and torch's fake process group) against layer count and rank count.
 Each point runs in a fresh process (its peak RSS is its own): the model built from its config, traced by
 torch.export (non-strict), every pass, the pipeline stages, the report and both estimates. Goal: linear in
 layers, flat in ranks. A last table times pipeline_split's per-node FlopCounterMode against the cost
-model's shape-only FLOP count (compiler/cost_graph.node_flops) on the same graph.
+model's shape-only FLOP count (compiler/cost/compiled.node_flops) on the same graph.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _flop_counting(program) -> dict:
     """Seconds to count the forward FLOPs of every activation: FlopCounterMode per node vs shapes only."""
     import time
 
-    from meshc.compiler.cost_graph import node_flops
+    from meshc.compiler.cost.compiled import node_flops
     from meshc.passes import pipeline_split
 
     order = [n for n in program.gm.graph.nodes if n in pipeline_split.activations(program)]

@@ -9,7 +9,7 @@ Three kinds of run, each in a fresh process:
   demo    `meshc demo --nproc 4 --mesh dp=2,tp=2`, which once ended with a rank killed by SIGABRT at exit
           ("terminate called without an active exception");
   exit    4 ranks under torchrun train 3 ZeRO-3 steps, gather the job's state dict and end without
-          mesh.close(), as a user's script does: the shape that lost a rank at exit (runtime/failures.py, Exit).
+          mesh.close(), as a user's script does: the shape that lost a rank at exit (runtime/monitor/failures.py, Exit).
 Each run's exit status is recorded; a run whose output holds "malloc", "terminate called", "Aborted",
 "Segmentation" or "SIGABRT" counts as a crash even if it exited 0. Prints one line per run and a summary
 table; the failing runs' output tails are kept in --log-dir. Not part of `make test` (minutes per run).

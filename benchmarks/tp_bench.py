@@ -36,7 +36,7 @@ def worker(config: dict) -> None:
     import torch.distributed as dist
 
     import meshc
-    from meshc.runtime.census import CommCensus
+    from meshc.runtime.monitor.census import CommCensus
 
     torch.set_num_threads(1)
     x, y = _data()

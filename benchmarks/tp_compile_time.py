@@ -23,7 +23,7 @@ def compile_once(layers: int, tp: int, trace: str) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import meshc
-    from meshc.compiler import _torch_compat as compat
+    from meshc.compiler.ir import torch_compat as compat
     from meshc.runtime.mesh import simulated_mesh
 
     mesh = simulated_mesh(tp=tp)

@@ -64,7 +64,7 @@ def measure(family: str, tp: int = 2) -> tuple[float, list[tuple[str, str]]]:
     import torch
     import transformers
 
-    from meshc.compiler import _torch_compat as compat
+    from meshc.compiler.ir import torch_compat as compat
     from meshc.compiler.compile import compile_rank
     from meshc.compiler.ir.coverage import coverage
     from meshc.compiler.ir.mesh_spec import MeshSpec

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 
 
 def main() -> None:

@@ -110,7 +110,7 @@ def worker(config: dict) -> None:
     import torch.distributed as dist
 
     import meshc
-    from meshc.runtime.census import CommCensus
+    from meshc.runtime.monitor.census import CommCensus
 
     torch.set_num_threads(1)
     mesh = meshc.mesh(timeout_s=300)

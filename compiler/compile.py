@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from . import check_trace
-from ._torch_compat import tree_map
-from .driver import reporting, run_passes
-from .ir.errors import MeshcValueError
-from .ir.program import Program
-from .pipeline_plan import PipelinePlan
-from .trace import trace
+from meshc.compiler.trace import check as check_trace
+from meshc.compiler.ir.torch_compat import tree_map
+from meshc.compiler.driver import reporting, run_passes
+from meshc.compiler.ir.errors import MeshcValueError
+from meshc.compiler.ir.program import Program
+from meshc.compiler.pipeline.rank_plan import PipelinePlan
+from meshc.compiler.trace.export import trace
 
 
 @dataclass
@@ -37,7 +37,7 @@ def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, 
 
     `fixed` gives placements decided by an earlier program of the same job, so that every program of a
     job shards each parameter the same way. Plan.check_trace compares the trace with the eager model first.
-    `hardware` (a compiler/hardware.Hardware; None: this device's) is the profile the cost model's decisions are
+    `hardware` (a compiler/cost/hardware.Hardware; None: this device's) is the profile the cost model's decisions are
     made for (the stages stay balanced for this device's rates, as a Job's are).
     """
     if mesh.spec.size("cp") > 1:  # traced at the global sequence length; the context pass makes it local again
@@ -50,7 +50,7 @@ def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, 
     if hardware is not None:
         traced = traced.replace(hardware=hardware)
     if traced.mesh.size("pp") > 1:  # the stages are balanced in time on this device (pipeline_split)
-        from .hardware import detect
+        from meshc.compiler.cost.hardware import detect
 
         traced = traced.replace(stage_rates=detect().stage_rates(traced.mesh.sizes))
     return traced, run_passes(traced), tensors

@@ -27,9 +27,9 @@ from typing import Callable, Iterator
 import torch
 import torch.fx as fx
 
-from .ir.errors import MeshcError, MeshcInternalError, MeshcValueError
-from .ir.fx_ops import op_label
-from .ir.program import Program
+from meshc.compiler.ir.errors import MeshcError, MeshcInternalError, MeshcValueError
+from meshc.compiler.ir.fx_ops import op_label
+from meshc.compiler.ir.program import Program
 
 log = logging.getLogger("meshc.driver")
 
@@ -37,7 +37,7 @@ PassFn = Callable[[Program], Program]
 
 # Every pass meshc knows, in the order build_passes runs them. DESIGN.md §3 also places context (cp) between
 # experts and tensor_parallel; it is not built, so it is not here.
-PASS_NAMES = ("shapes", "masks", "plan", "experts", "context", "tensor_parallel", "pipeline_split", "zero", "grad_sync", "fuse_comm",
+PASS_NAMES = ("shapes", "masks", "tp_placement", "experts", "context", "tensor_parallel", "pipeline_split", "zero", "grad_sync", "fuse_comm",
               "remat")
 
 
@@ -65,7 +65,7 @@ def build_passes(program: Program) -> list[tuple[str, PassFn]]:
     from meshc.passes.grad_sync import grad_sync_pass
     from meshc.passes.masks import masks_pass
     from meshc.passes.pipeline_split import pipeline_split_pass
-    from meshc.passes.plan import plan_pass
+    from meshc.passes.tp_placement import tp_placement_pass
     from meshc.passes.remat import remat_pass
     from meshc.passes.shapes import shapes_pass
     from meshc.passes.tensor_parallel import tensor_parallel_pass
@@ -76,7 +76,7 @@ def build_passes(program: Program) -> list[tuple[str, PassFn]]:
     if unknown:
         raise MeshcValueError(f"Plan.disable: unknown pass {unknown[0]!r}: expected names among "
                               f"{', '.join(PASS_NAMES)}")
-    wanted = [("shapes", shapes_pass), ("masks", masks_pass), ("plan", plan_pass), ("experts", experts_pass),
+    wanted = [("shapes", shapes_pass), ("masks", masks_pass), ("tp_placement", tp_placement_pass), ("experts", experts_pass),
               ("context", context_pass),
               ("tensor_parallel", tensor_parallel_pass),
               ("pipeline_split", pipeline_split_pass), ("zero", zero_pass), ("grad_sync", grad_sync_pass),
@@ -86,8 +86,8 @@ def build_passes(program: Program) -> list[tuple[str, PassFn]]:
 
 def run_passes(program: Program, passes: list[tuple[str, PassFn]] | None = None) -> Program:
     """Run `passes` (default: `build_passes(program)`) and return the final program with its pass log."""
-    from .show import format_graph
-    from .verify import verify
+    from meshc.compiler.report.show import format_graph
+    from meshc.compiler.verify import verify
 
     passes = build_passes(program) if passes is None else passes
     if not program.decisions:
@@ -121,12 +121,12 @@ def run_passes(program: Program, passes: list[tuple[str, PassFn]] | None = None)
 
 
 def with_decisions(program: Program) -> Program:
-    """The program with the choices its Plan leaves to the cost model made (compiler/cost_fusion.py,
-    compiler/cost_buckets.py) for its hardware profile (Program.hardware; None: the profile of the mesh's
+    """The program with the choices its Plan leaves to the cost model made (compiler/cost/fusion.py,
+    compiler/cost/buckets.py) for its hardware profile (Program.hardware; None: the profile of the mesh's
     device, hardware.for_device)."""
-    from .cost_buckets import decide_buckets
-    from .cost_fusion import decide
-    from .hardware import for_device
+    from meshc.compiler.cost.buckets import decide_buckets
+    from meshc.compiler.cost.fusion import decide
+    from meshc.compiler.cost.hardware import for_device
 
     hw = program.hardware or for_device(program.mesh.device_type)
     return program.replace(hardware=hw, decisions={**decide(program, hw), "bucket_mb": decide_buckets(program, hw)})
@@ -134,7 +134,7 @@ def with_decisions(program: Program) -> Program:
 
 # What a user can do about a failing pass while the bug is fixed, where there is something.
 _HINTS = {
-    "plan": "keep the module replicated on tp (Plan(tp={'<module glob>': 'replicate'}))",
+    "tp_placement": "keep the module replicated on tp (Plan(tp={'<module glob>': 'replicate'}))",
     "tensor_parallel": "keep the module replicated on tp (Plan(tp={'<module glob>': 'replicate'}))",
     "fuse_comm": "switch the pass off (Plan(disable=('fuse_comm',)))",
     "remat": "switch activation checkpointing off (Plan(remat='none'))",

@@ -12,9 +12,9 @@
 """
 from __future__ import annotations
 
-from .ir.errors import MeshcInternalError
-from .ir.placement import Shard, local_length
-from .ir.program import META_KEYS, Program
+from meshc.compiler.ir.errors import MeshcInternalError
+from meshc.compiler.ir.placement import Shard, local_length
+from meshc.compiler.ir.program import META_KEYS, Program
 
 
 def verify(program: Program, after_pass: str | None = None) -> None:

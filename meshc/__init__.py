@@ -9,19 +9,17 @@
 The facade's names are imported on first use (PEP 562), so `import meshc` (and `meshc plan`, which needs
 only the cost model) does not pay for the runtime, Dynamo and torch.distributed.pipelining.
 """
-import sys
-import types
 from typing import TYPE_CHECKING
 
 from meshc.compiler.ir.errors import MeshcError, MeshcInternalError, MeshcWarning, TraceError
 
 if TYPE_CHECKING:
     from meshc.api import compile
-    from meshc.backend import backend, last_compiled
+    from meshc.dynamo_backend import backend, last_compiled
     from meshc.compiler.ir.plan import Plan
-    from meshc.compiler.show import show
+    from meshc.compiler.report.show import show
     from meshc.job import Job
-    from meshc.runtime.init_weights import init_weights
+    from meshc.runtime.checkpoint.init_weights import init_weights
     from meshc.runtime.mesh import Mesh, mesh
     from torch.distributed.pipelining import pipe_split  # a cut marker for model code: meshc.pipe_split()
 
@@ -34,13 +32,13 @@ def _load(name: str):  # noqa: C901 - one branch per lazy name
     if name == "compile":
         from meshc.api import compile as value
     elif name == "backend":
-        from meshc.backend import backend as value
+        from meshc.dynamo_backend import backend as value
     elif name == "last_compiled":
-        from meshc.backend import last_compiled as value
+        from meshc.dynamo_backend import last_compiled as value
     elif name == "Plan":
         from meshc.compiler.ir.plan import Plan as value
     elif name == "show":
-        from meshc.compiler.show import show as value
+        from meshc.compiler.report.show import show as value
     elif name == "Job":
         from meshc.job import Job as value
     elif name == "Mesh":
@@ -48,7 +46,7 @@ def _load(name: str):  # noqa: C901 - one branch per lazy name
     elif name == "mesh":
         from meshc.runtime.mesh import mesh as value
     elif name == "init_weights":
-        from meshc.runtime.init_weights import init_weights as value
+        from meshc.runtime.checkpoint.init_weights import init_weights as value
     elif name == "pipe_split":
         from torch.distributed.pipelining import pipe_split as value
     else:
@@ -65,15 +63,3 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
-
-class _Facade(types.ModuleType):
-    """Keeps `meshc.backend` the function: importing the submodule meshc.backend (the torch.compile entry
-    point `meshc.backend:default_backend` does) would otherwise bind the module over it."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name == "backend" and isinstance(value, types.ModuleType):
-            value = value.backend
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Facade

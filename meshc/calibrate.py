@@ -4,7 +4,7 @@ A short measurement on N local processes (torchrun, gloo on loopback, one thread
 CPU jobs run): FLOP/s of linear layers forward and backward, memory bandwidth of elementwise ops, the overhead of one graph op (forward
 and backward, through torch.ops as the compiled graphs call them), AdamW's update (timed as a step sees it:
 from a barrier on every rank to the slowest rank's end), each fused kernel's time against the chain
-it replaces (forward and backward: the fusion decision's input, compiler/cost_fusion.py), and each collective's latency and
+it replaces (forward and backward: the fusion decision's input, compiler/cost/fusion.py), and each collective's latency and
 bandwidth (all-reduce, all-gather, reduce-scatter through the functional collectives the graphs use;
 send as a ping-pong of isend/irecv), fitted to hardware.Link's α-β model. Every process measures at once,
 so shared memory bandwidth and cores are accounted as a job sees them. The disk that Plan.offload="nvme"
@@ -29,9 +29,9 @@ import types
 import torch
 import torch.distributed as dist
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcRuntimeError
-from meshc.compiler.hardware import Hardware, Link, fit_alpha_beta, latency_steps, wire_bytes
+from meshc.compiler.cost.hardware import Hardware, Link, fit_alpha_beta, latency_steps, wire_bytes
 
 # payload bytes; up to 8 MiB either way: a step's gradient buckets are MiBs, and a fit from 2 MiB down (2 ranks,
 # 2026-12-03) priced 6 MiB collectives at 0.7-1.5x their time where one with 8 MiB was within 1.2x
@@ -90,9 +90,9 @@ def measure_optimizer(quick: bool = True) -> dict[str, float]:
 
 
 def split_overhead(reps: int, layers: int = 8, width: int = 256) -> float:
-    """Seconds zero-bubble's split (runtime/backward_split.py) adds per op with a weight over a plain backward:
+    """Seconds zero-bubble's split (runtime/pipeline/backward_split.py) adds per op with a weight over a plain backward:
     (I + W - B) over W's intermediates, on a stack of linear layers fed a received activation."""
-    from meshc.runtime.backward_split import backward_input, backward_weight
+    from meshc.runtime.pipeline.backward_split import backward_input, backward_weight
 
     stack = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
     x = torch.randn(256, width, requires_grad=True)
@@ -323,7 +323,7 @@ def _action_overhead(hw: Hardware, world: int, quick: bool) -> float:
     add to the prediction per second of overhead (the simulated critical path's extra actions)."""
     import dataclasses
 
-    from meshc.compiler.cost_graph import estimate_compiled
+    from meshc.compiler.cost.compiled import estimate_compiled
 
     runs = {m: _measured_job({"pp": world}, m, quick, width=256, layers=2 * world, rows=128) for m in (1, 8)}
 
@@ -375,7 +375,7 @@ def compute_scale(hw: Hardware, compiled, seconds: float) -> float:
     ScaleProbe's step with it; benchmarks/planner_suite.py the same step timed between the plans it measures."""
     import dataclasses
 
-    from meshc.compiler.cost_graph import estimate_compiled
+    from meshc.compiler.cost.compiled import estimate_compiled
 
     est = estimate_compiled(compiled, dataclasses.replace(hw, compute_scale=1.0))
     compute = est.time["compute"] + est.time["recompute"]
@@ -384,7 +384,7 @@ def compute_scale(hw: Hardware, compiled, seconds: float) -> float:
 
 def _job_excess(hw: Hardware, sizes: dict, m: int, quick: bool) -> float:
     """Measured minus predicted step time of a tiny job on this world (every rank runs it)."""
-    from meshc.compiler.cost_graph import estimate_compiled
+    from meshc.compiler.cost.compiled import estimate_compiled
 
     job, measured = _measured_job(sizes, m, quick)
     return measured - estimate_compiled(job.compiled, hw).step_time

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from meshc.runtime import checkpoint
+from meshc.runtime.checkpoint import save_load as checkpoint
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -30,7 +30,7 @@ import torch
 import meshc
 from meshc import models
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.show import format_graph
+from meshc.compiler.report.show import format_graph
 from meshc.compiler.ir.mesh_spec import parse_sizes
 
 
@@ -155,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
 def _resume_point(args: argparse.Namespace) -> tuple[str, int]:
     """(folder, step) of the newest complete checkpoint in --ckpt-dir; a ValueError (exit status 2) if there
     is none or it was saved for another model or data."""
-    from meshc.runtime.checkpoint import latest
-    from meshc.runtime.checkpoint_format import MANIFEST, read_json
+    from meshc.runtime.checkpoint.save_load import latest
+    from meshc.runtime.checkpoint.format import MANIFEST, read_json
 
     folder = latest(args.ckpt_dir)
     if folder is None:

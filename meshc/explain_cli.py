@@ -20,15 +20,15 @@ import torch
 
 import meshc
 from meshc import models
-from meshc.compiler import _torch_compat as compat
-from meshc.compiler.cost import Estimate, formula_estimate
+from meshc.compiler.ir import torch_compat as compat
+from meshc.compiler.cost.formulas import Estimate, formula_estimate
 from meshc.compiler.compile import CompiledRank, compile_rank
-from meshc.compiler.cost_graph import estimate_compiled
-from meshc.compiler.explain import explain
-from meshc.compiler.hardware import load as load_hardware
+from meshc.compiler.cost.compiled import estimate_compiled
+from meshc.compiler.report.explain import explain
+from meshc.compiler.cost.hardware import load as load_hardware
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.report_html import write_report
-from meshc.compiler.show import format_graph
+from meshc.compiler.report.html import write_report
+from meshc.compiler.report.show import format_graph
 from meshc.compiler.ir.mesh_spec import MeshSpec, parse_sizes
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -22,22 +22,22 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.compile import CompiledRank, compile_program, compile_rank, passes_for_rank
-from meshc.compiler.explain import Report, explain
-from meshc.compiler.hardware import detect as detect_hardware
+from meshc.compiler.report.explain import Report, explain
+from meshc.compiler.cost.hardware import detect as detect_hardware
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.program import Program
-from meshc.compiler.pipeline_plan import PipelinePlan
-from meshc.compiler.report_html import write_report
+from meshc.compiler.pipeline.rank_plan import PipelinePlan
+from meshc.compiler.report.html import write_report
 
-from meshc.runtime import failures
-from meshc.runtime import trace as tracing
-from meshc.runtime.param_store import ParamStore
-from meshc.runtime.pipelined import Pipelined
+from meshc.runtime.monitor import failures
+from meshc.runtime.monitor import trace as tracing
+from meshc.runtime.zero.param_store import ParamStore
+from meshc.runtime.pipeline.step import Pipelined
 from meshc.runtime.sharding import LocalShard, allocate_local, full_tensor, read_local, take
 from meshc.runtime.ops.experts import RoutingLog, recording
-from meshc.runtime.zero_context import ZeroContext, ZeroStats
+from meshc.runtime.zero.context import ZeroContext, ZeroStats
 
 
 class Job:
@@ -100,7 +100,7 @@ class Job:
     def _release_pages(self):
         """With Plan.offload_params: what drops the pages of parameter shards ZeRO-3's gathers read (offload.py)."""
         if self.plan.offload_params:
-            from meshc.runtime.offload import of as offload_of
+            from meshc.runtime.zero.offload import of as offload_of
 
             for opt in self.live_optimizers():
                 if (off := offload_of(opt)) is not None:
@@ -172,7 +172,7 @@ class Job:
 
     # ------------------------------------------------------------------------------ weights
     def init_weights(self, seed: int = 0) -> None:
-        """Give this rank's shards their initial values with the model's own initialization (runtime/init_weights.py:
+        """Give this rank's shards their initial values with the model's own initialization (runtime/checkpoint/init_weights.py:
         each tensor alone, seeded by (seed, name), then sliced): the assembled weights are bitwise the same under
         every plan and equal meshc.init_weights(model, seed) in one process. Re-initializes every parameter; of
         the buffers, those the model left on the meta device. One full tensor at a time; no collective."""
@@ -183,7 +183,7 @@ class Job:
         self._initialize([], fqns, seed)
 
     def _initialize(self, params: list[str], buffers: list[str], seed: int) -> None:
-        from meshc.runtime.init_weights import Initializer
+        from meshc.runtime.checkpoint.init_weights import Initializer
 
         init = Initializer(self._model, seed)
         try:
@@ -198,10 +198,10 @@ class Job:
     def load_pretrained(self, path, *, strict: bool = True):
         """Read weights into this rank's shards from a Hugging Face folder (model.safetensors, or the sharded
         model.safetensors.index.json), a .safetensors file, a torch state-dict file or a meshc checkpoint;
-        each rank reads only the slices it holds (runtime/pretrained.py). Buffers absent from the files and
+        each rank reads only the slices it holds (runtime/checkpoint/pretrained.py). Buffers absent from the files and
         left on meta are computed as init_weights computes them. `strict`: missing or unexpected keys are
         an error that lists them. Returns what this rank read (LoadStats: tensors, bytes)."""
-        from meshc.runtime.pretrained import load_pretrained
+        from meshc.runtime.checkpoint.pretrained import load_pretrained
 
         return load_pretrained(self, path, strict=strict)
 
@@ -282,7 +282,7 @@ class Job:
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer states this rank really holds (measured)."""
-        return self._store.held_bytes(self.live_optimizers())  # offloaded states apart (runtime/offload.py)
+        return self._store.held_bytes(self.live_optimizers())  # offloaded states apart (runtime/zero/offload.py)
 
     def state_dict(self, sharded: bool = False) -> dict[str, Any]:
         """Full parameters and persistent buffers under the model's own keys (tied aliases included).
@@ -305,13 +305,13 @@ class Job:
     def save(self, path, *, step: int = 0, extra: dict | None = None, optimizers=None) -> str:
         """Write parameters, optimizer states (of the job's live optimizers, or `optimizers`), RNG states and
         `step`/`extra` (JSON) to the folder `path`, each rank its own shards (a collective). See checkpoint.py."""
-        from meshc.runtime.checkpoint import save  # torch.distributed.checkpoint takes ~1 s to import: only when used
+        from meshc.runtime.checkpoint.save_load import save  # torch.distributed.checkpoint takes ~1 s to import: only when used
 
         return save(self, path, step=step, extra=extra, optimizers=optimizers)
 
     def load(self, path, *, optimizers=None) -> tuple[int, dict]:
         """Read a checkpoint saved under any plan (a collective); returns (step, extra) as saved."""
-        from meshc.runtime.checkpoint import load
+        from meshc.runtime.checkpoint.save_load import load
 
         out = load(self, path, optimizers=optimizers)
         self._store.pending.clear()  # a checkpoint holds every parameter and buffer (load is strict)
@@ -391,8 +391,8 @@ class Job:
 
     def _offload_lines(self, live: list) -> tuple[list[str], Any]:
         """explain()'s lines on Plan.offload, and what tells a resident state from an offloaded one."""
-        from meshc.compiler.show import human_bytes
-        from meshc.runtime.offload import of as offload_of
+        from meshc.compiler.report.show import human_bytes
+        from meshc.runtime.zero.offload import of as offload_of
 
         plan = self.plan
         if plan.offload is None:
@@ -413,7 +413,7 @@ class Job:
         return lines, (lambda t: not any(o.is_offloaded(t) for o in offs))
 
     def report(self, path, *, hardware=None, trace=None, graph_ranks: int = 16) -> str:
-        """Write the plan as one self-contained HTML page (compiler/report_html.py: mesh, sharding map, graphs,
+        """Write the plan as one self-contained HTML page (compiler/report/html.py: mesh, sharding map, graphs,
         collectives, memory, pipeline schedule) to `path`, predicted on `hardware` (default: this device's
         profile); after a call or step, the bytes this rank holds (measured: gradients until zero_grad) are drawn
         beside the prediction; `trace`, a file job.trace wrote, adds its last step's measured timeline. The graph
@@ -423,7 +423,7 @@ class Job:
                                 measured=measured, trace=trace, graph_ranks=graph_ranks))
 
     def trace(self, path):
-        """A context manager that records the steps run inside it on every rank (runtime/trace.py: each step,
+        """A context manager that records the steps run inside it on every rank (runtime/monitor/trace.py: each step,
         pipeline action, send and receive, collective and wait) and, on exit, writes them as one Chrome-trace
         JSON to `path` from rank 0 (open it in ui.perfetto.dev or chrome://tracing). Every rank enters it."""
         return tracing.record(self.mesh, path)
@@ -469,9 +469,9 @@ class Job:
 
 
 def _offloaded_optimizer(cls, params: list, kwargs: dict, job: Job) -> torch.optim.Optimizer:
-    """`cls` over `params` whose element-wise states live where Plan.offload says (runtime/offload.py)."""
-    from meshc.runtime.offload import StateOffload, offloaded_class, probe_states
-    from meshc.runtime.offload import of as offload_of
+    """`cls` over `params` whose element-wise states live where Plan.offload says (runtime/zero/offload.py)."""
+    from meshc.runtime.zero.offload import StateOffload, offloaded_class, probe_states
+    from meshc.runtime.zero.offload import of as offload_of
 
     states = probe_states(cls, kwargs, job.mesh.device)
     opt = offloaded_class(cls)(params, **kwargs)

@@ -190,7 +190,7 @@ def seq_len(name: str) -> int:
 
 def shape(name: str, seq: int | None = None):
     """The ModelShape (sizes the cost model's formulas need) of a built-in model or config file."""
-    from meshc.compiler.cost import ModelShape
+    from meshc.compiler.cost.formulas import ModelShape
 
     if name in CONFIGS:
         c = CONFIGS[name]

@@ -11,7 +11,7 @@ import gc
 
 import torch
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 
 
 def owners(params: list[torch.Tensor]) -> dict[int, list[tuple[torch.nn.Module, str]]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 
 MAX_ELEMENTS = 1 << 28  # 256 Mi elements: a boolean (1, 1, 16384, 16384) mask
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
 from meshc.compiler.ir.fx_ops import get_arg
 from meshc.compiler.ir.placement import Partial, R, Replicate, Shard
@@ -37,11 +37,11 @@ from meshc.compiler.ir.program import CommRecord, Program
 from meshc.runtime.ops import context as attention
 from meshc.runtime.ops import sequence as seq
 
-from .constant_mask import MAX_ELEMENTS
-from .tensor_parallel import needs_grad, placement_shapes, redistribute_inputs, refresh_vals, where
-from .tp_rules import Decision, RuleCtx
-from .tp_table import infer
-from .written_attention import as_sdpa
+from meshc.passes.constant_mask import MAX_ELEMENTS
+from meshc.passes.tensor_parallel import needs_grad, placement_shapes, redistribute_inputs, refresh_vals, where
+from meshc.passes.tp_rules import Decision, RuleCtx
+from meshc.passes.tp_table import infer
+from meshc.passes.written_attention import as_sdpa
 
 AXIS = "cp"
 aten = torch.ops.aten

@@ -6,7 +6,7 @@ passes inserted and replaces it with one kernel (kernels/). Patterns are data (P
 a chain, how it must look, and how it is rewritten. A chain that is eligible but does not match is left
 as it is, with the reason in Program.fusion (explain() prints "fused k of n eligible" per kernel);
 Plan(require_fusion=True) turns any leftover into an error, Plan(fusion=False) turns the pass off.
-Which kernels run is Program.decisions' (made by the driver from the cost model, compiler/cost_fusion.py,
+Which kernels run is Program.decisions' (made by the driver from the cost model, compiler/cost/fusion.py,
 where Plan.fusion / Plan.collective_matmul are None; the user's value otherwise): a kernel turned off
 counts its eligible chains and says why it is off, and leaves them as they are.
 
@@ -37,7 +37,7 @@ from typing import Any, Callable
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.program import Program
 
-from . import fuse_patterns as fp
+from meshc.passes import fuse_patterns as fp
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def fuse_comm_pass(program: Program) -> Program:
     program.gm.graph.lint()
     program.gm.recompile()
     if any(r.fused for r in program.fusion.values()):
-        from .tensor_parallel import refresh_vals
+        from meshc.passes.tensor_parallel import refresh_vals
 
         refresh_vals(program)
     for kernel, r in program.fusion.items():

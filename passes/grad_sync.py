@@ -37,7 +37,7 @@ from meshc.compiler.ir.placement import data_axis
 from meshc.compiler.ir.program import VALUE_META, CommRecord, Program
 from meshc.runtime.ops.collectives import grad_sync
 
-from .blocks import stages_using
+from meshc.passes.blocks import stages_using
 
 DP = "dp"
 

@@ -8,7 +8,7 @@ and backward) at the device's FLOP/s plus 2 x the bytes it sends (activations fo
 back) at the pp link's bandwidth (Program.stage_rates, set by the compiler from the hardware profile;
 without them, FLOPs alone); crossing bytes only break ties. Where the blocks are too coarse for every
 stage to come within 10% of the mean, Program.warnings says so and why. `Plan(split_points=[module, ...])` cuts before each named
-module instead, and a `meshc.pipe_split()` call in model code cuts where it stands. compiler/stages.py
+module instead, and a `meshc.pipe_split()` call in model code cuts where it stands. compiler/pipeline/stages.py
 is the mechanism that turns the decision into stage GraphModules.
 
 Requires: "meshc.shape" and "val" on values (shapes, tensor_parallel); the loss is the graph's output.
@@ -36,8 +36,8 @@ from meshc.compiler.ir.program import Program
 
 from meshc.runtime.ops.experts import combine
 
-from .blocks import block_of
-from .experts import grouped_mm_flops
+from meshc.passes.blocks import block_of
+from meshc.passes.experts import grouped_mm_flops
 
 AXIS = "pp"
 MARKER = "pippy::_pipe_split"
@@ -137,7 +137,7 @@ def _flops(order: list[fx.Node]) -> list[float]:
 
 
 def _fake_mode(node: fx.Node):
-    from meshc.compiler import _torch_compat as compat
+    from meshc.compiler.ir import torch_compat as compat
 
     for a in node.all_input_nodes:
         val = a.meta.get("val")

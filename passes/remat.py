@@ -28,8 +28,8 @@ from meshc.compiler.ir.program import ROLE, STAGE, VALUE_META, WHY, Program
 from meshc.runtime.ops.remat import Remat
 from meshc.runtime.ops.zero import zero_reduce
 
-from .blocks import block_of
-from .pipeline_split import activations
+from meshc.passes.blocks import block_of
+from meshc.passes.pipeline_split import activations
 
 
 def remat_pass(program: Program) -> Program:

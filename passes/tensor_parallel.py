@@ -1,7 +1,7 @@
 """tensor_parallel: propagate placements on the tp axis op by op and insert the collectives they need.
 
 Purpose: Megatron-style tensor parallelism on any traceable model. Parameters arrive with tp placements
-(from the plan pass); activations get theirs from the op rules (the table in tp_table, of the rules in
+(from the tp_placement pass); activations get theirs from the op rules (the table in tp_table, of the rules in
 tp_rules and tp_views); where a value's placement differs from what its consumer needs, a redistribution
 node is inserted (all-reduce, all-gather, local slice, reduce-scatter); each rule's rewrite then runs
 (size arguments of views made local; the vocab-parallel embedding and loss-parallel cross-entropy); graph
@@ -9,7 +9,7 @@ outputs are made whole. Backward needs no pass: every inserted node is an autogr
 backward is the conjugate collective, and a replicated value feeding sharded compute is routed through
 Megatron's f (identity forward, all-reduce of its partial gradient backward).
 
-Requires: "meshc.shape" on every value (shapes pass); ParamSpec.placements["tp"] decided (plan pass).
+Requires: "meshc.shape" on every value (shapes pass); ParamSpec.placements["tp"] decided (tp_placement pass).
 Ensures: node.meta["meshc.placement"]["tp"] on every value; every value's "val" has its local shape;
     inserted nodes carry "meshc.why" and CommRecords; outputs are replicated. With tp = 1, no change.
 Terms: R replicated, S(d) sharded on dim d (xc: c blocks), P partial sum (each rank holds a summand).
@@ -28,7 +28,7 @@ import math
 import torch
 import torch.fx as fx
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError, MeshcWarning, warn
 from meshc.compiler.ir.fx_ops import get_arg, op_name, set_arg
 from meshc.compiler.ir.placement import Partial, R, Replicate, Shard, has_whole, in_parts, local_length
@@ -36,9 +36,9 @@ from meshc.compiler.ir.program import CommRecord, Program
 from meshc.runtime.ops import collectives as C
 from meshc.runtime.ops.tp_ops import join_blocks
 
-from .shapes import check_divisible
-from .tp_rules import RuleCtx
-from .tp_table import infer
+from meshc.passes.shapes import check_divisible
+from meshc.passes.tp_rules import RuleCtx
+from meshc.passes.tp_table import infer
 
 AXIS = "tp"
 aten = torch.ops.aten

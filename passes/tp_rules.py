@@ -28,7 +28,7 @@ from meshc.compiler.ir.program import OPAQUE
 from meshc.runtime.ops.context import context_attention
 from meshc.runtime.ops.experts import combine, dispatch
 
-from .tp_whole import split_whole_matmul
+from meshc.passes.tp_whole import split_whole_matmul
 
 aten = torch.ops.aten
 
@@ -135,7 +135,7 @@ def pointwise_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
 
 
 def elementwise_function_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
-    """A user Function the trace found elementwise (compiler/elementwise_functions.py: its arguments and
+    """A user Function the trace found elementwise (compiler/trace/elementwise_functions.py: its arguments and
     outputs share one shape, its forward and backward are pointwise): its tensors all take the first shard
     among its arguments (partial ones reduced to it); the generator state it also returns stays whole."""
     tensors = tensor_args(node)

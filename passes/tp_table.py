@@ -7,7 +7,7 @@ Built once, here, from the rules tp_rules (COMPUTE_RULES), tp_views (VIEW_RULES)
 list, each marked with the ops it handles; an op claimed by two rules is an internal error. An op not in the
 table falls back to tp_rules.grouped_mm_rule for grouped matmuls (by name), to tp_rules.pointwise_rule when
 torch tags it pointwise, and to tp_rules.no_rule (every tensor input replicated, with a note) otherwise; a user
-Function's op marked elementwise by the trace goes to tp_rules.elementwise_function_rule. The plan pass (its
+Function's op marked elementwise by the trace goes to tp_rules.elementwise_function_rule. The tp_placement pass (its
 trials) and the tensor_parallel pass read the same table; importing a module registers nothing.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ from meshc.compiler.ir.errors import MeshcInternalError
 from meshc.compiler.ir.fx_ops import GROUPED_MM, op_name
 from meshc.compiler.ir.program import ELEMENTWISE
 
-from .tp_rules import COMPUTE_RULES, Decision, RuleCtx, elementwise_function_rule, grouped_mm_rule, no_rule, pointwise_rule
-from .tp_views import VIEW_RULES
-from .tp_vocab import VOCAB_RULES
+from meshc.passes.tp_rules import COMPUTE_RULES, Decision, RuleCtx, elementwise_function_rule, grouped_mm_rule, no_rule, pointwise_rule
+from meshc.passes.tp_views import VIEW_RULES
+from meshc.passes.tp_vocab import VOCAB_RULES
 
 Rule = Callable[[fx.Node, RuleCtx], Decision]
 
@@ -58,7 +58,7 @@ def rule_for(target: Any) -> Rule:
 
 def infer(node: fx.Node, ctx: RuleCtx) -> Decision:
     """The decision of `node`'s rule under the input placements in `ctx` (a user Function the trace found
-    elementwise, compiler/elementwise_functions.py, is decided by elementwise_function_rule)."""
+    elementwise, compiler/trace/elementwise_functions.py, is decided by elementwise_function_rule)."""
     if node.meta.get(ELEMENTWISE):
         return elementwise_function_rule(node, ctx)
     return rule_for(node.target)(node, ctx)

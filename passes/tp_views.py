@@ -18,7 +18,7 @@ import torch.fx as fx
 from meshc.compiler.ir.placement import (Partial, R, Replicate, Shard, Whole, as_chunks, block_sizes, blocks_placement,
                                          has_whole, local_blocks, local_length)
 
-from .tp_rules import Decision, RuleCtx, handles
+from meshc.passes.tp_rules import Decision, RuleCtx, handles
 
 aten = torch.ops.aten
 

@@ -14,7 +14,7 @@ from meshc.compiler.ir.placement import P, Placement, R, Replicate, Shard
 from meshc.compiler.ir.program import CommRecord
 from meshc.runtime.ops.tp_ops import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
-from .tp_rules import Decision, RuleCtx, _ndim, handles
+from meshc.passes.tp_rules import Decision, RuleCtx, _ndim, handles
 
 aten = torch.ops.aten
 

@@ -37,12 +37,12 @@ import operator
 import torch
 import torch.fx as fx
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.placement import FlatShard, data_axis
 from meshc.compiler.ir.program import VALUE_META, CommRecord, Program
 from meshc.runtime.ops.zero import shard_size, zero_gather, zero_gather_start, zero_reduce
 
-from .blocks import block_of, stages_using
+from meshc.passes.blocks import block_of, stages_using
 
 AXIS = "dp"
 EXPERT_AXIS = "edp"  # expert parameters' ZeRO axis: the ranks holding the same experts

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcRuntimeError
 from meshc.compiler.ir.program import ParamSpec
 

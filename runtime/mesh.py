@@ -17,13 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.mesh_spec import AXES, MeshSpec, label
 
-from .failures import elastic_store
-from .host_malloc import tune as host_malloc_tune
-from .ops.sequence import zigzag_slice
+from meshc.runtime.monitor.failures import elastic_store
+from meshc.runtime.host_malloc import tune as host_malloc_tune
+from meshc.runtime.ops.sequence import zigzag_slice
 
 
 class Mesh:
@@ -109,7 +109,7 @@ class Mesh:
         """End this process's part of the mesh cleanly, on every rank at the end of training: wait for the
         others, stop the heartbeat thread, destroy the process groups (no communication thread outlives the
         interpreter: at exit, C++ threads still running abort the process)."""
-        from .failures import stop_monitors
+        from meshc.runtime.monitor.failures import stop_monitors
 
         if dist.is_initialized() and self.world_size > 1 and self.backend != "fake":
             dist.barrier()

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.placement import FlatShard, Partial, Shard
 from meshc.compiler.ir.program import ParamSpec
 
-from .ops.collectives import gather_shard, slice_shard
-from .ops.zero import flat_shard, shard_size
+from meshc.runtime.ops.collectives import gather_shard, slice_shard
+from meshc.runtime.ops.zero import flat_shard, shard_size
 
 
 @dataclass(frozen=True)

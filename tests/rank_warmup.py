@@ -13,12 +13,12 @@ import pkgutil
 
 import torch
 
-from meshc.compiler.trace import export
+from meshc.compiler.trace.export import export
 
 for _package in ("compiler", "passes", "kernels", "runtime"):
     for _info in pkgutil.walk_packages(importlib.import_module(f"meshc.{_package}").__path__, f"meshc.{_package}."):
         importlib.import_module(_info.name)
-for _name in ("meshc.api", "meshc.job", "meshc.backend", "meshc.models"):
+for _name in ("meshc.api", "meshc.job", "meshc.dynamo_backend", "meshc.models"):
     importlib.import_module(_name)
 
 

@@ -14,7 +14,7 @@ FOLDERS = {"meshc": "meshc", "compiler": "meshc.compiler", "passes": "meshc.pass
            "runtime": "meshc.runtime"}  # as pyproject maps them
 # (layer, module-name prefixes), lowest first; the first matching prefix decides, most specific listed first
 LAYERS = [
-    ("ir", ("meshc.compiler.ir", "meshc.compiler._torch_compat")),
+    ("ir", ("meshc.compiler.ir",)),
     ("kernels", ("meshc.kernels",)),
     ("ops", ("meshc.runtime.ops",)),
     ("passes", ("meshc.passes",)),
@@ -106,6 +106,58 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
+def folder_of(path: Path) -> str:
+    """The folder a module lives in, as the tree shows it: compiler/ir and runtime/ops are folders of their own
+    (the ir and ops layers), every other module belongs to its top-level folder."""
+    parts = path.relative_to(ROOT).parts
+    return "/".join(parts[:2]) if parts[:2] in (("compiler", "ir"), ("runtime", "ops")) else parts[0]
+
+
+def folder_cycles(graph: dict[str, set[str]], folder: dict[str, str]) -> list[str]:
+    """Pairs of folders that import each other, directly or through others: "a <-> b"."""
+    edges = {f: set() for f in folder.values()}
+    for m, targets in graph.items():
+        edges[folder[m]] |= {folder[t] for t in targets} - {folder[m]}
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for t in edges[todo.pop()] - seen:
+                seen.add(t)
+                todo.append(t)
+        return seen
+    reachable = {f: reach(f) for f in edges}
+    return sorted(f"{a} <-> {b}" for a in edges for b in reachable[a] if a < b and a in reachable[b])
+
+
+def test_no_cycles_between_folders():
+    """The folders (meshc, compiler, compiler/ir, passes, kernels, runtime, runtime/ops) import one way too: a
+    module placed in the wrong folder (the compat shim in compiler/ rather than compiler/ir) shows up here."""
+    known = _modules()
+    graph = {m: _imports(m, p, known) for m, p in known.items()}
+    cycles = folder_cycles(graph, {m: folder_of(p) for m, p in known.items()})
+    assert not cycles, "folders that import each other:\n" + "\n".join(cycles)
+
+
+def test_the_folder_check_sees_a_cycle():
+    """The check above can fail: a shim in compiler/ that passes and compiler both import is a cycle."""
+    graph = {"meshc.compiler.shim": set(), "meshc.passes.p": {"meshc.compiler.shim"},
+             "meshc.compiler.driver": {"meshc.passes.p"}, "meshc.compiler.ir.plan": set()}
+    folder = {"meshc.compiler.shim": "compiler", "meshc.passes.p": "passes", "meshc.compiler.driver": "compiler",
+              "meshc.compiler.ir.plan": "compiler/ir"}
+    assert folder_cycles(graph, folder) == ["compiler <-> passes"]
+    folder["meshc.compiler.shim"] = "compiler/ir"
+    assert folder_cycles(graph, folder) == []
+
+
+def test_no_folder_holds_more_than_20_modules():
+    counts = {}
+    for path in _modules().values():
+        counts[path.parent.relative_to(ROOT).as_posix()] = counts.get(path.parent.relative_to(ROOT).as_posix(), 0) \
+            + (path.name != "__init__.py")
+    assert {f: n for f, n in counts.items() if n > 20} == {}
+
+
 def test_the_checker_sees_a_violation(tmp_path, monkeypatch):
     """The test above can fail: an import of the runtime from a pass is reported."""
     fake = tmp_path / "passes"
@@ -160,8 +212,8 @@ def private_torch_uses(path: Path) -> list[str]:
 
 
 def test_private_torch_only_in_the_compat_shim():
-    """`torch._*` modules and private attributes of torch objects are reached through compiler/_torch_compat.py."""
-    bad = [use for module, path in sorted(_modules().items()) if module != "meshc.compiler._torch_compat"
+    """`torch._*` modules and private attributes of torch objects are reached through compiler/ir/torch_compat.py."""
+    bad = [use for module, path in sorted(_modules().items()) if module != "meshc.compiler.ir.torch_compat"
            for use in private_torch_uses(path)]
     assert not bad, "private torch API outside the compat shim:\n" + "\n".join(bad)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .placement import FlatShard, Shard, Whole, block_sizes
+from meshc.compiler.ir.placement import FlatShard, Shard, Whole, block_sizes
 
 _INDEXED = re.compile(r"(^|\.)\d+(\.|$)")
 
@@ -43,7 +43,7 @@ def block_weights(params: dict) -> list:
 
 def coverage(params: dict, sizes: dict[str, int], reasons: dict[str, str] | None = None) -> Coverage:
     """Coverage of `params` (FQN -> ParamSpec) over a mesh of `sizes`; `reasons` maps a module to why the plan
-    replicated it on tp (the plan pass's Program.tp_why)."""
+    replicated it on tp (the tp_placement pass's Program.tp_why)."""
     weights = block_weights(params)
     total = sum(_bytes(s) for s in weights)
     fractions = {}

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .errors import MeshcTypeError, MeshcValueError
+from meshc.compiler.ir.errors import MeshcTypeError, MeshcValueError
 
 AXES = ("pp", "dp", "tp")  # outermost first: the axes whose product is the world
 SUB_AXES = ("ep", "edp", "cp")  # dp split as edp × ep or as batches × cp (innermost); in `sizes` only when > 1

@@ -4,10 +4,10 @@
 """
 from __future__ import annotations
 
-from .errors import MeshcValueError
-from .schedule import (NAMES, ALIASES, VIRTUAL, Schedule, check_sizes, dualpipev, gpipe, interleaved_1f1b,
+from meshc.compiler.ir.errors import MeshcValueError
+from meshc.compiler.ir.schedule import (NAMES, ALIASES, VIRTUAL, Schedule, check_sizes, dualpipev, gpipe, interleaved_1f1b,
                        one_f_one_b, zb_h1, zbv)
-from .schedule_sim import check
+from meshc.compiler.ir.schedule_sim import check
 
 
 def schedule(name: str, pp: int, microbatches: int, virtual: int | None = None) -> Schedule:

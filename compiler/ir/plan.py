@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from .errors import MeshcTypeError, MeshcValueError
-from .schedule import V_SHAPED
+from meshc.compiler.ir.errors import MeshcTypeError, MeshcValueError
+from meshc.compiler.ir.schedule import V_SHAPED
 
 
 CP_ATTENTION = ("ring", "all_gather", "all_to_all")
@@ -44,7 +44,7 @@ class Plan:
         bucket_mb: gradient buckets for the data-parallel all-reduce, in MiB. Parameters are grouped in
             the order the forward first uses them; each bucket is reduced as one flat tensor as soon as
             backward has produced all of its gradients. None (default): the cost model picks the size for
-            the device at hand (compiler/cost_buckets.py; explain() says why).
+            the device at hand (compiler/cost/buckets.py; explain() says why).
         disable: names of passes to switch off (see `meshc.compiler.driver.PASS_NAMES`); for debugging.
         debug_dir: if set, the driver writes each pass's graph before and after into this folder.
         verify: check the compiler's invariants after every pass (tests turn this on).

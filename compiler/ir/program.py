@@ -18,7 +18,7 @@ Node metadata keys meshc writes (always namespaced):
     "meshc.stage"      on activations when pipelined: the pipeline stage that computes it (pipeline_split)
     "meshc.bucket"     on ZeRO gather waits and grad_sync nodes: the FQNs of the parameters in the bucket
     "meshc.elementwise" on a user autograd.Function's op the trace found elementwise (True)
-    "meshc.opaque"     on one it did not: why (compiler/elementwise_functions.py)
+    "meshc.opaque"     on one it did not: why (compiler/trace/elementwise_functions.py)
 The constants below spell them once: ROLE ... OPAQUE, META_KEYS (all of them: compiler/verify.py fails a
 "meshc.*" key outside it) and VALUE_META (what a node that stands for another's value copies from it).
 """
@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from .plan import DEFAULT_BUCKET_MB
-from .placement import FlatShard, Placement, Replicate, Shard, data_axis, local_length
+from meshc.compiler.ir.plan import DEFAULT_BUCKET_MB
+from meshc.compiler.ir.placement import FlatShard, Placement, Replicate, Shard, data_axis, local_length
 
 if TYPE_CHECKING:
-    from .mesh_spec import MeshSpec
-    from .plan import Plan
+    from meshc.compiler.ir.mesh_spec import MeshSpec
+    from meshc.compiler.ir.plan import Plan
 
 ROLE, FQN, PLACEMENT, WHY, COMM = "meshc.role", "meshc.fqn", "meshc.placement", "meshc.why", "meshc.comm"
 SHAPE, STAGE, BUCKET = "meshc.shape", "meshc.stage", "meshc.bucket"
@@ -114,17 +114,17 @@ class Program:
     stage_info: list = field(default_factory=list)  # pipeline_split's description of the stages
     stage_rates: tuple | None = None  # (FLOP/s, pp send bytes/s) pipeline_split balances stages by; None: FLOPs only
     fusion: dict = field(default_factory=dict)  # fuse_comm: kernel -> FusionResult (fused, eligible, left)
-    hardware: Any = None  # compiler/hardware.Hardware the decisions are made for; None: this device's
+    hardware: Any = None  # compiler/cost/hardware.Hardware the decisions are made for; None: this device's
     decisions: dict = field(default_factory=dict)  # plan.Decision per choice left to the cost model (driver)
     notes: list[str] = field(default_factory=list)  # what passes changed, in words
     warnings: list[str] = field(default_factory=list)  # what a user should look at
-    tp_why: dict[str, str] = field(default_factory=dict)  # plan pass: module -> why it stays replicated on tp
+    tp_why: dict[str, str] = field(default_factory=dict)  # tp_placement pass: module -> why it stays replicated on tp
     experts: list = field(default_factory=list)  # experts pass: passes/experts.ExpertRegion per MoE layer found
     pass_log: list[Any] = field(default_factory=list)  # driver.PassRecord per pass run
 
     def bucket_mb(self) -> float:
         """MiB per data-parallel gradient bucket: Plan.bucket_mb, else the cost model's decision (the driver's,
-        compiler/cost_buckets.py), else plan.DEFAULT_BUCKET_MB."""
+        compiler/cost/buckets.py), else plan.DEFAULT_BUCKET_MB."""
         if self.plan.bucket_mb is not None:
             return float(self.plan.bucket_mb)
         decision = self.decisions.get("bucket_mb")
@@ -138,7 +138,7 @@ class Program:
     def step_records(self, fqns: set[str] | None = None) -> list[CommRecord]:
         """step_comms (the ZeRO-1/2 optimizer step's collectives, over every parameter of the model) as a rank
         holding only the parameters `fqns` runs them (None: all): a pp rank's step reduces and gathers its own
-        stages' (runtime/param_store.py keeps no others), so each record keeps their share of its bytes and count."""
+        stages' (runtime/zero/param_store.py keeps no others), so each record keeps their share of its bytes and count."""
         if fqns is None:
             return list(self.step_comms)
         out = []

@@ -44,7 +44,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import MeshcTypeError, MeshcValueError
+from meshc.compiler.ir.errors import MeshcTypeError, MeshcValueError
 
 KINDS = ("F", "B", "I", "W")
 

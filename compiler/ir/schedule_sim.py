@@ -6,7 +6,7 @@ of the per-rank programs of `meshc.compiler.ir.schedule`, with blocking receives
   coverage     every (stage, microbatch) gets exactly one F and either one B or one I and one W;
   matching     every send has exactly one receive on its peer rank, and every receive one send;
   fifo         per pair of ranks and kind (activations, gradients), sends and receives come in the same order
-               (a backend without tags, NCCL, pairs them in order: runtime/pipeline.py sends each kind on a
+               (a backend without tags, NCCL, pairs them in order: runtime/pipeline/executor.py sends each kind on a
                group of its own);
   order        on each rank: F of stage s on micro-batch i comes after F of s-1 on i; B or I of s comes
                after F of s and after B or I of s+1; W comes after its I; a send comes after the action
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from math import gcd
 
-from .errors import MeshcValueError
-from .schedule import Action, Op, P2P, Schedule, ScheduleError
+from meshc.compiler.ir.errors import MeshcValueError
+from meshc.compiler.ir.schedule import Action, Op, P2P, Schedule, ScheduleError
 
 DEFAULT_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 MAX_GRID_STEPS = 10_000

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError
 from meshc.compiler.ir.placement import Whole, has_whole, local_blocks
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 
 METHODS = ("ring", "all_gather", "all_to_all")
 _KV_TAG, _GRAD_TAG = 0, 1  # point-to-point tags: K/V and the travelling dK/dV never match each other

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 
 
 class RoutingLog:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 
 
 def _blocks(x: torch.Tensor, dim: int, chunks: int, parts: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, start, end, ignore_index, reduction, group):
-        from meshc.compiler import _torch_compat as compat
+        from meshc.compiler.ir import torch_compat as compat
 
         ctx.dtype = logits.dtype
         logits = logits.float()  # (N, V/n)

@@ -9,7 +9,7 @@ Graph nodes inserted by passes/zero.py call these functions on plain local tenso
                                                 gradients into the master shards' .grad (ZeRO-2)
 
 A gathered parameter must not live until backward. While a job runs its graph under a ZeroContext
-(runtime/zero_context.py),
+(runtime/zero/context.py),
 autograd's saved-tensor hooks replace every saved gathered parameter (or view of one) by a handle; the
 parameter is freed after its last forward use, and backward gathers its bucket again when it first
 needs it (SimpleFSDP's recompute of the all-gather), keeping it only until its last saved use.
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcRuntimeError
 
-# The ZeRO context of the step being run (runtime/zero_context.ZeroContext), if any: the gather registers
+# The ZeRO context of the step being run (runtime/zero/context.ZeroContext), if any: the gather registers
 # its buckets with it and the ZeRO-2 reduce finds the master shards through it. Set by that context alone.
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("meshc_zero", default=None)
 

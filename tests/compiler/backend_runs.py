@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import meshc
-from meshc.compiler import _torch_compat as compat
-from meshc.runtime.census import CommCensus
+from meshc.compiler.ir import torch_compat as compat
+from meshc.runtime.monitor.census import CommCensus
 from tests import parity, zoo
 
 

@@ -25,7 +25,7 @@ DIM, LAYERS, VOCAB, SEQ, BATCH = 128, 2, 256, 128, 8
 
 def _search():
     import meshc
-    from meshc.compiler.planner import Search
+    from meshc.compiler.cost.planner import Search
 
     # fusion off: the cost model charges a fused meshc kernel the bytes of one fused op, as its Triton
     # version runs on a GPU; on CPU its torch reference runs the ops it replaces and more (measured: a tp=2
@@ -78,9 +78,9 @@ def _rank(candidates: list[tuple[dict, object]]) -> dict:
 
     import meshc
     from meshc import calibrate
-    from meshc.compiler.cost_graph import comm_bytes, estimate_compiled
-    from meshc.compiler.hardware import Hardware
-    from meshc.runtime.census import CommCensus
+    from meshc.compiler.cost.compiled import comm_bytes, estimate_compiled
+    from meshc.compiler.cost.hardware import Hardware
+    from meshc.runtime.monitor.census import CommCensus
     from tests import zoo
 
     torch.set_num_threads(1)

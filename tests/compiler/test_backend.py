@@ -172,7 +172,7 @@ def test_registered_under_its_name():
     from importlib.metadata import entry_points
 
     names = {e.name: e.value for e in entry_points(group="torch_dynamo_backends")}
-    assert names.get("meshc") == "meshc.backend:default_backend"
+    assert names.get("meshc") == "meshc.dynamo_backend:default_backend"
     assert "meshc" in torch.compiler.list_backends(exclude_tags=())
 
 

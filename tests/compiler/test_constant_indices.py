@@ -1,10 +1,10 @@
-"""x[..., [c], :] traced as the slice it is (compiler/constant_indices.py): the same values, a clone where an op
+"""x[..., [c], :] traced as the slice it is (compiler/trace/constant_indices.py): the same values, a clone where an op
 writes into the result (index copies, slice is a view)."""
 from __future__ import annotations
 
 import torch
 
-from meshc.compiler.constant_indices import slices_for_constant_indices
+from meshc.compiler.trace.constant_indices import slices_for_constant_indices
 
 aten = torch.ops.aten
 

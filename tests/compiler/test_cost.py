@@ -12,10 +12,11 @@ import torch
 
 import meshc
 from meshc import models
-from meshc.compiler import cost, hardware
-from meshc.compiler.cost import MIXED, formula_estimate, model_state_bytes
-from meshc.compiler.cost_graph import comm_bytes, estimate_compiled, graph_cost, node_flops
-from meshc.compiler.planner_compiled import plan_compiled
+from meshc.compiler.cost import formulas as cost
+from meshc.compiler.cost import hardware
+from meshc.compiler.cost.formulas import MIXED, formula_estimate, model_state_bytes
+from meshc.compiler.cost.compiled import comm_bytes, estimate_compiled, graph_cost, node_flops
+from meshc.compiler.cost.planner_compiled import plan_compiled
 from tests.compiler import cost_runs
 
 
@@ -291,7 +292,7 @@ def test_zero_bubble_split_overhead_is_priced():
     import dataclasses
 
     from meshc.calibrate import split_overhead
-    from meshc.compiler.cost_graph import stage_times
+    from meshc.compiler.cost.compiled import stage_times
     from meshc.explain_cli import simulate
 
     assert split_overhead(2, layers=2, width=32) >= 0.0  # the measurement runs the real split
@@ -378,7 +379,7 @@ def test_compute_scale_is_the_median_of_its_timings(fake_mesh):
     and prices from their median: one timing taken while the shared machine was slow (10× here) moves nothing,
     where a scale from that timing alone would be several times larger."""
     from meshc import calibrate
-    from meshc.compiler.hardware import load
+    from meshc.compiler.cost.hardware import load
 
     hw = load("cpu-default")
     probe = calibrate.ScaleProbe(fake_mesh(dp=2), quick=True)
@@ -401,8 +402,8 @@ def test_zero_bucket_copies_are_priced():
     moves the step by exactly the calls the step's records make, and ZeRO-0 (no bucket) not at all."""
     import dataclasses
 
-    from meshc.compiler.cost_graph import copy_time
-    from meshc.compiler.explain import explain
+    from meshc.compiler.cost.compiled import copy_time
+    from meshc.compiler.report.explain import explain
     from meshc.compiler.ir.program import CommRecord
     from meshc.explain_cli import simulate
 
@@ -421,7 +422,7 @@ def test_zero_bucket_copies_are_priced():
     # ZeRO-1: reduce-scatter (4 calls per tensor and 2) and all-gather (9 per tensor and 1); ZeRO-2 the gather
     assert calls[0] == calls[3] == 0
     assert calls[1] == pytest.approx(13 * k + 3) and calls[2] == pytest.approx(9 * k + 1)
-    # a pp rank's step reduces and gathers its own stages' parameters only (runtime/param_store.py's keep)
+    # a pp rank's step reduces and gathers its own stages' parameters only (runtime/zero/param_store.py's keep)
     plan = meshc.Plan(trace="non-strict", zero=1, microbatches=2)
     sim = simulate("gpt-tiny", {"dp": 2, "pp": 2}, plan=plan, hardware=base, layers=2)
     program, stages = sim.rank_program.program, sim.rank_program.pipeline.all_stages

@@ -1,4 +1,4 @@
-"""Gradient bucket size left to the cost model (compiler/cost_buckets.py): latency against what backward hides,
+"""Gradient bucket size left to the cost model (compiler/cost/buckets.py): latency against what backward hides,
 decided per hardware profile, the user's Plan.bucket_mb winning, explain() saying why, grad_sync following it."""
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import math
 import pytest
 
 import meshc
-from meshc.compiler import hardware
-from meshc.compiler.cost_buckets import choose_bucket_mb, exposed
+from meshc.compiler.cost import hardware
+from meshc.compiler.cost.buckets import choose_bucket_mb, exposed
 from meshc.compiler.driver import run_passes
-from meshc.compiler.explain import explain
-from meshc.compiler.hardware import Link
-from meshc.compiler.trace import trace
+from meshc.compiler.report.explain import explain
+from meshc.compiler.cost.hardware import Link
+from meshc.compiler.trace.export import trace
 from tests import zoo
 
 MiB = 2**20

@@ -10,10 +10,12 @@ import sympy
 import torch
 
 import meshc
-from meshc.compiler import cost, cost_cp, hardware
+from meshc.compiler.cost import formulas as cost
+from meshc.compiler.cost import cp as cost_cp
+from meshc.compiler.cost import hardware
 from meshc.compiler.compile import compile_program
-from meshc.compiler.cost import FP32, ModelShape, formula_estimate
-from meshc.compiler.cost_graph import compiled_estimate
+from meshc.compiler.cost.formulas import FP32, ModelShape, formula_estimate
+from meshc.compiler.cost.compiled import compiled_estimate
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.mesh_spec import MeshSpec
 from tests import zoo

@@ -1,4 +1,4 @@
-"""The choices a Plan leaves to the cost model (compiler/cost_fusion.py): fusion kernel by kernel and the
+"""The choices a Plan leaves to the cost model (compiler/cost/fusion.py): fusion kernel by kernel and the
 collective matmul, decided per hardware profile, the user's explicit values winning, explain() saying why."""
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from collections import Counter
 import pytest
 
 import meshc
-from meshc.compiler import hardware
-from meshc.compiler.cost_fusion import TRAFFIC, fusion_speedup, ring_times
+from meshc.compiler.cost import hardware
+from meshc.compiler.cost.fusion import TRAFFIC, fusion_speedup, ring_times
 from meshc.compiler.driver import run_passes
-from meshc.compiler.explain import explain
-from meshc.compiler.trace import trace
+from meshc.compiler.report.explain import explain
+from meshc.compiler.trace.export import trace
 from tests import zoo
 
 CPU = hardware.PROFILES["cpu-default"]

@@ -7,7 +7,7 @@ import pytest
 
 import meshc
 from meshc.compiler.driver import run_passes
-from meshc.compiler.trace import trace
+from meshc.compiler.trace.export import trace
 from tests import zoo
 
 
@@ -21,7 +21,7 @@ def test_driver_logs_each_pass_with_time_and_changes(fake_mesh, caplog):
     program = _traced(fake_mesh(dp=2))
     with caplog.at_level(logging.INFO, logger="meshc.driver"):
         out = run_passes(program)
-    assert [r.name for r in out.pass_log] == ["shapes", "masks", "plan", "experts", "context", "tensor_parallel", "pipeline_split",
+    assert [r.name for r in out.pass_log] == ["shapes", "masks", "tp_placement", "experts", "context", "tensor_parallel", "pipeline_split",
                                               "zero", "grad_sync", "fuse_comm", "remat"]
     record = next(r for r in out.pass_log if r.name == "grad_sync")
     assert record.seconds > 0

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshc.compiler import hardware
-from meshc.compiler.planner import Search
-from meshc.compiler.planner_compiled import plan_compiled
+from meshc.compiler.cost import hardware
+from meshc.compiler.cost.planner import Search
+from meshc.compiler.cost.planner_compiled import plan_compiled
 from meshc.explain_cli import simulate
 from tests import zoo
 

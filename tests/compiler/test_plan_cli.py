@@ -6,7 +6,7 @@ import json
 import re
 
 from meshc import __main__ as cli
-from meshc.compiler import hardware
+from meshc.compiler.cost import hardware
 
 
 def test_plan_prints_the_best_plans_with_reasons(capsys):

@@ -1,4 +1,4 @@
-"""The HTML plan report (compiler/report_html.py): its content, and the page in a real headless Chromium.
+"""The HTML plan report (compiler/report/html.py): its content, and the page in a real headless Chromium.
 
 The page is checked twice: parsed as HTML here (every parameter row, every collective of explain()'s census,
 one timeline bar per schedule action, nothing fetched from the network), then opened in Debian's Chromium
@@ -18,13 +18,13 @@ from html.parser import HTMLParser
 import pytest
 
 import meshc
-from meshc.compiler.explain import explain
+from meshc.compiler.report.explain import explain
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.schedule import Action
-from meshc.compiler import report_graph
+from meshc.compiler.report import graph as report_graph
 from meshc.compiler.compile import passes_for_rank
-from meshc.compiler.pipeline_plan import PipelinePlan
-from meshc.compiler.report_html import html_report, source_line, write_report
+from meshc.compiler.pipeline.rank_plan import PipelinePlan
+from meshc.compiler.report.html import html_report, source_line, write_report
 from meshc import explain_cli
 from meshc.explain_cli import simulate
 from tests import cdp

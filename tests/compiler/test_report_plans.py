@@ -1,4 +1,4 @@
-"""`meshc plan --html` (compiler/report_plans.py): one row per plan the planner scored, the chosen one marked,
+"""`meshc plan --html` (compiler/report/plans.py): one row per plan the planner scored, the chosen one marked,
 each rejected plan with why; the meshes the model refuses listed with theirs. Formula path only (~0.2 s)."""
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 
 import meshc
 from meshc import models, plan_cli
-from meshc.compiler.hardware import load
+from meshc.compiler.cost.hardware import load
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.planner import Search, plan_model
-from meshc.compiler.planner_compiled import _score_pruned
-from meshc.compiler.report_plans import plans_html, write_plans
+from meshc.compiler.cost.planner import Search, plan_model
+from meshc.compiler.cost.planner_compiled import _score_pruned
+from meshc.compiler.report.plans import plans_html, write_plans
 
 
 class _Rows(HTMLParser):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import meshc
-from meshc.compiler.trace import trace
+from meshc.compiler.trace.export import trace
 from tests import zoo
 
 

@@ -9,7 +9,7 @@ import torch
 import meshc
 from meshc.compiler.driver import run_passes
 from meshc.compiler.ir.placement import R, S
-from meshc.compiler.trace import trace
+from meshc.compiler.trace.export import trace
 from meshc.compiler.verify import verify
 from tests import zoo
 

@@ -21,7 +21,7 @@ SEQ = 256
 def _alive_after_forward(job, x) -> int:
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from meshc.compiler import _torch_compat as compat
+    from meshc.compiler.ir import torch_compat as compat
 
     before = {StorageWeakRef(t.untyped_storage()).cdata
               for t in [*dict(job.named_parameters()).values(), *dict(job.named_buffers()).values(), x]}

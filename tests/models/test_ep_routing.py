@@ -52,7 +52,7 @@ def _routing(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 def _rank(biased: bool, folder: str) -> dict:
     import meshc
-    from meshc.runtime.census import CommCensus
+    from meshc.runtime.monitor.census import CommCensus
 
     mesh = meshc.mesh(dp=2, ep=2, timeout_s=90)
     model = _model(biased)

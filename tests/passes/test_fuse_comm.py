@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import meshc
 from meshc.compiler.driver import run_passes
-from meshc.compiler.trace import trace
+from meshc.compiler.trace.export import trace
 from tests import zoo
 from tests.harness import run_ranks
 

@@ -5,8 +5,8 @@ import torch
 
 import meshc
 from meshc.compiler.driver import run_passes
-from meshc.compiler.trace import trace
-from meshc.runtime.census import CommCensus
+from meshc.compiler.trace.export import trace
+from meshc.runtime.monitor.census import CommCensus
 from tests import zoo
 from tests.harness import run_ranks
 

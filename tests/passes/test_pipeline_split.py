@@ -7,8 +7,8 @@ import torch
 
 import meshc
 from meshc.compiler.driver import run_passes
-from meshc.compiler.stages import stage_graphs
-from meshc.compiler.trace import trace
+from meshc.compiler.pipeline.stages import stage_graphs
+from meshc.compiler.trace.export import trace
 from tests import zoo
 
 
@@ -179,7 +179,7 @@ def test_a_stack_of_equal_width_blocks_splits_at_every_block_boundary(fake_mesh)
 def _timed(fake_mesh, pp: int, layers: int):
     """The built-in GPT split for pp stages with the CPU profile's rates; each stage's predicted time (3 x forward
     FLOPs at its FLOP/s, 2 x its sends at the pp link's bandwidth) over the mean."""
-    from meshc.compiler.hardware import load
+    from meshc.compiler.cost.hardware import load
 
     traced, _ = trace(zoo.builtin_gpt(layers=layers), (zoo.batches(1, 2)[0][0],), mesh=fake_mesh(pp=pp),
                       plan=meshc.Plan(trace="non-strict"))

@@ -9,7 +9,7 @@ import torch
 
 import meshc
 from meshc.compiler.compile import compile_rank
-from meshc.compiler.explain import explain
+from meshc.compiler.report.explain import explain
 from meshc.compiler.ir.coverage import coverage
 from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning
 from meshc.compiler.ir.mesh_spec import MeshSpec

@@ -22,7 +22,7 @@ def train(ckpt: str, steps: int, every: int, kill_at: int | None = None,
     """Train `steps` steps over dp=2 with ZeRO-2, saving every `every`; returns (whole parameters, the step
     it resumed from or None)."""
     import meshc
-    from meshc.runtime.checkpoint import latest
+    from meshc.runtime.checkpoint.save_load import latest
     from tests import zoo
 
     mesh = meshc.mesh(timeout_s=20, dp=2)

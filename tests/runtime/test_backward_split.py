@@ -1,4 +1,4 @@
-"""The zero-bubble backward split (runtime/backward_split.py, compiler/zb_split.py), in one process.
+"""The zero-bubble backward split (runtime/pipeline/backward_split.py, compiler/pipeline/backward_graphs.py), in one process.
 
 Counted with torch's FlopCounterMode: on a real stage graph (GPT-2's last stage at pp=2, with dp=2's gradient
 buckets and with ZeRO-3's gathers), the FLOPs of I and W sum exactly to a plain backward's, and every matmul W
@@ -12,12 +12,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import meshc
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.driver import run_passes
-from meshc.compiler.stages import stage_graphs
-from meshc.compiler.trace import trace
-from meshc.compiler.zb_split import private_weight_uses
-from meshc.runtime.backward_split import backward_input, backward_weight
+from meshc.compiler.pipeline.stages import stage_graphs
+from meshc.compiler.trace.export import trace
+from meshc.compiler.pipeline.backward_graphs import private_weight_uses
+from meshc.runtime.pipeline.backward_split import backward_input, backward_weight
 from tests import zoo
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -148,9 +148,9 @@ def test_an_op_autograd_cannot_split_runs_in_i_and_in_w_and_is_priced(fake_mesh)
     weights'. Counted from that call's arguments (2·rows·in·out FLOPs per gradient), the work the split adds over
     B is twice those ops' forward FLOPs: what the cost model adds to each of the stage's W (GraphCost.unsplit_*),
     and the simulated zero-bubble step carries it (as recompute) where 1F1B does not."""
-    from meshc.compiler.cost_graph import compiled_estimate, graph_cost, stage_times
-    from meshc.compiler.hardware import load
-    from meshc.compiler.pipeline_plan import PipelinePlan
+    from meshc.compiler.cost.compiled import compiled_estimate, graph_cost, stage_times
+    from meshc.compiler.cost.hardware import load
+    from meshc.compiler.pipeline.rank_plan import PipelinePlan
 
     traced, _ = trace(zoo.mixtral(), (zoo.batches(1, BATCH)[0][0],), mesh=fake_mesh(pp=2),
                       plan=meshc.Plan(trace="non-strict", microbatches=2, schedule="zb-h1"))

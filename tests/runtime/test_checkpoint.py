@@ -17,8 +17,8 @@ import torch
 import meshc
 from meshc.compiler.ir.placement import FlatShard, Replicate, Shard, Whole
 from meshc.compiler.ir.program import ParamSpec
-from meshc.runtime import checkpoint
-from meshc.runtime.checkpoint_format import pieces, writes
+from meshc.runtime.checkpoint import save_load as checkpoint
+from meshc.runtime.checkpoint.format import pieces, writes
 from meshc.runtime.sharding import local_shard
 from tests import zoo
 from tests.harness import run_ranks

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshc.compiler import _torch_compat as compat
+from meshc.compiler.ir import torch_compat as compat
 from meshc.runtime.ops.context import METHODS, RingCensus, context_attention, positions
 from tests.harness import run_ranks
 

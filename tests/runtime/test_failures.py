@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import meshc
-from meshc.compiler import _torch_compat as compat
-from meshc.runtime import checkpoint, checkpoint_format
-from meshc.runtime.failures import first_mismatch
+from meshc.compiler.ir import torch_compat as compat
+from meshc.runtime.checkpoint import save_load as checkpoint
+from meshc.runtime.checkpoint import format as checkpoint_format
+from meshc.runtime.monitor.failures import first_mismatch
 from tests import zoo
 from tests.harness import RankFailure, run_ranks
 from tests.runtime import elastic_train
@@ -225,7 +226,7 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
 _BEATING_AT_EXIT = """
 import time
 import torch.distributed as dist
-from meshc.runtime import failures
+from meshc.runtime.monitor import failures
 failures.INTERVAL = 0  # beat without pause: the thread is almost always inside TCPStore.set
 store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
 failures._MONITORS[0] = (None, failures._Monitor(store, 0, 1))
@@ -244,7 +245,7 @@ def test_process_with_a_heartbeat_exits_cleanly():
 _LAST_COLLECTIVE_THEN_EXIT = """
 import torch.distributed as dist
 dist.init_process_group("gloo")
-import meshc.runtime.failures  # noqa: F401 - its exit handler
+import meshc.runtime.monitor.failures  # noqa: F401 - its exit handler
 for i in range(20):
     dist.all_gather_object([None] * dist.get_world_size(), {"i": i})
 """  # gloo destroys the last all-gather's work on its own thread, after wait() returned: at exit, that needs the GIL

@@ -134,7 +134,7 @@ def test_hf_to_meshc_to_hf_is_bitwise(llama_folder, tmp_path):
     every tensor of the exported file equals the original files' (safetensors, bitwise)."""
     from safetensors.torch import load_file
 
-    from meshc.runtime import checkpoint
+    from meshc.runtime.checkpoint import save_load as checkpoint
 
     run_ranks(hf_round_trip_rank, 2, llama_folder, str(tmp_path / "ckpt"), timeout=240)
     exported = load_file(checkpoint.export(str(tmp_path / "ckpt"), to="hf", out=str(tmp_path / "out.safetensors")))

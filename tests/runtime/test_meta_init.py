@@ -1,6 +1,6 @@
 """Models built on the meta device: job.init_weights(seed) against meshc.init_weights(model, seed) in one process.
 
-The procedure (runtime/init_weights.py) draws each tensor from its own seed, so every plan must assemble
+The procedure (runtime/checkpoint/init_weights.py) draws each tensor from its own seed, so every plan must assemble
 the same weights bit for bit: compared with torch.equal, no tolerance. The training that follows is held to
 the parity tests' bounds (tests/parity.py: losses within 2e-5: the plans sum in another order).
 Each case also asserts that the rank holds only its shards (local shapes below the global ones).

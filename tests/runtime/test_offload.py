@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import meshc
-from meshc.runtime import offload as offload_mod
-from meshc.runtime.offload import StateOffload, offloaded_class, probe_states
-from meshc.runtime.offload_store import FileStore, OffloadError
+from meshc.runtime.zero import offload as offload_mod
+from meshc.runtime.zero.offload import StateOffload, offloaded_class, probe_states
+from meshc.runtime.zero.offload_store import FileStore, OffloadError
 from tests import zoo
 from tests.harness import run_ranks
 
@@ -171,7 +171,7 @@ def test_an_io_error_is_named_on_every_rank(which, tmp_path):
 
 
 def _checkpoint_rank(folder: str, ckpt: str, save_with: bool) -> dict:
-    from meshc.runtime.checkpoint import full_optimizer_state
+    from meshc.runtime.checkpoint.save_load import full_optimizer_state
 
     mesh = meshc.mesh(dp=2, timeout_s=60)
     x, y = (mesh.shard_batch(t) for t in zoo.batches(1, 8)[0])

@@ -21,8 +21,8 @@ from meshc import models
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.mesh_spec import MeshSpec
 from meshc.compiler.ir.schedule import P2P, Action
-from meshc.runtime.census import CommCensus
-from meshc.runtime.trace import record
+from meshc.runtime.monitor.census import CommCensus
+from meshc.runtime.monitor.trace import record
 from tests.harness import run_ranks
 
 STEPS = 2

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import meshc
-from meshc.compiler.cost_graph import comm_bytes
-from meshc.runtime.census import CommCensus
+from meshc.compiler.cost.compiled import comm_bytes
+from meshc.runtime.monitor.census import CommCensus
 from meshc.runtime.ops.zero import shard_size
 from tests import parity, zoo
 from tests.harness import run_ranks

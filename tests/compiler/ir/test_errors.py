@@ -12,7 +12,7 @@ from meshc.compiler.ir import errors
 from meshc.compiler.ir.errors import MeshcError, MeshcWarning
 from meshc.compiler.ir.mesh_spec import MeshSpec, parse_sizes
 from meshc.compiler.ir.schedule import ScheduleError
-from meshc.runtime.failures import RankFailure
+from meshc.runtime.monitor.failures import RankFailure
 
 
 def test_bad_plan_is_a_meshc_value_error():

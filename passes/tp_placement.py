@@ -1,0 +1,482 @@
+"""tp_placement: decide every parameter's placement on the tp axis (the decision; tensor_parallel is the mechanism).
+
+Purpose: the automatic Megatron-LM plan, found from the graph rather than from module names: linear layers
+(aten.linear, or a matmul/mm/bmm by a transposed weight such as Falcon's `x @ weight.T`) that read the same
+activation (q/k/v, MLP up/gate) are tried column-parallel together; their sharded
+outputs are followed op by op (with the same rules the tensor_parallel pass uses) and must reach linear
+layers that can consume them row-parallel (attention output, MLP down) without any communication in
+between. Members whose flow cannot stay sharded are dropped and the rest tried again: a k/v projection
+with fewer heads than tp is replicated (as for MQA), others that do not divide tp are an error. Explicit
+styles by module glob (Plan.tp) override the automatic ones; Plan.vocab_parallel shards the token
+embedding and the LM head over the vocabulary.
+
+Requires: "meshc.shape" on every value (shapes pass).
+Ensures: ParamSpec.placements["tp"] set for every parameter (R unless a style shards it); notes say which
+    modules became column/row-parallel and why others stayed replicated. With tp = 1, no change.
+Terms: colwise = output features split (weight S(out dim), bias S(0)); rowwise = input features split
+    (weight S(in dim), bias kept whole and added after the reduction); chunks = blocks of a fused
+    projection (GPT-2's c_attn holds q, k and v: each is split on its own), found from the split, chunk or
+    slices that cut its output; blocks of unequal sizes (Phi-3's q|k|v under GQA) are kept as their sizes.
+    Coverage: the share of the blocks' weight bytes sharded (compiler/ir/coverage.py); every replicated block
+    module gets a reason in Program.tp_why; below one half compile warns, below Plan.min_tp_coverage it fails.
+
+Before: p_layers_0_attention_wq_weight  tp:R          After: tp:S(0)
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from meshc.compiler.ir.coverage import block_weights, coverage
+from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
+from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_reshape, op_name
+from meshc.compiler.ir.placement import Partial, Replicate, Shard, Whole, as_chunks, in_parts
+from meshc.compiler.ir.program import Program
+
+from meshc.passes.blocks import block_of
+from meshc.passes.shapes import shard_divides
+from meshc.passes.tp_rules import RuleCtx
+from meshc.passes.tp_table import infer
+
+AXIS = "tp"
+aten = torch.ops.aten
+
+
+@dataclass
+class Weight:
+    fqn: str
+    module: str
+    kind: str  # "linear" (out, in) | "conv1d" (in, out) | "embedding" (rows, dim) | "experts" (E, out, in)
+    node: fx.Node  # the op that uses it
+    act: fx.Node | None  # the activation it multiplies
+    bias: str | None
+    chunks: int | tuple[int, ...]
+
+    @property
+    def out_dim(self) -> int:
+        return 1 if self.kind in ("conv1d", "experts") else 0
+
+    @property
+    def in_dim(self) -> int:
+        return {"conv1d": 0, "experts": 2}.get(self.kind, 1)
+
+
+def tp_placement_pass(program: Program) -> Program:
+    n = program.mesh.size(AXIS)
+    if n == 1:
+        return program.unchanged("tp = 1: every parameter replicated on tp")
+    program = program.copy()
+    fixed = program.fixed_placements or {}
+    if fixed and all(f in fixed for f in program.params):  # another program of the same job decided already
+        for fqn, spec in program.params.items():
+            spec.placements = dict(fixed[fqn])
+        program.notes.append("placements taken from the job's first program")
+        return program
+    weights = _weights(program)
+    styles: dict[str, str] = {}
+    if program.plan.vocab_parallel:
+        styles.update(_vocab_styles(program, weights))
+    styles.update({k: v for k, v in _megatron(program, weights, n).items() if k not in styles})
+    for glob, style in (program.plan.tp or {}).items():
+        matched = [w for w in weights.values() if fnmatch.fnmatchcase(w.module, glob) or fnmatch.fnmatchcase(w.fqn, glob)]
+        if not matched:
+            sample = ", ".join(sorted({w.module for w in weights.values()})[:6])
+            raise MeshcValueError(f"Plan.tp[{glob!r}]: expected the glob to match a module with a weight, got no "
+                                  f"match; modules look like: {sample}")
+        for w in matched:
+            styles[w.fqn] = style
+    for fqn, style in styles.items():
+        _apply(program, weights[fqn], style)
+        if style == "replicate":
+            program.tp_why[weights[fqn].module] = "Plan.tp asks for it"
+    for fqn, placements in fixed.items():  # decided by an earlier graph (torch.compile's graph breaks)
+        if fqn in program.params:
+            program.params[fqn].placements = dict(placements)
+    _untried_reasons(program, weights)
+    _row_reasons(program, weights)
+    col = sorted({weights[f].module for f, s in styles.items() if s == "colwise"})
+    row = sorted({weights[f].module for f, s in styles.items() if s == "rowwise"})
+    program.notes.append(f"tp={n}: {len(col)} column-parallel, {len(row)} row-parallel modules, "
+                         f"{sum(s == 'vocab' for s in styles.values())} vocab-parallel")
+    _check_coverage(program, n)
+    return program
+
+
+def _untried_reasons(program: Program, weights: dict[str, Weight]) -> None:
+    """A reason for every block weight the Megatron trials never took up."""
+    nodes = program.param_nodes()
+    for spec in block_weights(program.params):
+        module = spec.fqn.rsplit(".", 1)[0]
+        if module in program.tp_why or spec.fqn not in nodes:
+            continue
+        uses = sorted({op_name(u.target) for u in nodes[spec.fqn].users})
+        if spec.fqn not in weights:
+            why = f"not the weight of a linear, matmul or embedding (used by {', '.join(uses) or 'nothing'})"
+        elif not spec.requires_grad:
+            why = "frozen (requires_grad=False)"
+        elif len(nodes[spec.fqn].users) > 1:
+            why = f"used by {len(nodes[spec.fqn].users)} ops ({', '.join(uses)})"
+        else:
+            why = "no row-parallel layer consumes its output"
+        program.tp_why[module] = why
+
+
+NORMS = (aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default)
+
+
+def _row_reasons(program: Program, weights: dict[str, Weight]) -> None:
+    """A replicated layer fed (within its block, past no norm) by another replicated layer could only have been
+    its row-parallel consumer: say so, rather than why it failed as a column-parallel layer itself."""
+    by_node = {w.node: w for w in weights.values() if w.kind != "embedding"}
+    whole = lambda w: not isinstance(program.params[w.fqn].placements.get(AXIS), Shard)
+    for w in by_node.values():
+        if not whole(w) or not isinstance(w.act, fx.Node):
+            continue
+        block, frontier, seen = block_of(w.node), [w.act], set()
+        while frontier:
+            cur = frontier.pop()
+            if cur in seen or cur.op != "call_function" or cur.target in NORMS or block_of(cur) != block:
+                continue
+            seen.add(cur)
+            src = by_node.get(cur)
+            if src is not None and src.module != w.module:
+                if whole(src):
+                    name = src.module[len(block) + 1:] if src.module.startswith(block + ".") else src.module
+                    program.tp_why[w.module] = f"its input comes from {name}, which stays replicated"
+                break
+            frontier.extend(cur.all_input_nodes)
+
+
+def _check_coverage(program: Program, n: int) -> None:
+    """Warn when tp shards less than half of the blocks' weight bytes; Plan.min_tp_coverage makes a floor an error."""
+    cov = coverage(program.params, {AXIS: n}, program.tp_why)
+    frac = cov.fractions.get(AXIS, 1.0)
+    program.notes.append(f"tp coverage: {frac:.2f} of the blocks' weight bytes sharded")
+    floor = program.plan.min_tp_coverage
+    listing = "; ".join(f"{m}: {r}" for m, r in cov.replicated[:12])
+    more = f"; and {len(cov.replicated) - 12} more" if len(cov.replicated) > 12 else ""
+    if floor is not None and frac < floor:
+        raise MeshcValueError(f"Plan.min_tp_coverage: expected at least {floor:.2f} of the blocks' weight bytes "
+                              f"sharded on tp={n}, got {frac:.2f}; replicated: {listing}{more}. Shard those modules "
+                              "with Plan(tp={'<module glob>': 'colwise'|'rowwise'}), use a smaller tp, or lower "
+                              "min_tp_coverage")
+    if frac < 0.5 and cov.total_bytes:
+        text = (f"tp={n} shards {frac:.2f} of the blocks' weight bytes (every tp rank holds and computes the rest): "
+                f"{listing}{more}")
+        program.warnings.append(text)
+        warn(text, MeshcWarning)
+
+
+def _apply(program: Program, w: Weight, style: str) -> None:
+    spec = program.params[w.fqn]
+    ndim = len(spec.shape)
+    if style == "replicate":
+        placement, bias = Replicate(), Replicate()
+    elif w.kind == "embedding":
+        placement = Shard(1) if style == "colwise" else Shard(0)
+        bias = Replicate()
+    elif style in ("colwise", "vocab"):
+        placement, bias = Shard(w.out_dim, w.chunks), Shard(0, w.chunks)
+    else:
+        placement, bias = Shard(w.in_dim if ndim >= 2 else 0), Replicate()
+    spec.placements[AXIS] = placement
+    if w.bias:
+        program.params[w.bias].placements[AXIS] = bias
+
+
+# ---------------------------------------------------------------------------------------- weights
+def _weights(program: Program) -> dict[str, Weight]:
+    """Every 2-D trainable parameter used as a matmul weight or embedding table, and every stack of experts'
+    weights (E, out, in) used by a grouped matmul, by FQN."""
+    out: dict[str, Weight] = {}
+    for fqn, node in program.param_nodes().items():
+        spec = program.params[fqn]
+        if len(spec.shape) != 2 and not (len(spec.shape) == 3 and any(_expert_use(u) for u in node.users)):
+            continue
+        for use in node.users:
+            w = _as_weight(program, fqn, node, use)
+            if w and fqn not in out:
+                out[fqn] = w
+    return out
+
+
+def _as_weight(program, fqn, node, use) -> Weight | None:
+    module, n = fqn.rsplit(".", 1)[0], program.mesh.size(AXIS)
+    bias_of = lambda b: b.meta.get("meshc.fqn") if isinstance(b, fx.Node) and b.op == "placeholder" else None
+    if use.target == aten.linear.default and use.args[1] is node:
+        bias = bias_of(use.args[2]) if len(use.args) > 2 else None
+        return Weight(fqn, module, "linear", use, use.args[0], bias, _chunks(use, n))
+    if use.target == aten.addmm.default and use.args[2] is node:
+        return Weight(fqn, module, "conv1d", use, use.args[1], bias_of(use.args[0]), _chunks(use, n))
+    if use.target in (aten.mm.default, aten.matmul.default) and use.args[1] is node:
+        return Weight(fqn, module, "conv1d", use, use.args[0], None, _chunks(use, n))
+    if _swaps_2d(use) and len(use.users) == 1:  # x @ weight.T: a linear layer written by hand (Falcon)
+        (mm,) = use.users
+        if mm.target in MATMULS and mm.args[1] is use and len(mm.args) == 2:
+            return Weight(fqn, module, "linear", mm, mm.args[0], None, _chunks(mm, n))
+    if use.target == aten.embedding.default and use.args[0] is node:
+        return Weight(fqn, module, "embedding", use, use.args[1], None, 1)
+    if _expert_use(use):  # experts (E, out, in) read as (E, in, out) by a grouped matmul: linear layers
+        (mm,) = use.users
+        return Weight(fqn, module, "experts", mm, mm.args[0], None, _chunks(mm, n))
+    return None
+
+
+def _expert_use(use: fx.Node) -> bool:
+    """Is `use` a transpose of a 3-D weight's last two dims whose one user takes it as a grouped matmul's weight?"""
+    if use.op != "call_function" or use.target != aten.transpose.int or len(use.meta.get("meshc.shape") or ()) != 3:
+        return False
+    if {d % 3 for d in use.args[1:3]} != {1, 2} or len(use.users) != 1:
+        return False
+    (mm,) = use.users
+    return is_grouped_mm(mm) and mm.args[1] is use
+
+
+MATMULS = (aten.mm.default, aten.matmul.default, aten.bmm.default)
+
+
+def _swaps_2d(node: fx.Node) -> bool:
+    """Is `node` the transpose of a 2-D tensor: t, numpy_T (`.T`), mT, adjoint, transpose(0, 1), permute([1, 0])?"""
+    if node.op != "call_function" or len(node.meta.get("meshc.shape") or ()) != 2:
+        return False
+    if node.target in (aten.t.default, aten.numpy_T.default, aten.mT.default, aten.adjoint.default):
+        return True
+    if node.target == aten.transpose.int:
+        return {d % 2 for d in node.args[1:3]} == {0, 1}
+    return node.target == aten.permute.default and [d % 2 for d in node.args[1]] == [1, 0]
+
+
+def _chunks(node: fx.Node, n: int) -> int | tuple[int, ...]:
+    """A fused projection: its output, through reshapes that keep the last dim or split it into (heads, head
+    dim), is cut into parts on that dim or on the heads (split, chunk, or slices that tile it, as Phi-3's q|k|v
+    and Falcon's q|k|v heads are): their count when equal, else their sizes. A part of heads whose count does
+    not divide over the n ranks (multi-query k and v) is held whole on every rank (a Whole block), when
+    another part still shards."""
+    width = int(node.meta["meshc.shape"][-1])
+    frontier = [(node, 1)]  # (value, elements of the flat last dim per position of the dim cut)
+    while frontier:
+        cur, unit = frontier.pop()
+        ndim = len(cur.meta["meshc.shape"])
+        cut = ndim - (1 if unit == 1 else 2)
+        size = int(cur.meta["meshc.shape"][cut])
+        slices = []
+        for u in cur.users:
+            shape = u.meta.get("meshc.shape") or ()
+            if unit == 1 and is_reshape(u) and int(shape[-1]) == width:
+                frontier.append((u, 1))
+            elif unit == 1 and _head_split(u, width):
+                frontier.append((u, _head_split(u, width)))  # (..., heads, head dim)
+            elif u.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+                dim = u.args[2] if len(u.args) > 2 else 0
+                if dim % ndim == cut:
+                    return _blocks([int(s[dim]) for s in shape], unit, n)
+            elif u.target == aten.slice.Tensor and len(u.args) > 1 and u.args[1] % ndim == cut:
+                step = u.args[4] if len(u.args) > 4 else 1
+                lo = u.args[2] if len(u.args) > 2 and u.args[2] is not None else 0
+                if step == 1 and 0 <= lo < size:
+                    slices.append((lo, lo + int(shape[cut]), _head_dim(u)))
+        tiles = sorted(set(slices))
+        if len(tiles) > 1 and tiles[0][0] == 0 and tiles[-1][1] == size and all(
+                a[1] == b[0] for a, b in zip(tiles, tiles[1:])):
+            heads = {d for *_, d in tiles}  # flat q|k|v slices each viewed as (heads, head dim) afterwards
+            if unit == 1 and len(heads) == 1 and None not in heads and all((hi - lo) % min(heads) == 0
+                                                                           for lo, hi, _ in tiles):
+                return _blocks([(hi - lo) // min(heads) for lo, hi, _ in tiles], min(heads), n)
+            return _blocks([hi - lo for lo, hi, _ in tiles], unit, n)
+    return 1
+
+
+def _head_split(u: fx.Node, width: int) -> int:
+    """The head dim when `u` reshapes a last dim of `width` into (heads, head dim), else 0."""
+    shape = u.meta.get("meshc.shape") or ()
+    if is_reshape(u) and len(shape) >= 2 and int(shape[-2]) * int(shape[-1]) == width:
+        return int(shape[-1])
+    return 0
+
+
+def _head_dim(part: fx.Node) -> int | None:
+    """The head dim of the one reshape of `part` that splits its last dim in two (heads, head dim), if any."""
+    width = int(part.meta["meshc.shape"][-1])
+    dims = {_head_split(u, width) for u in part.users} - {0}
+    return dims.pop() if len(dims) == 1 else None
+
+
+def _blocks(parts: list[int], unit: int, n: int) -> int | tuple[int, ...]:
+    """The chunks of parts of `unit` elements each (heads): a part of heads not dividing over n is Whole, unless
+    every part would be (nothing would shard)."""
+    sizes = [p * unit for p in parts]
+    whole = [unit > 1 and p % n != 0 for p in parts]
+    if any(whole) and not all(whole):
+        return tuple(Whole(s) if w else s for s, w in zip(sizes, whole))
+    return as_chunks(sizes)
+
+
+def _from_input(node: fx.Node | None) -> bool:
+    """Is `node` a model input, maybe reshaped?"""
+    while is_reshape(node):
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.op == "placeholder" and node.meta.get("meshc.role") == "input"
+
+
+def _vocab_styles(program: Program, weights: dict[str, Weight]) -> dict[str, str]:
+    """The token embedding (indexed by a model input) and every matmul weight with that many output rows."""
+    tokens = [w for w in weights.values() if w.kind == "embedding" and _from_input(w.act)]
+    if not tokens:
+        raise MeshcValueError("Plan.vocab_parallel: expected a token embedding indexed by a model input, got none")
+    vocab = program.params[tokens[0].fqn].shape[0]
+    out = {w.fqn: "vocab" for w in tokens}
+    for w in weights.values():
+        if w.kind != "embedding" and program.params[w.fqn].shape[w.out_dim] == vocab:
+            out[w.fqn] = "vocab"
+    return out
+
+
+# ---------------------------------------------------------------------------------------- Megatron
+def _megatron(program: Program, weights: dict[str, Weight], n: int) -> dict[str, str]:
+    candidates = [w for w in weights.values() if w.kind != "embedding" and program.params[w.fqn].requires_grad
+                  and len(program.param_nodes()[w.fqn].users) == 1]
+    groups: dict[fx.Node, list[Weight]] = {}
+    order = _order(program)
+    for w in sorted(candidates, key=lambda w: order[w.node]):
+        groups.setdefault(w.act, []).append(w)
+    styles: dict[str, str] = {}
+    by_node = {w.node: w for w in weights.values() if w.kind != "embedding"}
+    nodes = list(program.gm.graph.nodes)
+    for members in groups.values():
+        members = [m for m in members if m.fqn not in styles]
+        while members:
+            result = _trial(nodes, order, by_node, members, styles, n)
+            if result.rows:
+                styles.update({m.fqn: "colwise" for m in members})
+                styles.update({r.fqn: "rowwise" for r in result.rows})
+                program.notes.append(f"auto: {_names(members)} column-parallel -> {_names(result.rows)} row-parallel")
+                break
+            _explain_failure(program, result, members, n)
+            members = [m for m in members if m.fqn not in result.blamed]
+            if not result.blamed:
+                break
+    return styles
+
+
+@dataclass
+class _Trial:
+    rows: list[Weight]
+    blamed: set[str]
+    reason: str = ""
+    indivisible: tuple[str, int] | None = None
+
+
+def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str], n: int) -> _Trial:
+    """Follow the members' outputs, column-parallel, until row-parallel consumers; any needed
+    communication on the way fails the trial and blames the members whose flow needed it."""
+    placements: dict[fx.Node, object] = {}
+    blame: dict[fx.Node, set[str]] = {}
+    pending: set[fx.Node] = set()  # users of sharded values not visited yet: the walk ends when none is left
+    for m in members:
+        placements[m.node] = Shard(len(m.node.meta["meshc.shape"]) - 1, m.chunks)
+        blame[m.node] = {m.fqn}
+        pending.update(m.node.users)
+    ctx = RuleCtx(n, placements)
+    rows: list[Weight] = []
+    stats: set[fx.Node] = set()  # partial statistics (a norm's mean over the sharded features): all-reduced
+    start = min(order[m.node] for m in members)
+    for node in nodes[start + 1:]:
+        if not pending:
+            break
+        pending.discard(node)
+        inputs = [a for a in node.all_input_nodes if in_parts(placements.get(a))]
+        if not inputs or node in placements:
+            continue
+        origin = set().union(*(blame[a] for a in inputs))
+        if node.op == "output":
+            return _Trial([], origin, f"reaches the graph output at {node.format_node()}")
+        w = by_node.get(node)
+        if w is not None and w.fqn not in styles and w.act in inputs and _row_ok(w, placements[w.act], members):
+            rows.append(w)
+            continue
+        dec = infer(node, ctx)
+        if dec.indivisible:
+            return _Trial([], origin, dec.indivisible[0], dec.indivisible)
+        if dec.out is None:  # no tensor output (an assertion): nothing to follow
+            continue
+        reduced = False
+        for path, req in dec.inputs.items():
+            src = get_arg(node, path)
+            if in_parts(placements.get(src)) and placements[src] != req:
+                if src in stats and isinstance(req, Replicate):  # a small all-reduce of a statistic is fine
+                    reduced = True
+                    continue
+                return _Trial([], blame[src], dec.note or f"{node.format_node()} needs it {req}")
+        if reduced and isinstance(dec.out, Replicate):  # the statistic, whole: nothing sharded to follow
+            continue
+        if isinstance(dec.out, Replicate) and not dec.inputs:  # made whole locally (a part held whole, a replicated
+            continue  # part of a tuple, sizes only): nothing sharded to follow
+        if isinstance(dec.out, Partial) and node.target == aten.mean.dim:
+            stats.add(node)
+        elif not _all_shard(dec.out):
+            return _Trial([], origin, f"{node.format_node()} would hold a partial sum")
+        size = _indivisible(node, dec.out, n) if node not in stats else None
+        if size:
+            return _Trial([], origin, f"{node.format_node()} has a dim of size {size}", (f"size {size}", size))
+        placements[node] = dec.out
+        blame[node] = origin
+        pending.update(node.users)
+    return _Trial(rows, set(), "" if rows else "no row-parallel layer consumes it")
+
+
+def _row_ok(w: Weight, act_placement, members) -> bool:
+    return (isinstance(act_placement, Shard) and w not in members
+            and act_placement.dim == len(w.act.meta["meshc.shape"]) - 1 and act_placement.chunks == 1)
+
+
+def _explain_failure(program: Program, result: _Trial, members: list[Weight], n: int) -> None:
+    blamed = [m for m in members if m.fqn in result.blamed]
+    if result.indivisible:
+        what, size = result.indivisible
+        if n % size == 0:  # fewer heads than ranks (MQA/GQA): replicate them, as Megatron does for kv
+            program.warnings.append(f"tp: {_names(blamed)} replicated: {what} < tp={n}")
+            for m in blamed:
+                program.tp_why[m.module] = f"{what}: {size} < tp={n}, replicated as Megatron does for kv heads"
+            return
+        raise MeshcValueError(f"tp sharding: {_names(blamed)} cannot be split over tp={n}: {what}={n}. "
+                              f"Choose tp dividing {size}, or keep those modules replicated "
+                              f"(Plan(tp={{'{blamed[0].module}': 'replicate'}})).")
+    if blamed and len(blamed) < len(members):
+        program.notes.append(f"auto: {_names(blamed)} left replicated: {result.reason}")
+    elif members:
+        program.notes.append(f"auto: {_names(members)} replicated: {result.reason}")
+    for m in blamed or members:
+        program.tp_why[m.module] = result.reason
+
+
+def _indivisible(node: fx.Node, out, n: int) -> int | None:
+    outs = out if isinstance(out, tuple) else (out,)
+    shapes = node.meta["meshc.shape"] if isinstance(out, tuple) else (node.meta["meshc.shape"],)
+    for p, shape in zip(outs, shapes):
+        if isinstance(p, Shard) and shape is not None and not shard_divides(shape[p.dim], p, n):
+            return int(shape[p.dim])
+    return None
+
+
+def _all_shard(p) -> bool:
+    """Every output sharded (a tuple may hold replicated parts beside shards: a user Function's generator
+    state), none partial."""
+    xs = p if isinstance(p, tuple) else (p,)
+    return all(isinstance(x, (Shard, Replicate)) for x in xs) and any(isinstance(x, Shard) for x in xs)
+
+
+def _order(program: Program) -> dict[fx.Node, int]:
+    return {node: i for i, node in enumerate(program.gm.graph.nodes)}
+
+
+def _names(ws: list[Weight]) -> str:
+    mods = [w.module for w in ws]
+    if len(mods) > 1:
+        prefix = mods[0].rsplit(".", 1)[0]
+        if all(m.rsplit(".", 1)[0] == prefix for m in mods):
+            return f"{prefix}.{{{','.join(m.rsplit('.', 1)[1] for m in mods)}}}"
+    return ", ".join(mods)
+

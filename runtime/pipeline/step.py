@@ -1,0 +1,82 @@
+"""The pipeline side of a job at run time: one training step through this rank's stages.
+
+The stages, their schedule and who holds which parameter are compile-time facts (compiler/pipeline/rank_plan.py);
+this runs them: micro-batches through the schedule (runtime/pipeline/executor.py), then the gradients of parameters
+held on several pp ranks (tied embeddings) summed over those ranks.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from meshc.compiler.ir import torch_compat as compat
+from meshc.compiler.ir.errors import MeshcValueError
+from meshc.compiler.pipeline.rank_plan import PipelinePlan
+from meshc.compiler.pipeline.stages import Stage
+
+from meshc.runtime.pipeline.executor import PipelineRun
+
+
+class Pipelined:
+    """Runs a PipelinePlan's steps on `mesh` (the rank the plan was compiled for)."""
+
+    def __init__(self, layout: PipelinePlan, mesh):
+        self.layout, self.mesh, self.plan = layout, mesh, layout.plan
+        self.program = layout.program
+        self.last_busy = self.last_elapsed = 0.0
+        self.last_actions: list = []  # (Action, seconds) of this rank's compute actions in the last step
+
+    def step(self, flat: list, targets: Any, loss_fn: Callable, values: Callable[[Stage], list],
+             zero_context) -> torch.Tensor:
+        m = self.plan.microbatches
+        micro = [list(x) for x in zip(*(_chunks(t, m, f"input {i}") for i, t in enumerate(flat)))]
+        micro_targets = _chunks_tree(targets, m)
+        spec = self.program.out_spec
+
+        def loss_of(outs: tuple, mb: int) -> torch.Tensor:
+            loss = loss_fn(compat.tree_unflatten(list(outs), spec), micro_targets[mb])
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise MeshcValueError("job.step: expected loss_fn to return a scalar tensor; reduce the loss to its "
+                                      "mean over the batch")
+            return loss
+        run = PipelineRun(self.layout.local, self.layout.schedule, self.mesh, values, loss_of, zero_context)
+        loss = run.run(micro)
+        self.last_busy, self.last_elapsed = run.busy, run.elapsed  # measured bubble: elapsed / busy - 1
+        self.last_actions = run.actions
+        return loss
+
+    def sum_tied(self, grad_holder: Callable[[str], torch.Tensor | None], shape_of: Callable[[str], tuple],
+                 dtype_of: Callable[[str], torch.dtype]) -> None:
+        """Sum the gradients of parameters held on several pp ranks (zeros from ranks not holding them)."""
+        tied = self.layout.tied
+        if not tied or self.mesh.size("pp") == 1:
+            return
+        parts = []
+        for f in tied:
+            t = grad_holder(f)
+            g = t.grad if t is not None and t.grad is not None else None
+            parts.append(g.reshape(-1) if g is not None else torch.zeros(shape_of(f), dtype=dtype_of(f),
+                                                                           device=self.mesh.device).reshape(-1))
+        total = compat.all_reduce_sum(torch.cat(parts), self.mesh.group_name("pp"))
+        offset = 0
+        for f, part in zip(tied, parts):
+            t = grad_holder(f)
+            if t is not None:
+                t.grad = total[offset: offset + part.numel()].view_as(t).clone()
+            offset += part.numel()
+
+
+def _chunks(t: Any, m: int, what: str) -> list:
+    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        return [t] * m
+    if t.shape[0] % m:
+        raise MeshcValueError(f"job.step: {what} has {t.shape[0]} rows, not divisible by microbatches={m}; make the "
+                              f"dp-local batch a multiple of {m} or change Plan.microbatches")
+    return list(t.chunk(m))
+
+
+def _chunks_tree(tree: Any, m: int) -> list:
+    flat, spec = compat.tree_flatten(tree)
+    parts = [_chunks(t, m, "targets") for t in flat]
+    return [compat.tree_unflatten([p[i] for p in parts], spec) for i in range(m)]
