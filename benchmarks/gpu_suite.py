@@ -198,13 +198,13 @@ def meshc_row(bench: Bench, **plan_fields) -> tuple[StepFn, Callable[[], str]]:
     return step, lambda: fusion_note(str(job.explain()), plan.fusion)
 
 
-def fusion_note(report: str, fusion: bool) -> str:
+def fusion_note(report: str, fusion: bool | None) -> str:
     """What job.explain() says fuse_comm did: "zero_copy fused 44/44", or why nothing was."""
     found = re.findall(r"^\s*(\w+): fused (\d+) of (\d+) eligible", report, flags=re.M)
-    if not fusion:
+    if fusion is False:
         return "Plan(fusion=False)"
     if not found:
-        return "fusion on; no eligible chain at world 1"
+        return ("fusion on" if fusion else "fusion left to the cost model") + "; no chain fused"
     return ", ".join(f"{k} fused {a}/{b}" for k, a, b in dict.fromkeys(found))
 
 

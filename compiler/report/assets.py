@@ -1,4 +1,4 @@
-"""The CSS and JavaScript that `report_html` inlines into every report: no network, no CDN, no build step.
+"""The CSS and JavaScript that `report.html` inlines into every report: no network, no CDN, no build step.
 
 Plain DOM code, no library: the page is server-side HTML (every row, node and bar is in the markup, so a
 DOM dump or a test sees them without running scripts); the script adds only behaviour: the parameter

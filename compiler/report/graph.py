@@ -8,9 +8,9 @@ their code with group names replaced by the axis (`'tp:2,3'` -> `'tp'`): one sec
 named with its stage and every rank that runs it. A picker (a select element) shows one section at a time;
 this rank's first stage is shown first.
 
-Each section is the graph after every pass, in program order, folded by module (node.meta["nn_module_stack"]):
-collectives in red with the model's own source line (node.meta["stack_trace"]) that made them necessary;
-hover: shape, placement, why.
+Each section is the graph after every pass, grouped by module (node.meta["nn_module_stack"]) with identical
+consecutive blocks folded into one entry (compiler/report/groups.py): collectives in red with the model's own
+source line (node.meta["stack_trace"]) that made them necessary; hover: shape, placement, why.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import html
 import re
 from pathlib import Path
 
+from meshc.compiler.report import groups as report_groups
 from meshc.compiler.compile import passes_for_rank
 from meshc.compiler.ir.placement import format_placements
 from meshc.compiler.ir.program import COMM, PLACEMENT, SHAPE, WHY
@@ -102,19 +103,22 @@ def graphs(compiled, limit: int = MAX_GRAPH_RANKS) -> str:
         chosen = key == first
         options.append(f'<option value="{key}"{" selected" if chosen else ""}>{e(name)}'
                        f'{" (this rank)" if me in ranks else ""}</option>')
-        runs = _runs([(_module_path(n), _node_html(key, n, gm), bool(n.meta.get(COMM))) for n in gm.graph.nodes])
+        tree = grouped(gm)
         out.append(f'<details class="tree graph{"" if chosen else " hidden"}" data-stage="{key}" '
                    f'data-ranks="{",".join(map(str, ranks))}" open><summary>{e(name)}: {len(gm.graph.nodes)} nodes, '
-                   f'{comms} collectives</summary><div class="tree-root">{_render_runs(runs)}</div></details>')
+                   f'{comms} collectives</summary><div class="tree-root">{_render(key, gm, tree)}</div></details>')
     omitted = (f" {left_out} ranks are not drawn (the page compiles at most {limit} representatives): "
                "meshc explain --rank N draws another." if left_out else "")
     return (f'<p>Show <select id="graph-pick">{"".join(options)}</select> {len(sections)} distinct graphs: ranks '
             "that differ only in their dp coordinate run one graph up to process-group names, and ranks whose "
             f"graphs match share an entry.{omitted}</p>\n"
-            "<p>Each graph after every pass, in program order, collapsed by module (consecutive nodes of one module "
-            "form one group): click a module to expand it, hover a node for its shape, placement and why. "
-            "Collectives are red, with the line of the model that made them necessary; ⇄ marks a group that holds "
-            "one.</p>\n" + "\n".join(out))
+            "<p>Each graph after every pass, collapsed by module (nn_module_stack: blocks.3.attn), modules in the "
+            "order the program first runs them: the inputs first, the step's own nodes (gradient sync, ZeRO "
+            "buckets, the outputs) last, a collective under the module that needs it. Consecutive blocks that run "
+            "the same ops, placements and collectives fold into one entry (e.g. blocks.0–11, 12 identical) holding "
+            "each of them; a block that differs stands apart. Click a module to expand it, hover a node for its "
+            "shape, placement and why. Collectives are red, with the line of the model that made them necessary; "
+            "⇄ marks a group that holds one.</p>\n" + "\n".join(out))
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -128,45 +132,14 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(out)
 
 
-def _runs(nodes: list[tuple[list[str], str, bool]]) -> dict:
-    """Nodes in program order nested by module: a group per run of consecutive nodes under one module."""
-    root = {"name": "", "items": [], "nodes": 0, "comm": False}
-    stack = [root]
-    for path, text, comm in nodes:
-        names = [".".join(path[: i + 1]) for i in range(len(path))]
-        keep = 0
-        while keep < len(names) and keep + 1 < len(stack) and stack[keep + 1]["name"] == names[keep]:
-            keep += 1
-        del stack[keep + 1:]
-        for name in names[keep:]:
-            group = {"name": name, "items": [], "nodes": 0, "comm": False}
-            stack[-1]["items"].append(group)
-            stack.append(group)
-        stack[-1]["items"].append(text)
-        for group in stack:
-            group["nodes"] += 1
-            group["comm"] = group["comm"] or comm
-    return root
+def grouped(gm) -> dict:
+    """The graph's nodes as report_groups' tree: grouped by module, identical consecutive blocks folded."""
+    nodes = list(gm.graph.nodes)
+    return report_groups.fold(report_groups.module_tree(nodes, report_groups.node_paths(nodes)))
 
 
-def _render_runs(group: dict) -> str:
-    out = []
-    for item in group["items"]:
-        if isinstance(item, str):
-            out.append(item)
-            continue
-        cls = "has-comm" if item["comm"] else ""
-        out.append(f'<details class="tree" data-module="{e(item["name"])}"><summary class="{cls}">{e(item["name"])}'
-                   f'<span class="meta">{item["nodes"]} nodes</span></summary>{_render_runs(item)}</details>')
-    return "\n".join(out)
-
-
-def _module_path(node) -> list[str]:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ["(inputs)"] if node.op == "placeholder" else ["(step)"]
-    path = list(stack.values())[-1][0]
-    return [p for p in path.split(".") if p] if path else []
+def _render(key: str, gm, tree: dict) -> str:
+    return report_groups.render(tree["items"], {n: _node_html(key, n, gm) for n in gm.graph.nodes})
 
 
 def _node_html(key: str, node, gm) -> str:

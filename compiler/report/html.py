@@ -8,7 +8,8 @@ JavaScript inline (compiler/report/assets.py; no network, no CDN):
   parameters   every parameter, grouped by its module tree (collapsible), filterable: global and local
                shape, placement, local bytes, and the pp rank that holds it;
   graph        the stage graph of a rank chosen in a picker (compiler/report/graph.py: every distinct graph of
-               the mesh, this rank's first), in program order, collapsed by module (node.meta["nn_module_stack"]);
+               the mesh, this rank's first), grouped by module (node.meta["nn_module_stack"]), identical
+               consecutive blocks folded into one entry, the step's own nodes in one group (compiler/report/groups.py);
                collectives in red with the model's own source line (node.meta["stack_trace"]) that made them
                necessary; hover: shape, placement, why;
   collectives  explain()'s census (kind, axis, bytes, count, phase, why) with the predicted time on the

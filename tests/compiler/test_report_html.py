@@ -5,11 +5,15 @@ one timeline bar per schedule action, nothing fetched from the network), then op
 through the DevTools protocol (tests/cdp.py): no console errors, the same counts in the live DOM, a click on a
 module expands it, the filter hides rows, a collective's link opens its node, and a screenshot is written
 (MESHC_REPORT_PNG=docs/report.png refreshes the README's). The demo GPT (2 layers) under dp=2 × tp=2 × pp=2,
-compiled for rank 0 on a MeshSpec as `meshc explain` does: no process group, fake tensors (~4 s).
+compiled for rank 0 on a MeshSpec as `meshc explain` does: no process group, fake tensors (~4 s). The graph
+section's groups (compiler/report/groups.py) are parsed from its markup on a 4-layer GPT-2 on one stage: identical
+blocks folded into "blocks.0–3, 4 identical", a block that differs apart, collectives under their module, the
+step's nodes in one group.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -20,8 +24,10 @@ import pytest
 import meshc
 from meshc.compiler.report.explain import explain
 from meshc.compiler.ir.errors import MeshcValueError
+from meshc.compiler.ir.program import BUCKET, COMM
 from meshc.compiler.ir.schedule import Action
 from meshc.compiler.report import graph as report_graph
+from meshc.compiler.report import groups as report_groups
 from meshc.compiler.compile import passes_for_rank
 from meshc.compiler.pipeline.rank_plan import PipelinePlan
 from meshc.compiler.report.html import html_report, source_line, write_report
@@ -128,6 +134,142 @@ def test_report_without_pipeline_and_bad_path(tmp_path):
         write_report(tmp_path / "plan.txt", sim.rank_program, sim.report)
 
 
+# ------------------------------------------------------------------------------------------ graph groups
+@pytest.fixture(scope="module")
+def one_stage():
+    """gpt2-small with 4 layers on dp=2 × tp=2: one stage holds every block (~0.3 s)."""
+    return simulate("gpt2-small", {"dp": 2, "tp": 2}, plan=meshc.Plan(trace="non-strict"), layers=4, seq=64)
+
+
+class _Dom(HTMLParser):
+    """The markup as a tree of {tag, attrs, children, text, parent}."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.root = self.at = {"tag": "", "attrs": {}, "children": [], "text": "", "parent": None}
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        el = {"tag": tag, "attrs": dict(attrs), "children": [], "text": "", "parent": self.at}
+        self.at["children"].append(el)
+        if tag not in ("br", "input", "meta"):
+            self.at = el
+
+    def handle_endtag(self, tag):
+        if tag not in ("br", "input", "meta"):
+            self.at = self.at["parent"]
+
+    def handle_data(self, data):
+        self.at["text"] += data
+
+
+def _all(el):
+    for child in el["children"]:
+        yield child
+        yield from _all(child)
+
+
+def _has(el, tag: str, cls: str) -> bool:
+    return el["tag"] == tag and cls in el["attrs"].get("class", "").split()
+
+
+def _graph_sections(text: str) -> dict:
+    return {el["attrs"]["data-stage"]: el for el in _all(_Dom(text).root) if _has(el, "details", "graph")}
+
+
+def _rows(section) -> list:
+    """The top-level rows of a graph section: its groups and loose nodes."""
+    return next(c for c in section["children"] if _has(c, "div", "tree-root"))["children"]
+
+
+def _label(el) -> str:
+    """A group's summary (its name, without the node count) or a node's name."""
+    if el["tag"] == "div":
+        return el["attrs"]["data-node"]
+    return next(c for c in el["children"] if c["tag"] == "summary")["text"]
+
+
+def _module_of(el) -> str | None:
+    """The module group a node sits in: its nearest enclosing group (None: at the top level)."""
+    p = el["parent"]
+    while p is not None and not _has(p, "details", "tree"):
+        p = p["parent"]
+    return None if p is None or _has(p, "details", "graph") else p["attrs"]["data-module"]
+
+
+def test_graph_groups_fold_identical_blocks(one_stage):
+    """Four identical blocks fold into one top-level entry holding each of them; every node sits once under its
+    own module path; collectives under the module that needs them; the step's nodes in one group, last."""
+    gm = one_stage.rank_program.program.gm
+    (section,) = _graph_sections(report_graph.graphs(one_stage.rank_program)).values()
+    rows = _rows(section)
+    assert [_label(r) for r in rows] == ["(inputs)", "tok", "arange", "pos", "add", "blocks.0–3, 4 identical",
+                                         "ln_f", "head", "(step)"]
+    fold = rows[5]
+    assert _has(fold, "details", "fold") and fold["attrs"]["data-count"] == "4"
+    members = [c for c in fold["children"] if c["tag"] == "details"]
+    assert [m["attrs"]["data-module"] for m in members] == [f"blocks.{i}" for i in range(4)]
+    assert ["open" in m["attrs"] for m in members] == [True, False, False, False]
+    modules = [el["attrs"]["data-module"] for el in _all(section) if _has(el, "details", "tree")]
+    assert {"blocks.0.attn.qkv", "blocks.2.attn", "blocks.3.mlp.up"} <= set(modules)
+    assert len(modules) == len(set(modules))  # one group per module path
+    nodes = {el["attrs"]["data-node"]: el for el in _all(section) if _has(el, "div", "node")}
+    assert len(nodes) == len(gm.graph.nodes) and set(nodes) == {n.name for n in gm.graph.nodes}
+    comms = 0
+    for n in gm.graph.nodes:
+        where, own = _module_of(nodes[n.name]), report_groups.own_path(n)
+        if own is not None:
+            assert where == (own or None), n.name  # "": the model's own forward code, at the top level
+        if n.meta.get(COMM):
+            comms += 1
+            assert where == ("(step)" if BUCKET in n.meta else own) and where not in (None, "(inputs)"), n.name
+    assert comms == sum(_has(el, "div", "comm") for el in nodes.values()) > 8
+    step = [el for el in _all(section) if _has(el, "details", "tree") and el["attrs"]["data-module"] == "(step)"]
+    assert step == [rows[-1]]
+    inside = {el["attrs"]["data-node"] for el in _all(step[0]) if _has(el, "div", "node")}
+    buckets = {n.name for n in gm.graph.nodes if BUCKET in n.meta or n.op == "output"}
+    assert len(buckets) > 2 and buckets <= inside
+    assert all(report_groups.own_path(n) is None for n in gm.graph.nodes if n.name in inside)
+
+
+def test_graph_groups_keep_a_different_block_apart(one_stage):
+    """A block whose collective differs (here blocks.2's all-reduce, made twice per step) is not folded."""
+    gm = one_stage.rank_program.program.gm
+    node = next(n for n in gm.graph.nodes if report_groups.own_path(n) == "blocks.2.attn.proj" and n.meta.get(COMM))
+    saved = node.meta[COMM]
+    node.meta[COMM] = [dataclasses.replace(r, count=2) for r in saved]
+    try:
+        labels = [_label(r) for r in _rows(next(iter(_graph_sections(report_graph.graphs(one_stage.rank_program))
+                                                     .values())))]
+    finally:
+        node.meta[COMM] = saved
+    assert labels[5:8] == ["blocks.0–1, 2 identical", "blocks.2", "blocks.3"]
+
+
+def test_graph_groups_place_a_node_without_module_by_its_neighbour(one_stage):
+    """A pass-inserted node with no module path joins its nearest producer's or consumer's module; the
+    gradient-sync buckets and their getitems go to (step)."""
+    gm = one_stage.rank_program.program.gm
+    node = next(n for n in gm.graph.nodes if report_groups.own_path(n) == "blocks.1.mlp.down" and n.meta.get(COMM))
+    stack = node.meta.pop("nn_module_stack")
+    try:
+        paths = report_groups.node_paths(gm.graph.nodes)
+    finally:
+        node.meta["nn_module_stack"] = stack
+    assert paths[node] == "blocks.1.mlp.down"  # its producer, the row-parallel matmul
+    syncs = [n for n in gm.graph.nodes if BUCKET in n.meta]
+    assert syncs and all(paths[n] == paths[u] == "(step)" for n in syncs for u in n.users)
+
+
+def test_graph_groups_pipeline_stages(sim):
+    """With pp: stage 0 holds both blocks of the 2-layer model, folded; stage 1 none, and one (step) group."""
+    sections = _graph_sections(report_graph.graphs(sim.rank_program))
+    first, second = ([_label(r) for r in _rows(sections[k])] for k in ("s0-r0", "s1-r4"))
+    assert first == ["(inputs)", "tok", "arange", "pos", "add", "blocks.0–1, 2 identical", "(step)"]
+    assert second[0] == "(inputs)" and second[-1] == "(step)" and second.count("(step)") == 1
+    assert not [label for label in second if label.startswith("blocks")]
+
+
 # ------------------------------------------------------------------------------------------ the browser
 needs_chromium = pytest.mark.skipif(cdp.chromium() is None, reason="Debian's chromium is not installed: `make "
                                     "browser` installs it (apt-get install chromium), as `make test` does")
@@ -154,12 +296,16 @@ def test_report_in_chromium(sim, page_file, tmp_path):
         assert page.eval(f"document.querySelector('{shown} > summary').offsetHeight") > 0
         page.eval("(() => { const p = document.getElementById('graph-pick'); p.value = 's0-r0';"
                   " p.dispatchEvent(new Event('change')); })()")
-        # a click on a collapsed module of the graph expands it and shows its nodes
-        module = "#graph details.tree[data-module^='blocks']"
+        # a click on the folded blocks expands them, the first open; a click on one of its modules shows its nodes
+        fold = "#graph details.fold[data-module='blocks.0–1']"
+        assert page.eval(f"document.querySelector({fold!r}).open") is False
+        page.click(fold + " > summary")
+        assert page.eval(f"document.querySelector({fold!r}).open") is True
+        assert page.eval(f"document.querySelector({fold!r} + ' > details[data-module=\"blocks.1\"]').offsetHeight") > 0
+        module = f"{fold} details.tree[data-module='blocks.0.mlp']"
         assert page.eval(f"document.querySelector({module!r}).open") is False
         page.click(module + " > summary")
-        assert page.eval(f"document.querySelector({module!r}).open") is True
-        assert page.eval(f"document.querySelector({module!r}).querySelector('.node').offsetHeight") > 0
+        assert page.eval(f"document.querySelector({module!r}).querySelector(':scope > .node').offsetHeight") > 0
         # the filter keeps the matching parameters only
         page.eval("(() => { const f = document.getElementById('param-filter'); f.value = 'mlp.up';"
                   " f.dispatchEvent(new Event('input')); })()")
@@ -177,7 +323,7 @@ def test_report_in_chromium(sim, page_file, tmp_path):
         assert page.eval("document.getElementById('graph-pick').value") == "s0-r0"
         # the screenshot (every section): trees folded but one attention block's parameters and one mlp's nodes
         page.eval("const keep = {params: ['blocks', 'blocks.0', 'blocks.0.attn', 'blocks.0.attn.proj'],"
-                  " graph: ['blocks', 'blocks.0', 'blocks.0.mlp']};"
+                  " graph: ['blocks.0–1', 'blocks.0', 'blocks.0.mlp']};"
                   "document.querySelectorAll('details.tree').forEach(d => { d.open = d.matches('.graph') || "
                   "keep[d.closest('section').id].includes(d.dataset.module); });"
                   "document.getElementById('hover').style.display = 'none'; window.scrollTo(0, 0)")
