@@ -57,7 +57,9 @@ def meshc_rank(model: str, steps: int, batch: int, mesh_sizes: dict | None = Non
         losses.append(loss.item())
     params = job.state_dict()
     return {"losses": losses, "grads0": grads0, "params": params, "report": str(job.explain()),
-            "local_shapes": {fqn: tuple(p.shape) for fqn, p in job.named_parameters()}}
+            "local_shapes": {fqn: tuple(p.shape) for fqn, p in job.named_parameters()},
+            "coords": mesh.coords(), "held": job.held_bytes(),  # what this rank holds, measured
+            "actions": [a[:3] for a in job.pipeline_actions() or []]}  # (kind, stage, micro-batch) it ran last step
 
 
 def _optimizer_args(name: str):

@@ -1,6 +1,7 @@
 """Pipeline parallelism against one process: every schedule on pp=2 and pp=4, tied weights across stages,
 3D (dp x tp x pp with ZeRO-3) on 8 ranks, ZBV's V placement (two stages per rank, also under ZeRO-3), and
-activation checkpointing leaving results unchanged.
+activation checkpointing leaving results unchanged. Each case also asserts what the pipeline did on every rank
+(assert_pipelined: who holds which parameters, the actions each rank ran), since parity holds when nothing is split.
 
 Tolerances: a pipeline computes the same ops as one process on micro-batches of the batch and sums
 their gradients (each micro-batch's loss scaled by 1/m); only the order of the sums changes. Measured
@@ -13,7 +14,8 @@ import re
 
 import pytest
 
-from tests import parity
+from meshc.compiler.ir.named_schedule import schedule as named_schedule
+from tests import parity, zoo
 from tests.harness import run_ranks
 
 STEPS, BATCH = 5, 8
@@ -51,6 +53,7 @@ def test_zbv_matches_single_process_with_stages_in_a_v(model, m, extra):
     ends = [{fqn for fqn in out["local_shapes"] if not re.search(r"(?:^|\.)(?:h|layers)\.\d+\.", fqn)}
             for out in results]
     assert ends[0] and not ends[1], ends  # embeddings, final norm and head all on rank 0
+    assert_pipelined(results, model, {"pp": 2}, {"schedule": "zbv", "microbatches": m, **extra})
 
 
 def _id(case):
@@ -67,6 +70,53 @@ def test_pipeline_matches_single_process(case):
                         timeout=240)
     for rank, out in enumerate(results):
         parity.assert_matches(rank, out, ref, STEPS)
+    assert_pipelined(results, model, mesh, plan)
+
+
+def _blocks(fqns) -> set[tuple[str, int]]:
+    """The blocks (`transformer.h`, 3) whose parameters are among `fqns`: the first indexed module of each name."""
+    found = (re.match(r"^(.*?)\.(\d+)\.", f) for f in fqns)
+    return {(m.group(1), int(m.group(2))) for m in found if m}
+
+
+def assert_pipelined(results: list[dict], model: str, mesh: dict, plan: dict) -> None:
+    """What the pipeline really did, read off every rank (parity alone holds when nothing is split): the
+    parameters divided between the pp ranks (pp peers hold the same ones; each pp rank holds some block's; every
+    parameter is held, by one pp rank only unless explain() lists it among those whose gradients are summed over
+    pp: a tied embedding and head, T5's relative attention bias used by two stages), and
+    the compute actions each rank ran in the last step those of its schedule, in order: a split (zero-bubble)
+    schedule ran I and W and no whole B, the others F and B only. (A cut may fall inside a block: the stages
+    are balanced by time, so blocks, unlike parameters, may straddle two ranks.)"""
+    pp = mesh.get("pp", 1)
+    by_pp: dict[int, set] = {}
+    for rank, out in enumerate(results):
+        held = set(out["local_shapes"])
+        assert by_pp.setdefault(out["coords"].get("pp", 0), held) == held, f"rank {rank}: not its pp peers' {held}"
+    full = {n: p.numel() * p.element_size() for n, p in zoo.build(model).named_parameters()}
+    names = set(full)
+    assert set().union(*by_pp.values()) == names, "parameters held by no rank"
+    # Within its stages a rank holds a 1/dp share under ZeRO-3 and about a 1/tp share of the blocks under tp:
+    # measured 0.35 and 0.28 of its stages' parameter bytes at dp2 x tp2 x pp2 ZeRO-3 (norms and embeddings
+    # replicated on tp), 0.50 at dp2 x pp2 ZeRO-3 (flat shards, padding). Either sharding missing exceeds it.
+    share = (1 / mesh.get("dp", 1) if plan.get("zero") == 3 else 1.0) * (0.75 if mesh.get("tp", 1) > 1 else 1.0)
+    for rank, out in enumerate(results):
+        whole = sum(full[n] for n in out["local_shapes"])
+        assert out["held"]["params"] <= 1.1 * share * whole, (rank, out["held"], whole, share)
+    shared = {n for n in names if sum(n in held for held in by_pp.values()) > 1}
+    for rank, out in enumerate(results):  # each copy's gradient must be summed: explain() lists those it sums
+        summed = re.search(r"parameters on several pp ranks, gradients summed after each step: (.*)", out["report"])
+        assert shared == (set(summed.group(1).split(", ")) if summed else set()), (rank, shared, summed)
+    assert all(_blocks(held) for held in by_pp.values()), f"a pp rank holds no block: {by_pp}"
+    if pp == 1 and plan.get("microbatches", 1) == 1:
+        assert all(out["actions"] == [] for out in results), "a pipeline ran for one stage and one micro-batch"
+        return
+    sched = named_schedule(plan.get("schedule", "1f1b"), pp, plan["microbatches"], plan.get("virtual"))
+    for rank, out in enumerate(results):
+        want = [(a.kind, a.stage, a.microbatch) for a in sched.actions[out["coords"]["pp"]]]
+        assert out["actions"] == want, f"rank {rank} ran {out['actions']}, its schedule is {want}"
+        kinds = {k for k, _, _ in out["actions"]}
+        split = plan.get("schedule") in ("zb-h1", "zbv")
+        assert kinds == ({"F", "I", "W"} if split else {"F", "B"}) or plan.get("schedule") == "dualpipev", kinds
 
 
 def _untagged_rank(*args) -> dict:
@@ -90,3 +140,23 @@ def test_v_schedules_need_no_tags(schedule):
                         {"trace": "non-strict", "schedule": schedule, "microbatches": 4}, timeout=240)
     for rank, out in enumerate(results):
         parity.assert_matches(rank, out, ref, STEPS)
+
+
+def _untagged_one_group_rank(*args) -> dict:
+    """An untagged rank whose activations and gradients share one group, as before Mesh.pipeline_group."""
+    from meshc.runtime.mesh import Mesh
+
+    Mesh.pipeline_group = lambda self, kind: self.group("pp")
+    return _untagged_rank(*args)
+
+
+def test_untagged_v_schedule_on_one_group_trains_wrong():
+    """The negative control of test_v_schedules_need_no_tags: the same untagged run with both kinds on one group
+    (NCCL's pairing without a group per kind) swaps an activation and a gradient of the same shape, and its losses
+    leave the reference's (measured 2026-12-04: 19.36 against 21.25 at step 1, 20.79 against 22.33 at step 5):
+    the test above can fail."""
+    ref = parity.reference("reference", STEPS, BATCH)
+    results = run_ranks(_untagged_one_group_rank, 2, "reference", STEPS, BATCH, {"pp": 2},
+                        {"trace": "non-strict", "schedule": "zbv", "microbatches": 4}, timeout=240)
+    worst = max(abs(a - b) for a, b in zip(results[0]["losses"], ref["losses"]))
+    assert worst > 1e-2, f"one group trained like the reference (losses off by {worst}): the control shows nothing"

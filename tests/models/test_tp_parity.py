@@ -38,6 +38,13 @@ CASES = [(m, mesh, {}) for m in ("reference", "gpt2", "llama", "bert", "mixtral"
 ]
 
 
+# The share of the blocks' weight bytes each rank must hold sharded, from its local shapes (default 0.9). Measured
+# 2026-12-04 at tp=2 / tp=4: reference, GPT-2, BERT 1.00 / 1.00; Mixtral 0.995 / 0.959 (the router stays whole);
+# Llama 1.00 / 0.889: its 2 kv heads at tp=4 leave k and v whole, as Megatron replicates kv heads fewer than tp
+# (8/9 of this config's block bytes, as Phi-3's below). The reference with its blocks replicated: 0.00.
+COVERAGE = {("llama", 4): 8 / 9 - 1e-9}
+
+
 def _id(case):
     model, mesh, plan = case
     return "-".join([model, "x".join(f"{k}{v}" for k, v in mesh.items()), *sorted(plan)])
@@ -51,9 +58,12 @@ def test_tp_matches_single_process(case):
     results = run_ranks(parity.meshc_rank, world, model, STEPS, BATCH, mesh, {**FAST, **plan}, timeout=240)
     for rank, out in enumerate(results):
         parity.assert_matches(rank, out, ref, STEPS)
-    report = results[0]["report"]
-    assert "tp:S(" in report  # something really was sharded
-    moved, _ = parity.max_diff(ref["params"], zoo.build(model).state_dict())
+    built = zoo.build(model)
+    for rank, out in enumerate(results):  # what the ranks really hold, not what the report says
+        covered = parity.block_coverage(out["local_shapes"], built, mesh["tp"])
+        floor = COVERAGE.get((model, mesh["tp"]), 0.9)
+        assert covered >= floor, f"rank {rank}: {covered:.3f} of the blocks' weight bytes sharded, expected {floor:.3f}"
+    moved, _ = parity.max_diff(ref["params"], built.state_dict())
     assert moved > 20 * 5e-5  # training moved weights (by up to 5 x lr) far beyond the tolerance
 
 
