@@ -123,10 +123,33 @@ def max_diff(a: dict, b: dict) -> tuple[float, str]:
     return worst, where
 
 
+def max_update_error(params: dict, ref: dict) -> tuple[float, str]:
+    """The largest per-tensor relative L2 error of a run's update against the reference's, ||Δ - Δ_ref|| / ||Δ_ref||
+    with Δ = final - initial (`ref["initial"]`: the weights both runs started from), and where; `params` must hold
+    the reference's keys. For low-precision runs, whose weights may sit a few lr apart element by element (AdamW
+    moves each by about lr whatever its gradient's size, so a tiny gradient whose sign bf16 rounding flips moves
+    it the other way) while each tensor's update agrees to a few percent: a tensor the optimizer left unchanged is
+    100% off, one step lost out of n about 1/n. A tensor the reference leaves exactly where it was (a buffer) must
+    stay exactly there (inf otherwise)."""
+    initial = ref["initial"]
+    assert params.keys() == initial.keys(), f"keys on one side only: {sorted(params.keys() ^ initial.keys())}"
+    worst, where = 0.0, ""
+    for k, start in initial.items():
+        start = start.float()
+        want, got = ref["params"][k].float() - start, params[k].float() - start
+        scale = want.norm().item()
+        d = (got - want).norm().item() / scale if scale > 0 else (0.0 if torch.equal(got, want) else float("inf"))
+        if d > worst:
+            worst, where = d, k
+    return worst, where
+
+
 def mixed_reference(model: str, steps: int, batch: int, dtype=torch.bfloat16) -> dict:
     """One process in mixed precision as ZeRO runs it: fp32 master weights and AdamW, compute in `dtype`,
-    gradients cast to fp32 before the update."""
+    gradients cast to fp32 before the update. Returns the initial weights too, under "initial" (state_dict
+    keys, for max_update_error)."""
     m = zoo.build(model)
+    initial = {k: v.detach().clone() for k, v in m.state_dict().items()}
     masters = {n: p.detach().clone().requires_grad_(True) for n, p in m.named_parameters()}
     for p in m.parameters():
         p.data = p.data.to(dtype)
@@ -149,4 +172,4 @@ def mixed_reference(model: str, steps: int, batch: int, dtype=torch.bfloat16) ->
     by_id = {id(p): n for n, p in m.named_parameters()}  # state_dict keys (tied aliases too), as job.state_dict
     params = {k: (masters[by_id[id(v)]] if id(v) in by_id else v).detach()
               for k, v in m.state_dict(keep_vars=True).items()}
-    return {"losses": losses, "grads0": grads0, "params": params}
+    return {"losses": losses, "grads0": grads0, "params": params, "initial": initial}

@@ -34,18 +34,25 @@ machine is busy with other work).
 Tolerances: fp32 cases as every parity test (parity.assert_matches: losses 2e-5, step-1 gradients 2e-6,
 parameters 5e-5; tests/models/test_pp_parity.py and test_tp_parity.py say why). bf16 cases against
 parity.mixed_reference, as tests/runtime/test_zero.py's mixed-precision test: losses within 3e-2, step-1
-gradients within 10% relative L2 per tensor (||g - g_ref|| / ||g_ref||: a wrong gradient is off by its own size,
-bf16 rounding of sums taken in another order by about 2^-8 per sum; measured 0.3-1.3% in every case but one:
-tp2xpp2 with sequence parallelism, collective matmuls and selective recompute, 7.4% on layers.0's w1 (exact in
-fp32, 1.8e-7; 1.25% without the collective matmuls or without selective recompute, 1.5% on tp2 alone: a precision
-loss of that combination under a pipeline, not found yet), and parameters within 4.5e-3 (AdamW moves a weight by
-about lr = 1e-3 a step whatever its gradient's size, so a tiny gradient whose sign the rounding flips can leave a
-weight up to 2 x lr apart per step, 4e-3 after the 2 steps: a bound that catches a weight left unchanged or
-broken, while the gradients' bound catches a wrong gradient). Measured here:
+gradients within GRAD_BOUND = 3% relative L2 per tensor (||g - g_ref|| / ||g_ref||: a wrong gradient is off by its
+own size, bf16 rounding of sums taken in another order by about 2^-8 per sum; measured 0.31-1.35% in every case but
+one, GRAD_OUTLIERS: tp2xpp2 with sequence parallelism, collective matmuls and selective recompute, 7.4% on
+layers.0's w1 (exact in fp32, 1.8e-7; 1.25% without the collective matmuls or without selective recompute, 1.5% on
+tp2 alone: a precision loss of that combination under a pipeline, not found yet), judged at 10% here and at 3% by
+an xfail(strict) test of its own), and each tensor's update (final - initial weights) within UPDATE_BOUND = 35%
+of the reference's (parity.max_update_error: ||Δ - Δ_ref|| / ||Δ_ref||). Raw parameters are not compared: AdamW
+moves a weight by about lr = 1e-3 a step whatever its gradient's size, so a tiny gradient whose sign the rounding
+flips leaves a weight up to 2 x lr apart per step, more than the reference moves any weight in 2 steps (2.07e-3):
+a run whose optimizer updated nothing sat within the old 4.5e-3 bound. Updates measured (largest over ranks and
+tensors): 2.6% on 4 cases, 6.7% (tp2), 7.4% (tp2xpp2 zbv), and 22.3-22.4% on 4 cases (dp2xpp2, pp2 dualpipev,
+dp2xtp2, tp2xpp2 selective), all on layers.0.attention_norm.weight, 32 elements one of which has a step-1
+gradient of 6.1e-5 (median 1.3e-2): its sign flips, and that element moves about 0 where the reference moves 2 lr.
+Mutations, measured: a meshc optimizer with lr = 0 is 100% off on every case (old bound: passed, 2.07e-3); one
+skipping its last step 49.9-57.5% off (old bound: passed, <= 2.98e-3). 35% sits between the noise (22.4%, one
+flipped sign: two would be about 31%) and one step of two lost (49.9%). Measured here:
 fp32 losses <= 2e-6, step-1 gradients <= 4.2e-7, parameters <= 3.9e-6; bf16 losses <= 1.4e-2 (the fused
 kernels compute in fp32 inside, so with fusion on meshc's first loss sits nearer the fp32 loss than the
-eager bf16 reference does) and parameters <= 3.4e-3 (tp2xpp2, ZeRO-1, sequence and vocabulary parallel, collective
-matmuls: a sign flip in the first step and part of one in the second).
+eager bf16 reference does).
 """
 from __future__ import annotations
 
@@ -78,6 +85,15 @@ FACTORS = {
     "offload": ("none", "nvme", "nvme+params"),
 }
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+GRAD_BOUND, UPDATE_BOUND = 0.03, 0.35  # bf16 cases: step-1 gradients and updates, relative L2 per tensor (above)
+GRAD_OUTLIER_BOUND = 0.1  # catches a wrong gradient (100% off) in GRAD_OUTLIERS while they measure 7.4%
+GRAD_OUTLIERS = {  # case -> why its bf16 step-1 gradients exceed GRAD_BOUND (issue 46)
+    "tp2xpp2-z1-selective-1f1b-bf16-m4-sp-vocab-cm-nvme":
+        "bf16 step-1 gradient of layers.0's w1 7.4% off (1.25% without collective matmuls or without selective "
+        "remat): not found yet; a lead: runtime/ops/remat.py's selective policy saves aten matmuls and "
+        "_c10d_functional collectives only, so meshc's own collective-matmul ops are recomputed in backward, "
+        "their communication included",
+}
 
 
 def _size(case: dict, axis: str) -> int:
@@ -289,9 +305,10 @@ def _judge(case: dict, results: list[dict]) -> str | None:
                 worst = max(abs(a - b) for a, b in zip(out["losses"], ref["losses"]))
                 assert worst < 3e-2, f"rank {rank}: losses {out['losses']} against {ref['losses']}"
                 rel, where = parity.max_relative(out["grads0"], ref["grads0"])
-                assert rel < 0.1, f"rank {rank}: step-1 gradient of {where} off by {rel:.2%} (relative L2)"  # above
-                diff, where = parity.max_diff(out["params"], ref["params"])
-                assert diff < 4.5e-3, f"rank {rank}: parameter {where} off by {diff}"  # 2 steps x 2 lr (above)
+                bound = GRAD_OUTLIER_BOUND if case_id(case) in GRAD_OUTLIERS else GRAD_BOUND
+                assert rel < bound, f"rank {rank}: step-1 gradient of {where} off by {rel:.2%} (relative L2)"
+                err, where = parity.max_update_error(out["params"], ref)
+                assert err < UPDATE_BOUND, f"rank {rank}: update of {where} off by {err:.2%} (relative L2)"
             report = out["report"]
             if _size(case, "tp") > 1:
                 assert "tp:S(" in report, f"rank {rank}: nothing sharded on tp"
@@ -304,12 +321,25 @@ def _judge(case: dict, results: list[dict]) -> str | None:
     return None
 
 
+_RUNS: dict[str, list[list[dict]]] = {}
+
+
+def _mesh_runs(mesh: str) -> list[list[dict]]:
+    """Each rank's results for the mesh's cases, in CASES order: one spawn per mesh, kept for the tests below."""
+    if mesh not in _RUNS:
+        sizes = MESHES[mesh]
+        world = sizes.get("dp", 1) * sizes.get("tp", 1) * sizes.get("pp", 1)
+        cases = [c for c in CASES if c["mesh"] == mesh]
+        _RUNS[mesh] = run_ranks(_rank_runs, world, sizes, [plan_kwargs(c) for c in cases], timeout=300)
+    return _RUNS[mesh]
+
+
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_plans_on_mesh_train_at_parity_or_are_refused(mesh):
     cases = [c for c in CASES if c["mesh"] == mesh]
     sizes = MESHES[mesh]
     world = sizes.get("dp", 1) * sizes.get("tp", 1) * sizes.get("pp", 1)
-    per_rank = run_ranks(_rank_runs, world, sizes, [plan_kwargs(c) for c in cases], timeout=300)
+    per_rank = _mesh_runs(mesh)
     problems = []
     for i, case in enumerate(cases):
         results = [r[i] for r in per_rank if i < len(r)]
@@ -320,3 +350,18 @@ def test_plans_on_mesh_train_at_parity_or_are_refused(mesh):
         if problem:
             problems.append(f"{case_id(case)}: {problem}")
     assert not problems, f"{len(problems)} of {len(cases)} cases on {mesh}:\n" + "\n\n".join(problems)
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                                                             reason=reason))
+                                  for name, reason in GRAD_OUTLIERS.items()])
+def test_bf16_outlier_gradients_within_the_common_bound(name):
+    """The bf16 cases judged above at GRAD_OUTLIER_BOUND, held to GRAD_BOUND as every other case: expected to
+    fail (strict, so that a fix shows as XPASS and the case rejoins the others). Everything else about them
+    (losses, updates, placements, and a gradient bound that catches a wrong gradient) is judged above."""
+    case = next(c for c in CASES if case_id(c) == name)
+    index = [c for c in CASES if c["mesh"] == case["mesh"]].index(case)
+    ref = _reference(case["param_dtype"])
+    for rank, results in enumerate(_mesh_runs(case["mesh"])):
+        rel, where = parity.max_relative(results[index]["grads0"], ref["grads0"])
+        assert rel < GRAD_BOUND, f"rank {rank}: step-1 gradient of {where} off by {rel:.2%} (relative L2)"

@@ -152,14 +152,18 @@ def _mixed_rank(stage: int) -> dict:
 def test_mixed_precision_matches_a_mixed_precision_single_process(stage):
     """bf16 compute, fp32 master shards and reductions. The reference runs the same recipe in one process;
     the first loss (same weights, same bf16 forward) agrees to fp32 rounding. Later ones differ by bf16
-    rounding of gradients summed in another order (2^-8 relative): measured <= 8e-3 on losses near 21 and
-    <= 1.1e-3 on parameters (about one AdamW step of lr 1e-3 where a tiny gradient's sign flips)."""
+    rounding of gradients summed in another order (2^-8 relative): measured <= 8.3e-3 on losses near 21. Each
+    tensor's update over the 5 steps (final - initial) against the reference's, relative L2
+    (parity.max_update_error), not raw parameters: those sit up to 1.0e-3 apart (about one AdamW step of lr 1e-3
+    where a tiny gradient's sign flips), so the old bound of 3e-3 passed a run that skipped its last optimizer
+    step (1.9e-3 off). Measured: 1.23% (pos_embeddings) at every stage; a meshc optimizer with lr = 0 100% off,
+    one skipping its last step 20.6%. Bound 5%: 4x the noise, 4x below a lost step."""
     ref = parity.mixed_reference("reference", 5, 8)
     for out in run_ranks(_mixed_rank, 2, stage, timeout=120):
         assert abs(out["losses"][0] - ref["losses"][0]) < 1e-5
         assert max(abs(a - b) for a, b in zip(out["losses"], ref["losses"])) < 3e-2
-        diff, where = parity.max_diff(out["params"], ref["params"])
-        assert diff < 3e-3, (where, diff)
+        err, where = parity.max_update_error(out["params"], ref)
+        assert err < 0.05, f"update of {where} off by {err:.2%} (relative L2)"
         assert "param_dtype=torch.bfloat16" in out["report"]
 
 
