@@ -2,7 +2,10 @@
 
 Chromium's `--remote-debugging-pipe` speaks CDP as NUL-terminated JSON messages on file descriptors 3 (to
 the browser) and 4 (from it), which is how Playwright and Puppeteer drive it too: no websocket, no port,
-no dependency. Debian's `chromium` package (installed by `make browser`, a prerequisite of `make test`).
+no dependency. Debian's `chromium` package (installed by `make browser`, a prerequisite of `make test`). A test that needs it
+calls `require_chromium()` first: without Chromium it skips, saying why, except under CI (`CI` set and not
+false, as CI services set it and .ci/run's environment does), where a browser test that skips would pass
+unseen: there it fails, saying to install Chromium.
 
     with Browser() as b:
         page = b.open("file:///tmp/plan.html")
@@ -28,6 +31,28 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--dis
 def chromium() -> str | None:
     """The Chromium executable on PATH, or None."""
     return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def in_ci() -> bool:
+    """Whether this runs under CI: the environment variable CI set to anything but "", "0", "false" or "no"."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+MISSING = ("Debian's chromium is not installed (no `chromium` or `chromium-browser` on PATH): `make browser` "
+           "installs it (apt-get install chromium), as `make test` does")
+
+
+def require_chromium() -> str:
+    """The Chromium executable; without one, skip the calling test with the reason, or under CI fail it."""
+    import pytest
+
+    exe = chromium()
+    if exe is None:
+        if in_ci():
+            pytest.fail(f"{MISSING}; under CI (CI={os.environ['CI']!r}) the browser tests must run, not skip: "
+                        "install chromium", pytrace=False)
+        pytest.skip(MISSING)
+    return exe
 
 
 class CDPError(RuntimeError):

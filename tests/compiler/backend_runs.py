@@ -10,7 +10,9 @@ import torch.distributed as dist
 
 import meshc
 from meshc.compiler.ir import torch_compat as compat
+from meshc.runtime.global_param import ShardedParam
 from meshc.runtime.monitor.census import CommCensus
+from meshc.runtime.sharding import full_tensor
 from tests import parity, zoo
 
 
@@ -57,6 +59,20 @@ def _dp_mean(loss: torch.Tensor, mesh) -> float:
     return out.item() / mesh.size("dp")
 
 
+def whole_grads(model: torch.nn.Module, mesh) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient, whole, under its named_parameters name (parity.reference's grads0): a sharded
+    one gathered from this rank's shard (a collective: every rank calls it). Taken after the first backward,
+    when the door has swapped its parameters to shards: AdamW's update hides a gradient's scale (a sum over dp
+    instead of the mean trains to the same losses and parameters), the gradient itself does not."""
+    out = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, ShardedParam):
+            out[name] = full_tensor(p._local.grad, p._spec, mesh)
+        else:
+            out[name] = p.grad.detach().clone()
+    return out
+
+
 def backend_rank(model: str, steps: int, batch: int, sizes: dict, plan: dict, graph_break: str | None = None,
                  compare: bool = True) -> dict:
     mesh = meshc.mesh(timeout_s=90, **sizes)
@@ -76,6 +92,8 @@ def backend_rank(model: str, steps: int, batch: int, sizes: dict, plan: dict, gr
             loss.backward()
         if i == 2:
             census = counted.by_kind()
+        if i == 0:
+            grads0 = whole_grads(m, mesh)
         opt.step()
         opt.zero_grad()
         losses.append(_dp_mean(loss, mesh))
@@ -83,7 +101,7 @@ def backend_rank(model: str, steps: int, batch: int, sizes: dict, plan: dict, gr
     logits = compiled(short)
     logits = (logits.logits if hasattr(logits, "logits") else logits).detach()
     last = meshc.last_compiled()
-    out = {"losses": losses, "census": census, "short_logits": logits, "params": backend.state_dict(m),
+    out = {"losses": losses, "grads0": grads0, "census": census, "short_logits": logits, "params": backend.state_dict(m),
            "programs": len(last.programs), "report": str(last.explain()),
            "sharded": sum(type(p).__name__ == "ShardedParam" for p in m.parameters()),
            "shards_in_optimizer": [tuple(p.shape) for g in opt.param_groups for p in g["params"]]}
@@ -97,6 +115,8 @@ def backend_rank(model: str, steps: int, batch: int, sizes: dict, plan: dict, gr
                 loss = job.step(mesh.shard_batch(x), mesh.shard_batch(y), zoo.lm_loss)
             if i == 2:
                 out["compile_census"] = counted.by_kind()
+            if i == 0:
+                out["compile_grads0"] = job.grad_state_dict()
             jopt.step()
             jopt.zero_grad()
             out["compile_losses"].append(loss.item())
@@ -105,7 +125,7 @@ def backend_rank(model: str, steps: int, batch: int, sizes: dict, plan: dict, gr
 
 def families_rank(models: list[str], steps: int, batch: int, sizes: dict) -> dict:
     """Each of `models` trained `steps` AdamW steps through the torch.compile door on one mesh, in one process
-    per rank (one spawn for every family): {model: {"losses", "params", "sharded", "error"}}. A model the
+    per rank (one spawn for every family): {model: {"losses", "grads0", "params", "sharded", "error"}}. A model the
     backend refuses reports the refusal's message under "error" (the test decides whether that is allowed)."""
     mesh = meshc.mesh(timeout_s=90, **sizes)
     out = {}
@@ -115,17 +135,19 @@ def families_rank(models: list[str], steps: int, batch: int, sizes: dict) -> dic
         opt = torch.optim.AdamW(m.parameters(), lr=parity.LR)
         backend = meshc.backend(mesh, meshc.Plan(trace="non-strict"))
         compiled = torch.compile(m, backend=backend)
-        losses = []
+        losses, grads0 = [], {}
         try:
-            for x, y in zoo.batches(steps, batch):
+            for i, (x, y) in enumerate(zoo.batches(steps, batch)):
                 loss = zoo.lm_loss(compiled(mesh.shard_batch(x)), mesh.shard_batch(y))
                 loss.backward()
+                if i == 0:
+                    grads0 = whole_grads(m, mesh)
                 opt.step()
                 opt.zero_grad()
                 losses.append(_dp_mean(loss, mesh))
         except meshc.MeshcError as error:
             out[name] = {"error": f"{type(error).__name__}: {error}"}
             continue
-        out[name] = {"losses": losses, "params": backend.state_dict(m), "error": None,
+        out[name] = {"losses": losses, "grads0": grads0, "params": backend.state_dict(m), "error": None,
                      "sharded": sum(type(p).__name__ == "ShardedParam" for p in m.parameters())}
     return out

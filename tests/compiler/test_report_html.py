@@ -271,12 +271,9 @@ def test_graph_groups_pipeline_stages(sim):
 
 
 # ------------------------------------------------------------------------------------------ the browser
-needs_chromium = pytest.mark.skipif(cdp.chromium() is None, reason="Debian's chromium is not installed: `make "
-                                    "browser` installs it (apt-get install chromium), as `make test` does")
-
-
-@needs_chromium
+# Without Chromium these skip, saying why; under CI they fail instead (tests/cdp.py: require_chromium).
 def test_report_in_chromium(sim, page_file, tmp_path):
+    cdp.require_chromium()
     program, pipeline = sim.rank_program.program, sim.rank_program.pipeline
     with cdp.Browser(width=1280, height=900) as browser:
         page = browser.open(page_file.as_uri())
@@ -337,9 +334,9 @@ def test_report_in_chromium(sim, page_file, tmp_path):
         shutil.copyfile(shot, os.environ["MESHC_REPORT_PNG"])
 
 
-@needs_chromium
 def test_console_errors_are_seen(tmp_path):
     """The check above is not vacuous: a page that throws is reported."""
+    cdp.require_chromium()
     bad = tmp_path / "bad.html"
     bad.write_text("<!DOCTYPE html><html><body><script>console.error('boom'); null.x;</script></body></html>")
     with cdp.Browser() as browser:
@@ -347,3 +344,16 @@ def test_console_errors_are_seen(tmp_path):
         page.eval("1")
         errors = page.errors
     assert any("boom" in e for e in errors) and any("TypeError" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("ci", ["true", "", "false"])
+def test_a_missing_chromium_skips_outside_ci_and_fails_under_it(monkeypatch, ci):
+    """`make test` under CI must not pass with the browser tests skipped (issue 46): without Chromium on PATH,
+    require_chromium skips with its reason outside CI and fails, saying to install it, under CI=true."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("CI", ci)
+    assert cdp.chromium() is None
+    outcome = pytest.fail.Exception if ci == "true" else pytest.skip.Exception
+    with pytest.raises(outcome, match="chromium is not installed") as raised:
+        cdp.require_chromium()
+    assert ("under CI" in str(raised.value)) == (ci == "true")

@@ -4,6 +4,10 @@ optimizer states of E/ep experts, and checkpoints that leave ep behind.
 Mixtral (4 experts, top-2) on dp=2 × ep=2: rank 0 holds experts 0-1, rank 1 experts 2-3. With the router
 biased away from experts 2 and 3, rank 1 receives no row in any step: its grouped matmuls run on zero rows,
 its experts' gradients are exactly zero, and nothing hangs. Parity tolerances as in test_ep_parity.py.
+Under AdamW a gradient's scale hardly shows in losses and parameters (a gradient 10% too large, from a wrong
+average over dp, passed them), so the step-1 gradients are compared with the reference's too: within 2e-6
+as in tests/parity.py (measured <= 1.5e-8). A gradient off by a factor 1 + e is off by e times the largest
+gradient (0.06): the 10% error by 6e-3, 3e3 times the bound.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from tests import parity, zoo
 from tests.harness import run_ranks
 
 STEPS, BATCH, TOP_K, HIDDEN, EXPERTS = 3, 8, 2, 32, 4
+GRAD_TOL = 2e-6  # step-1 gradients, against the reference's (the docstring says why)
 
 
 def _biased_forward(self, hidden_states):
@@ -76,6 +81,8 @@ def _rank(biased: bool, folder: str) -> dict:
         opt.zero_grad()
         loss = zoo.lm_loss(ref(x), y)
         loss.backward()
+        if step == 0:
+            ref_grads0 = {n: p.grad.clone() for n, p in ref.named_parameters()}
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
@@ -83,7 +90,7 @@ def _rank(biased: bool, folder: str) -> dict:
               for f, p in job.named_parameters() if ".experts." in f}
     job.save(folder, step=STEPS)
     return {"losses": losses, "ref_losses": ref_losses, "a2a": a2a, "report": report, "routing": routing, "grads0": grads0,
-            "local_grads": local_grads, "states": states, "rank": mesh.rank,
+            "ref_grads0": ref_grads0, "local_grads": local_grads, "states": states, "rank": mesh.rank,
             "local_shapes": {f: tuple(p.shape) for f, p in job.named_parameters()},
             "params": job.state_dict(), "ref_params": {k: v.clone() for k, v in ref.state_dict().items()}}
 
@@ -109,6 +116,8 @@ def test_routing_census_states_and_checkpoint(biased, tmp_path):
         assert max(abs(a - b) for a, b in zip(out["losses"], out["ref_losses"])) < 2e-5, out
         diff, where = parity.max_diff(out["params"], out["ref_params"])
         assert diff < 5e-5, f"rank {r}: {where} off by {diff}"
+        diff, where = parity.max_diff(out["grads0"], out["ref_grads0"])
+        assert diff < GRAD_TOL, f"rank {r}: step-1 gradient of {where} off by {diff}"
         # each rank holds, updates and keeps optimizer states for exactly E/ep experts
         for fqn, shape in out["local_shapes"].items():
             if ".experts." in fqn:
@@ -152,12 +161,14 @@ def _aux_rank() -> dict:
     job = meshc.compile(zoo.mixtral(aux_loss=AUX), mesh, example_inputs=(mesh.shard_batch(data[0][0]),),
                         plan=meshc.Plan(verify=True, trace="non-strict"))
     opt = job.optimizer(torch.optim.AdamW, lr=parity.LR)
-    losses = []
-    for x, y in data:
+    losses, grads0 = [], {}
+    for step, (x, y) in enumerate(data):
         losses.append(job.step(mesh.shard_batch(x), mesh.shard_batch(y), _aux_loss).item())
+        if step == 0:
+            grads0 = job.grad_state_dict()
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "params": job.state_dict()}
+    return {"losses": losses, "grads0": grads0, "params": job.state_dict()}
 
 
 def test_router_aux_loss_composes():
@@ -166,10 +177,12 @@ def test_router_aux_loss_composes():
     reference does that in one process (the mean of the two halves' losses); same tolerances as above."""
     ref = zoo.mixtral(aux_loss=AUX)
     opt = torch.optim.AdamW(ref.parameters(), lr=parity.LR)
-    ref_losses = []
-    for x, y in zoo.batches(STEPS, BATCH):
+    ref_losses, ref_grads0 = [], {}
+    for step, (x, y) in enumerate(zoo.batches(STEPS, BATCH)):
         loss = sum(_aux_loss(ref(xs), ys) for xs, ys in zip(x.chunk(2), y.chunk(2))) / 2
         loss.backward()
+        if step == 0:
+            ref_grads0 = {n: p.grad.clone() for n, p in ref.named_parameters()}
         opt.step()
         opt.zero_grad()
         ref_losses.append(loss.item())
@@ -177,3 +190,5 @@ def test_router_aux_loss_composes():
         assert max(abs(a - b) for a, b in zip(out["losses"], ref_losses)) < 2e-5, (out["losses"], ref_losses)
         diff, where = parity.max_diff(out["params"], ref.state_dict())
         assert diff < 5e-5, (where, diff)
+        diff, where = parity.max_diff(out["grads0"], ref_grads0)
+        assert diff < GRAD_TOL, f"step-1 gradient of {where} off by {diff}"
