@@ -43,7 +43,7 @@ bench-deps: $(STAMP)
 
 test: $(STAMP) browser
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=10
 
 clean:
 	rm -rf $(VENV) meshc-out .pytest_cache
