@@ -15,6 +15,17 @@ average above cores + 1), a synchronous step stalls at each collective until its
 which no calibration of the machine predicts: measured at load averages 5-9 on 2 cores, predicted /
 measured fell to 0.41-0.85 (tp, with the most collectives, lowest). There only gross errors of the model
 count (predicted / measured outside 0.35-1.65). Prints one row per case and the verdict.
+
+Also from those runs (moved from tests/compiler/test_planner.py): the planner's choice, on the profile
+calibrated in the same run, against every candidate measured. The target: its measured step within 10% of
+the fastest's (medians of interleaved rounds on a shared 2-core machine move by ~10% from run to run); at a
+load average above cores + 1 within 35% (a pipeline's ranks take turns on the cores, so they get more of
+the machine than a dp or tp rank: at load ~5 on 2 cores the measured pp=2 step beat the chosen dp=2 one by
+13%).
+
+And (moved from tests/compiler/test_cost.py) the clock of meshc calibrate's measured steps
+(calibrate._step_seconds: a step ends when its last rank ends): a step in which rank 1 alone sleeps 50 ms
+lasts 50 ms on every rank; the target: what a barrier and a gather on loopback add stays under 50 ms.
 """
 from __future__ import annotations
 
@@ -57,6 +68,38 @@ def main() -> None:
     print(table(rows, ["case", "predicted (ms)", "measured (ms)", "predicted / measured", "within"]))
     print(f"\nload average {load:.1f} on {cores} cores: target predicted / measured within {tolerance:.0%} "
           f"({'the ranks have the cores to themselves' if tolerance == 0.3 else 'shared cores: gross errors only'})")
+    _chosen(candidates, runs, x, load, cores)
+    _clock()
+
+
+def _chosen(candidates, runs, x, load: float, cores: int) -> None:
+    """The planner's choice on the profile calibrated in the runs, against every candidate measured."""
+    from meshc.compiler.cost import hardware
+    from meshc.compiler.cost.planner_compiled import plan_compiled
+    from tests.compiler import cost_runs
+
+    hw = hardware.Hardware.from_dict(runs[0]["hardware"])
+    result = plan_compiled(cost_runs.model, lambda dp: (x[: x.shape[0] // dp],), 2, hw, search=cost_runs.SEARCH)
+    measured = {c: run["seconds"] for c, run in zip(candidates, runs[0]["plans"])}
+    best = result.best.candidate
+    chosen = measured[(tuple(sorted(best.sizes.items())), best.plan)]
+    slack = 1.1 if load <= cores + 1 else 1.35
+    fastest = min(measured.values())
+    print(f"\nplanner's choice {best.describe()}: {chosen * 1e3:.1f} ms measured, {chosen / fastest:.2f}x the fastest "
+          f"measured ({fastest * 1e3:.1f} ms); target within {slack:.2f}x: {'yes' if chosen <= slack * fastest else 'NO'}")
+
+
+def _clock(pause: float = 0.05) -> None:
+    """calibrate._step_seconds of a step in which rank 1 alone sleeps `pause` seconds, on each rank."""
+    from tests.compiler import cost_runs
+    from tests.harness import run_ranks
+
+    out = run_ranks(cost_runs.late_rank_steps, 2, 1, pause, timeout=120)
+    added = max(r["step"] for r in out) - pause
+    steps = ", ".join(f"{r['step'] * 1e3:.1f}" for r in out)
+    print(f"a step in which rank 1 alone sleeps {pause * 1e3:.0f} ms: {steps}"
+          f" ms on ranks 0, 1; a barrier and a gather add {added * 1e3:.1f} ms (target under 50 ms: "
+          f"{'yes' if added < 0.05 else 'NO'})")
 
 
 if __name__ == "__main__":

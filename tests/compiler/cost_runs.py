@@ -1,7 +1,12 @@
-"""Measured runs for the cost-model and planner tests: a small model's plans on 2 gloo ranks, and the
-calibration of this machine taken in the same run.
+"""Measured runs of a small model's plans on 2 gloo ranks: what the cost-model tests count (`count`), and what
+benchmarks/cost_speed.py times together with a calibration of this machine taken in the same run (`measure`).
 
-`measure(candidates)` runs once per test session (cached): on 2 ranks it compiles every plan, then
+`count(candidates)` (tests/compiler/test_cost.py, once per session): on 2 ranks it compiles every plan, runs a
+step, and reports per plan the bytes CommCensus counted for one step, the model state held after backward
+(job.held_bytes()) and the compiled-path estimate on cpu-default ("estimate"; memory does not depend on the
+profile's speeds). Nothing is timed.
+
+`measure(candidates)` (benchmarks only: timings are no test's business, DESIGN.md §6): on 2 ranks it compiles every plan, then
 times them in interleaved rounds, each round preceded by a calibration (linear layers, elementwise, op
 overhead, AdamW, and each collective's latency and bandwidth). A plan's "ratio" is the median over rounds
 of predicted (on that round's calibration) over measured (that round's median step): a shared machine's
@@ -133,6 +138,34 @@ def _median_samples(rounds: list[dict]) -> dict:
     """Per collective kind and size, the median seconds over rounds of calibrate.measure_links."""
     return {kind: [(steps, wire, statistics.median(r[kind][i][2] for r in rounds))
                    for i, (steps, wire, _) in enumerate(rounds[0][kind])] for kind in rounds[0]}
+
+
+def _count_rank(candidates: list[tuple[dict, object]]) -> list[dict]:
+    from meshc.compiler.cost.compiled import comm_bytes, estimate_compiled
+    from meshc.runtime.monitor.census import CommCensus
+    from tests import zoo
+
+    torch.set_num_threads(1)
+    x, y = batch()
+    out = []
+    for sizes, plan in candidates:
+        job, opt, step, mesh, xs, ys = compiled_step(sizes, plan, x, y, timeout_s=120)
+        job.step(xs, ys, zoo.lm_loss)  # gradients held, Adam's states exist: what held_bytes measures
+        held = job.held_bytes()
+        opt.zero_grad()
+        with CommCensus(mesh) as census:
+            step()
+        out.append({"held": held, "census": census.by_kind(), "bytes": comm_bytes(job.program, job.compiled.pipeline),
+                    "estimate": estimate_compiled(job.compiled, "cpu-default", own_rank=True)})
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def count(candidates: tuple) -> list[list[dict]]:
+    """Every rank's counts of `candidates` (as measure() takes them): one dict per plan, nothing timed."""
+    from tests.harness import run_ranks
+
+    return run_ranks(_count_rank, 2, [(dict(sizes), plan) for sizes, plan in candidates], timeout=300)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,10 +1,9 @@
 """The cost model: formulas against the papers, the compiled path against the formulas, and both against
-measurements on gloo (bytes exact, model state within 5%); step time against measurement is a benchmark
-(benchmarks/cost_speed.py)."""
+measurements on gloo (bytes exact, model state within 5%) and a real step's ATen calls; step time against
+measurement is a benchmark (benchmarks/cost_speed.py)."""
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import sympy
@@ -211,48 +210,42 @@ def test_compiled_activations_follow_remat(fake_mesh):
 
 
 # ------------------------------------------------------------------------------------------ on gloo
+CASES = {"dp": {"dp": 2, "zero": 0}, "zero3": {"dp": 2, "zero": 3}, "tp": {"tp": 2}, "pp": {"pp": 2, "microbatches": 2}}
+
+
+def _index(candidates, **want) -> int:
+    for i, (sizes, plan) in enumerate(candidates):
+        d = dict(sizes)
+        if all((d.get(k) if k in d else getattr(plan, k)) == v for k, v in want.items()):
+            return i
+    raise AssertionError(f"no candidate {want} among {[c[0] for c in candidates]}")
+
+
 @functools.lru_cache(maxsize=None)
-def _measured():
-    """The planner's candidates for the test model on 2 ranks, measured (shared with test_planner)."""
+def _counted():
+    """Each case's plan among the planner's candidates for the test model on 2 ranks, run for a step and counted
+    (nothing timed): {case: [rank 0's counts, rank 1's]}."""
     x, _ = cost_runs.batch()
     result = plan_compiled(cost_runs.model, lambda dp: (x[: x.shape[0] // dp],), 2, hardware.load("cpu-default"),
                            search=cost_runs.SEARCH)
     candidates = cost_runs.candidates_of(result)
-    return candidates, cost_runs.measure(candidates)
-
-
-def _find(candidates, runs, **want):
-    for i, (sizes, plan) in enumerate(candidates):
-        d = dict(sizes)
-        if all((d.get(k) if k in d else getattr(plan, k)) == v for k, v in want.items()):
-            return [r["plans"][i] for r in runs]
-    raise AssertionError(f"no candidate {want} among {[c[0] for c in candidates]}")
-
-
-CASES = {"dp": {"dp": 2, "zero": 0}, "zero3": {"dp": 2, "zero": 3}, "tp": {"tp": 2}, "pp": {"pp": 2, "microbatches": 2}}
+    chosen = tuple(candidates[_index(candidates, **want)] for want in CASES.values())
+    runs = cost_runs.count(chosen)
+    return {case: [r[i] for r in runs] for i, case in enumerate(CASES)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bytes_and_model_state_match_measurement(case):
-    candidates, runs = _measured()
-    for rank, run in enumerate(_find(candidates, runs, **CASES[case])):
+    """Per rank, the bytes CommCensus counts in a real step equal the compiled path's (kind, axis) totals, and
+    the model state held after backward is the estimate's within 5%. (Whether the predicted step time comes
+    close to a measured one is a speed target: benchmarks/cost_speed.py, DESIGN.md §6.)"""
+    for rank, run in enumerate(_counted()[case]):
         census = {key: nbytes for key, (_, nbytes) in run["census"].items()}
         predicted = {key: nbytes for key, nbytes in run["bytes"].items() if key[0] != "send"}  # p2p: not census'
-        assert census == predicted, (rank, census, predicted)
+        assert census == predicted and census, (rank, census, predicted)
         est = run["estimate"]
         for part in ("params", "grads", "optimizer"):
             assert abs(est.memory[part] - run["held"][part]) <= 0.05 * run["held"][part], (rank, part)
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_step_time_is_predicted_for_every_measured_plan(case):
-    """Each measured plan has a compiled-path step-time prediction and a measurement to set it against. How
-    close they come is a speed target, measured by benchmarks/cost_speed.py, not asserted here (DESIGN.md §6)."""
-    candidates, runs = _measured()
-    for run in _find(candidates, runs, **CASES[case]):
-        est = run["estimate"]
-        assert est.source == "compiled" and est.time["compute"] > 0 and math.isfinite(est.step_time), est.time
-        assert run["seconds"] > 0 and math.isfinite(run["ratio"]) and run["ratio"] > 0, run
 
 
 def test_shared_cores_shorten_pipelines_only():
@@ -364,14 +357,15 @@ def test_optimizer_pays_per_parameter_tensor():
 def test_calibration_times_a_step_by_its_slowest_rank():
     """meshc calibrate's measured steps (compute scale, step and action overheads) end when their last rank ends,
     as the planner's step time does (benchmarks/planner_suite.py's clock): a step in which rank 1 alone works
-    50 ms is 50 ms long on every rank, rank 0's own clock (about 0) notwithstanding."""
+    50 ms lasts at least 50 ms on every rank, rank 0's own clock (a call of nothing) notwithstanding. Only lower bounds
+    hold on a shared machine: how little a barrier and a gather add is printed by benchmarks/cost_speed.py."""
     from tests.harness import run_ranks
 
     pause = 0.05
     out = run_ranks(cost_runs.late_rank_steps, 2, 1, pause, timeout=120)
-    assert out[0]["own"] < pause / 2 <= pause <= out[1]["own"]  # the ranks' own clocks disagree
-    for rank in out:  # sleep(0.05) lasts at least 50 ms; the bound above: a barrier and a gather on loopback
-        assert pause <= rank["step"] < pause + 0.05, out
+    assert out[1]["own"] >= pause, out  # rank 1's own clock sees its sleep; rank 0's step is a call of nothing
+    for rank in out:  # sleep(0.05) lasts at least 50 ms, so a step that waits for it does too, on either rank
+        assert rank["step"] >= pause, out
 
 
 def test_compute_scale_is_the_median_of_its_timings(fake_mesh):
@@ -393,13 +387,42 @@ def test_compute_scale_is_the_median_of_its_timings(fake_mesh):
     assert scale([10 * typical]) > 3 * scale([typical])
 
 
-def test_zero_bucket_copies_are_priced():
+def _step_copy_calls(mesh, plan) -> int:
+    """The ATen calls a real ZeRO-1/2 optimizer step of the tiny GPT (2 layers) makes around its collectives on
+    `mesh` (torch's fake process group: the collectives return garbage, the copies around them run as on gloo):
+    every call inside the step's reduce-scatter and all-gather hooks (runtime/zero/param_store.py) but the
+    collectives and their waits, seen by a dispatch mode."""
+    from meshc.compiler.ir import torch_compat as compat
+
+    class Calls(compat.dispatch_mode_base()):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Calls.n += func.namespace != "_c10d_functional"
+            return func(*args, **(kwargs or {}))
+
+    x = torch.zeros(2, 64, dtype=torch.long)
+    job = meshc.compile(models.build("gpt-tiny", layers=2), mesh, example_inputs=(x,), plan=plan)
+    opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
+    store = job._store
+    for name in ("reduce_pending", "gather_updated"):  # the hooks call them through the store, looked up per call
+        def counted(run=getattr(store, name)):
+            with Calls():
+                run()
+        setattr(store, name, counted)
+    job.step(x, x, models.lm_loss)
+    opt.step()
+    return Calls.n
+
+
+def test_zero_bucket_copies_are_priced(fake_mesh):
     """The copies around ZeRO's collectives (runtime/ops/zero.py's pack and unpack; ZeRO-1/2's step copies the
     gathered slices into the compute copies too) cost ATen calls and bytes: measured on the planner suite's
     Mixtral at dp=2 (2 ranks, 2026-12-03), ZeRO-1's step spent 10 ms in them around 24 ms of collectives, which
     the model had left out. Each record of a ZeRO bucket carries its tensors; the estimate pays their calls at a
     third of op_overhead (a forward op with its backward's is about three calls): one more second per call
-    moves the step by exactly the calls the step's records make, and ZeRO-0 (no bucket) not at all."""
+    moves the step by the calls the model counts for the step's records, and ZeRO-0 and ZeRO-3 (no step
+    collective) not at all. Those calls are set against the ATen calls of a real step (_step_copy_calls)."""
     import dataclasses
 
     from meshc.compiler.cost.compiled import copy_time
@@ -410,18 +433,25 @@ def test_zero_bucket_copies_are_priced():
     base = hardware.load("cpu-default")
     slow = dataclasses.replace(base, op_overhead=base.op_overhead + 3.0)  # +1 s per call
     calls = {}
-    for zero in (0, 1, 2, 3):
-        sim = simulate("gpt-tiny", {"dp": 2}, plan=meshc.Plan(trace="non-strict", zero=zero), hardware=base, layers=2)
+    for zero, dtype in ((0, None), (1, None), (2, None), (3, None), (1, torch.bfloat16)):
+        plan = meshc.Plan(trace="non-strict", zero=zero, param_dtype=dtype)
+        sim = simulate("gpt-tiny", {"dp": 2}, plan=plan, hardware=base, layers=2)
         program = sim.rank_program.program
         k = sum(1 for spec in program.params.values() if spec.requires_grad)
         assert [r.tensors for r in program.step_comms] == {0: [], 1: [k, k], 2: [k], 3: []}[zero]
         free, paid = (estimate_compiled(sim.rank_program, hw) for hw in (base, slow))
-        calls[zero] = (paid.time["step"] - free.time["step"]) / base.compute_scale
+        calls[zero, dtype] = (paid.time["step"] - free.time["step"]) / base.compute_scale
         buckets = [r for n in program.gm.graph.nodes for r in n.meta.get("meshc.comm", ()) if r.tensors]
         assert sum(r.tensors for r in buckets if r.kind == "reduce_scatter") == (k if zero in (2, 3) else 0)
-    # ZeRO-1: reduce-scatter (4 calls per tensor and 2) and all-gather (9 per tensor and 1); ZeRO-2 the gather
-    assert calls[0] == calls[3] == 0
-    assert calls[1] == pytest.approx(13 * k + 3) and calls[2] == pytest.approx(9 * k + 1)
+    assert calls[0, None] == calls[3, None] == 0
+    # a real step's calls: ZeRO-1 reduce-scatters and gathers, ZeRO-2 only gathers (its reduce is in backward).
+    # The model counts a cast per tensor each way, which bf16 compute copies make and fp32 ones skip (measured
+    # 2026-12-04: the fp32 ZeRO-1 step makes 286 calls for the model's 367, 1.28x; bf16 342, 1.07x): the model
+    # may count up to 35% more than a real step, and 5% fewer
+    for zero, dtype in ((1, None), (2, None), (1, torch.bfloat16)):
+        real = _step_copy_calls(fake_mesh(dp=2), meshc.Plan(trace="non-strict", zero=zero, param_dtype=dtype))
+        assert 0.95 * real <= calls[zero, dtype] <= 1.35 * real, (zero, dtype, calls[zero, dtype], real)
+    assert calls[2, None] < calls[1, None]  # no reduce-scatter at ZeRO-2's step
     # a pp rank's step reduces and gathers its own stages' parameters only (runtime/zero/param_store.py's keep)
     plan = meshc.Plan(trace="non-strict", zero=1, microbatches=2)
     sim = simulate("gpt-tiny", {"dp": 2, "pp": 2}, plan=plan, hardware=base, layers=2)
@@ -436,7 +466,14 @@ def test_zero_bucket_copies_are_priced():
     listed = [c.bytes for c in report.collectives if c.phase == "step" and c.why.startswith("ZeRO")]
     assert listed == [r.bytes for r in mine]
     free, paid = (estimate_compiled(sim.rank_program, hw) for hw in (base, slow))
-    assert (paid.time["step"] - free.time["step"]) / base.compute_scale == pytest.approx(13 * max(held) + 3)
+    # the busiest pp rank's records priced alone (copy_time) are what the step pays: not the whole model's
+    sizes = program.mesh.sizes
+    busiest = max((program.step_records(
+        {f for st in stages if st.index % 2 == r for f in st.params}) for r in range(2)),
+        key=lambda records: sum(rec.tensors for rec in records))
+    own = sum(copy_time(r, sizes, slow) - copy_time(r, sizes, base) for r in busiest) / base.compute_scale
+    assert (paid.time["step"] - free.time["step"]) / base.compute_scale == pytest.approx(own)
+    assert own < calls[1, None]
     # bytes: each copy reads and writes; fused kernels (one per direction) make fewer calls than the unfused copies
     gather = CommRecord("all_gather", "dp", 2**20, "forward", "a bucket", tensors=10)
     cheap = dataclasses.replace(base, op_overhead=0.0)

@@ -1,10 +1,10 @@
 """The planner: what it returns always fits, it explains its ranking, the rules good engineers follow fall out
-of the cost model's bandwidths, plan="auto" compiles the best plan, and on 2 gloo ranks its choice is the
-fastest plan when all of them are measured."""
+of the cost model's bandwidths, plan="auto" compiles the best plan, and offload is priced by the bytes a real
+offloaded step moves. Whether its choice on 2 gloo ranks is the fastest plan measured is a speed target:
+benchmarks/cost_speed.py (and benchmarks/planner_bench.py over every plan), DESIGN.md §6."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -12,10 +12,9 @@ import torch
 import meshc
 from meshc import models
 from meshc.compiler.cost import hardware
+from meshc.compiler.cost.compiled import estimate_compiled
+from meshc.compiler.cost.offload import with_offload
 from meshc.compiler.cost.planner import Search, plan_model
-from meshc.compiler.cost.planner_compiled import plan_compiled
-from tests.compiler import cost_runs
-from tests.compiler.test_cost import _measured
 
 H100 = hardware.load("h100")
 BF16 = Search(param_dtype=torch.bfloat16, schedules=("1f1b", "zb-h1"), remat=("none", "full"))
@@ -61,9 +60,9 @@ def test_offload_plans_come_when_nothing_else_fits():
 
 def test_offload_prices_what_it_moves():
     """with_offload on a plan's estimate: states (and ZeRO-3 shards on nvme) leave the memory, the pool comes
-    in, and the exposed I/O follows the profile's bandwidths (compiler/cost/offload.py's formula)."""
+    in, and the exposed I/O is the transfers the update does not hide; the bytes moved are checked against a
+    real offloaded step (test_offload_io_is_what_a_step_moves)."""
     from meshc.compiler.cost.formulas import Estimate
-    from meshc.compiler.cost.offload import with_offload
 
     gib = 2**30
     est = Estimate(source="formula", memory={"params": 2 * gib, "grads": 2 * gib, "optimizer": 8 * gib,
@@ -75,14 +74,73 @@ def test_offload_prices_what_it_moves():
     assert with_offload(meshc.Plan(zero=3), est, dataclasses.replace(cpu, disk_read=0.0), "nvme") is None
     plan, out = with_offload(meshc.Plan(zero=3), est, cpu, "nvme")
     assert plan.offload == "nvme" and plan.offload_params and plan.offload_dir
-    moved = 10 * gib
     assert out.memory["optimizer"] == 0 and out.memory["params"] == 0
     assert out.memory["buffers"] == 64 * 2**20  # the pool: 1/32 of 10 GiB, at most 64 MiB
-    io = (8 * gib + 3 * 2 * gib) / cpu.disk_read + moved / cpu.disk_write
-    assert out.time["offload"] == pytest.approx(io - 0.5)
+    # the update (0.5 s) hides as much of the I/O: one more second of it takes one second off, down to 0
+    longer = dataclasses.replace(est, time=dict(est.time, optimizer=1.5))
+    assert with_offload(meshc.Plan(zero=3), longer, cpu, "nvme")[1].time["offload"] == \
+        pytest.approx(out.time["offload"] - 1.0)
+    hidden = dataclasses.replace(est, time=dict(est.time, optimizer=1e9))
+    assert with_offload(meshc.Plan(zero=3), hidden, cpu, "nvme")[1].time["offload"] == 0.0
     plan, out = with_offload(meshc.Plan(zero=2), est, H100, "cpu")
     assert not plan.offload_params and out.memory["params"] == 2 * gib  # ZeRO-2: only the states move
-    assert out.time["offload"] == pytest.approx(max(0.0, 16 * gib / H100.host_bandwidth - 0.5))
+    states, shards = (_moved(meshc.Plan(zero=z), est, cpu, "nvme") for z in (2, 3))
+    assert states[0] < shards[0] and states[1] < shards[1]  # with the shards, more is read and written
+
+
+def _moved(plan, est, hw, kind: str) -> tuple[float, float]:
+    """(bytes read, bytes written) per step by with_offload's pricing: its exposed time on a profile that reads at
+    1 B/s and writes for free, and the other way round, with an update that hides nothing."""
+    est = dataclasses.replace(est, time=dict(est.time, optimizer=0.0))
+    probe = {"read": dict(disk_read=1.0, disk_write=1e30), "written": dict(disk_read=1e30, disk_write=1.0)}
+    return tuple(with_offload(plan, est, dataclasses.replace(hw, **speeds), kind)[1].time["offload"]
+                 for speeds in probe.values())
+
+
+def test_offload_io_is_what_a_step_moves(fake_mesh, tmp_path, monkeypatch):
+    """The bytes with_offload prices (from the compiled estimate of the plan without offload, as the planner
+    scores it) against a real offloaded step of the tiny GPT on dp=2 (torch's fake process group; the I/O is
+    real): what the optimizer's streaming step read and wrote (OffloadStats) plus, with the parameter shards in
+    the file (ZeRO-3), what ZeRO-3's gathers read of them (every bucket's shards, counted as each gather packs
+    them). Written: exact. Read: exact at ZeRO-2; at ZeRO-3 the model reads every shard again in backward, while
+    the buckets kept gathered through backward (Plan.zero_keep_last) are not read twice, so it may count up to
+    2% more on this 2-layer model (1.2% measured 2026-12-04), never less."""
+    from meshc.runtime.zero import offload as offload_mod
+    from meshc.runtime.zero.context import ZeroContext
+
+    gathered = []
+    packed = ZeroContext.packed
+
+    def counting(self, shards):
+        if self.release is not None:  # only offloaded shards are released after their gather reads them
+            gathered.append(sum(t.numel() * t.element_size() for t in shards))
+        return packed(self, shards)
+    monkeypatch.setattr(ZeroContext, "packed", counting)
+    cpu = hardware.load("cpu-default")
+    x = torch.zeros(2, 64, dtype=torch.long)
+    for zero, params in ((2, False), (3, True)):
+        mesh = fake_mesh(dp=2)
+        plan = meshc.Plan(trace="non-strict", zero=zero)
+        job = meshc.compile(models.build("gpt-tiny", layers=2), mesh, example_inputs=(x,), plan=plan)
+        est = estimate_compiled(job.compiled, cpu)
+        assert with_offload(plan, est, cpu, "nvme")[0].offload_params == params
+        read, written = _moved(plan, est, cpu, "nvme")
+        plan = dataclasses.replace(plan, offload="nvme", offload_dir=str(tmp_path), offload_params=params)
+        job = meshc.compile(models.build("gpt-tiny", layers=2), mesh, example_inputs=(x,), plan=plan)
+        opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
+        for _ in range(2):  # the second step: states exist from the start, as in training
+            gathered.clear()
+            job.step(x, x, models.lm_loss)
+            opt.step()
+            opt.zero_grad()
+        stats = offload_mod.of(opt).stats
+        measured = stats.read_bytes + sum(gathered)
+        assert stats.written_bytes > 0 and bool(gathered) == params, (zero, stats, gathered)
+        assert written == stats.written_bytes, (zero, written, stats)
+        if zero == 2:
+            assert read == measured, (zero, read, measured)
+        else:
+            assert measured <= read <= 1.02 * measured, (zero, read, measured)
 
 
 def test_tensor_parallel_stays_inside_a_node():
@@ -125,26 +183,6 @@ def test_compile_auto_uses_the_best_plan(fake_mesh, monkeypatch, tmp_path):
     plan, result = auto_plan(models.build("gpt-tiny"), mesh, (tokens,), {})
     assert job.plan == plan == result.best.candidate.plan
     assert result.best.estimate.total_memory <= result.memory
-
-
-def test_chosen_plan_is_the_fastest_measured_on_two_ranks():
-    """The planner ranks the plans of 2 gloo ranks (dp, ZeRO-3, tp, pp with 1 or 2 micro-batches) on the
-    calibrated profile; measured, its choice is the fastest. Medians of interleaved rounds on a shared
-    2-core machine move by ~10% from run to run, so a choice within 10% of the fastest measured counts."""
-    candidates, runs = _measured()
-    hw = hardware.Hardware.from_dict(runs[0]["hardware"])
-    x, _ = cost_runs.batch()
-    result = plan_compiled(cost_runs.model, lambda dp: (x[: x.shape[0] // dp],), 2, hw, search=cost_runs.SEARCH)
-    measured = {c: run["seconds"] for c, run in zip(candidates, runs[0]["plans"])}
-    best = result.best.candidate
-    chosen = measured[(tuple(sorted(best.sizes.items())), best.plan)]
-    # Where other jobs share the cores (load average above cores + 1), a pipeline's ranks gain: each takes
-    # turns computing while the other waits, so it gets more of the machine than a dp or tp rank does. At
-    # load ~5 on 2 cores the measured pp=2 step beat the chosen dp=2 one by 13%; there a choice within 35% of
-    # the fastest counts (see benchmarks/cost_speed.py for the same effect).
-    load, cores = runs[0]["load"], os.cpu_count() or 1
-    slack = 1.1 if load <= cores + 1 else 1.35
-    assert chosen <= slack * min(measured.values()), (best.describe(), load, measured)
 
 
 @pytest.mark.parametrize("dtype,memory", [(torch.bfloat16, 40e9), (torch.bfloat16, 1e9), (None, 20e9)])

@@ -126,8 +126,9 @@ def test_kill_9_is_named_by_every_survivor_within_the_timeout(tmp_path, phase, o
     survivor, seconds = _survivor_report(phase, tmp_path)
     assert "RankFailure" in survivor and re.search(op, survivor), survivor
     assert "rank 1 is dead" in survivor, survivor
-    # the peer's death is seen in ~0.05 s, then the heartbeats are watched for 1 s: far below the timeout
-    assert seconds < TIMEOUT_S, seconds
+    # a death ends the wait: the survivor does not sit out the timeout (how soon it raises, ~0.05 s to see the
+    # death and 1 s of watching the heartbeats, is benchmarks/failure_latency.py's to measure)
+    assert 0 < seconds < TIMEOUT_S, seconds
     if phase == "save":  # the save that died left the previous checkpoint whole
         manifest = checkpoint_format.check_folder(str(tmp_path / "ckpt"))
         assert manifest["step"] == 1
@@ -136,10 +137,12 @@ def test_kill_9_is_named_by_every_survivor_within_the_timeout(tmp_path, phase, o
 
 
 def test_a_stalled_rank_is_named_at_the_timeout(tmp_path):
+    """A rank alive but never joining is named once the survivor gives up, and not before the timeout it is to
+    wait for (a stall is no death: nothing ends the wait early). How soon after the timeout it raises (gloo's
+    timeout, then 1 s of watching the heartbeats) is measured by benchmarks/failure_latency.py."""
     survivor, seconds = _survivor_report("stall", tmp_path, timeout_s=4)
     assert "rank 1 is alive but never joined the op (stalled in job.step #2)" in survivor, survivor
-    # gloo raises at the 4 s timeout; the survivor then watches the heartbeats for 1 s before it raises
-    assert 4 <= seconds < 4 + 2.5, seconds
+    assert seconds >= 4, seconds
 
 
 # ---------------------------------------------------------------------------------------- pre-flight
