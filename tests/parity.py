@@ -84,15 +84,17 @@ def assert_matches(rank: int, out: dict, ref: dict, steps: int, params_tol: floa
     assert diff < params_tol, f"rank {rank}: parameter {where} off by {diff} after {steps} steps"
 
 
-def block_coverage(local_shapes: dict, model: torch.nn.Module, n: int) -> float:
+def block_coverage(local_shapes: dict, model: torch.nn.Module, n: int, held_only: bool = False) -> float:
     """The share of the blocks' weight bytes (parameters of 2+ dims under an indexed module) a rank holds in
     part over n ranks, from its local shapes: what the plan really sharded, whatever it reports. A parameter
     with g elements of which the rank holds l has (g - l) * n / (n - 1) of them sharded: all of a split one,
-    none of a replicated one, q's rows only of a fused q|k|v whose k and v every rank holds whole."""
+    none of a replicated one, q's rows only of a fused q|k|v whose k and v every rank holds whole. `held_only`:
+    over the blocks' parameters this rank holds (a pipeline stage's), not the whole model's."""
     import math
     import re
 
-    whole = {k: p for k, p in model.named_parameters() if p.dim() >= 2 and re.search(r"\.\d+\.", k)}
+    whole = {k: p for k, p in model.named_parameters() if p.dim() >= 2 and re.search(r"\.\d+\.", k)
+             and (k in local_shapes or not held_only)}
     total = sum(p.numel() for p in whole.values())
     sharded = sum((p.numel() - math.prod(local_shapes[k])) * n / (n - 1) for k, p in whole.items() if k in local_shapes)
     return sharded / total

@@ -31,6 +31,13 @@ steps on a global batch of 8: one run_ranks spawn per mesh, whose ranks compile 
 mesh's cases in turn, so six process start-ups in all. About 80 s on 2 CPU cores (up to 2.5 min when the
 machine is busy with other work).
 
+Beyond parity (which holds when an option does nothing), every trained case asserts on every rank that its
+options took effect, measured around the real steps (`_took_effect`, tests/effects.py): bytes offloaded, the
+pipeline actions run against the schedule's, fused kernels dispatched where the rank's graphs hold fused sites
+(none with fusion off), collective matmuls and remat regions in the graphs it runs, tp coverage from local shapes
+and the ZeRO share on dp. It found Plan.remat ignored where a fused residual-add + norm straddles two blocks
+(REMAT_GAPS, a strict xfail of their own). Mutations caught: 1F1B run as GPipe, the remat pass switched off.
+
 Tolerances: fp32 cases as every parity test (parity.assert_matches: losses 2e-5, step-1 gradients 2e-6,
 parameters 5e-5; tests/models/test_pp_parity.py and test_tp_parity.py say why). bf16 cases against
 parity.mixed_reference, as tests/runtime/test_zero.py's mixed-precision test: losses within 3e-2, step-1
@@ -56,7 +63,9 @@ eager bf16 reference does).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
 import tempfile
 import traceback
 
@@ -65,7 +74,7 @@ import torch
 import torch.distributed as dist
 
 import meshc
-from tests import parity, zoo
+from tests import effects, parity, zoo
 from tests.harness import run_ranks
 
 MODEL, STEPS, BATCH = "reference", 2, 8
@@ -94,6 +103,17 @@ GRAD_OUTLIERS = {  # case -> why its bf16 step-1 gradients exceed GRAD_BOUND (is
         "_c10d_functional collectives only, so meshc's own collective-matmul ops are recomputed in backward, "
         "their communication included",
 }
+
+
+REMAT_GAP = ("Plan.remat checkpoints no block: the fused residual-add + norm kernel of a block boundary (fusion on, "
+             "tp) straddles two blocks, and the remat pass leaves each block whole ('a value it produces is used "
+             "before the block ends', in explain()). Declining that fusion under remat (tried) makes the blocks "
+             "checkpointed and shows tp2xpp2-z0-selective-gpipe-fp32-m2-sp-vocab-cm's step-1 w1 gradient 7.2e-3 off "
+             "in fp32: selective remat with collective matmuls, GRAD_OUTLIERS' lead")
+REMAT_GAPS = {name: REMAT_GAP for name in (  # on every rank, or on the pp rank whose block meets the final norm
+    "tp2-z1-full-1f1b-bf16-m2-sp-vocab-cm-nvme", "dp2xtp2-z2-full-1f1b-fp32-m2-sp-cm",
+    "dp2xtp2-z2-selective-1f1b-fp32-m4-vocab", "tp2xpp2-z0-selective-gpipe-fp32-m2-sp-vocab-cm",
+    "tp2xpp2-z1-selective-1f1b-bf16-m4-sp-vocab-cm-nvme", "tp2xpp2-z0-full-zb-h1-fp32-m1-sp-vocab-cm")}
 
 
 def _size(case: dict, axis: str) -> int:
@@ -226,15 +246,17 @@ def _rank_runs(mesh_sizes: dict, plans: list[dict]) -> list[dict]:
             continue
         try:
             opt = job.optimizer(torch.optim.AdamW, lr=parity.LR)
-            losses, grads0 = [], {}
+            losses, grads0, ops = [], {}, effects.Counting()
             for i, (x, y) in enumerate(data):
-                loss = job.step(mesh.shard_batch(x), mesh.shard_batch(y), zoo.lm_loss)
+                with ops if i == 0 else contextlib.nullcontext():  # the kernels one step dispatches
+                    loss = job.step(mesh.shard_batch(x), mesh.shard_batch(y), zoo.lm_loss)
                 if i == 0:
                     grads0 = job.grad_state_dict()
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.item())
-            out.append({"losses": losses, "grads0": grads0, "params": job.state_dict(), "report": str(job.explain())})
+            out.append({"losses": losses, "grads0": grads0, "params": job.state_dict(), "report": str(job.explain()),
+                        "ran": effects.record(job, mesh, ops)})
         except Exception:  # noqa: BLE001 - after construction, every error is a failure
             out.append({"failed": traceback.format_exc()})
             break
@@ -309,16 +331,47 @@ def _judge(case: dict, results: list[dict]) -> str | None:
                 assert rel < bound, f"rank {rank}: step-1 gradient of {where} off by {rel:.2%} (relative L2)"
                 err, where = parity.max_update_error(out["params"], ref)
                 assert err < UPDATE_BOUND, f"rank {rank}: update of {where} off by {err:.2%} (relative L2)"
-            report = out["report"]
-            if _size(case, "tp") > 1:
-                assert "tp:S(" in report, f"rank {rank}: nothing sharded on tp"
-            if _size(case, "dp") > 1 and case["zero"] > 0:
-                assert "dp:F" in report, f"rank {rank}: nothing ZeRO-sharded on dp"
-            if _size(case, "pp") > 1:
-                assert "stage 1 (pp rank 1)" in report, f"rank {rank}: no second pipeline stage"
+        _took_effect(case, results)
     except AssertionError as e:
         return f"trained differently: {e}"
     return None
+
+
+def _took_effect(case: dict, results: list[dict]) -> None:
+    """Each option did on every rank what it says, measured (tests/effects.py): bytes offloaded, the schedule's
+    actions run in its order, fused kernels dispatched where the rank's graphs hold fused sites (none with fusion
+    off), collective matmuls and remat regions in the graphs the ranks run, the blocks sharded on tp (from local
+    shapes) and ZeRO's share on dp. Measured 2026-12-04 (local elements / the whole parameters they belong to):
+    0.50 at dp2 with ZeRO, 1.00 without; 0.26-0.28 at dp2 x tp2 with ZeRO, 0.55 without; tp2 alone 0.51-0.59
+    (norms whole); the optimizer's states are 8 bytes per local element (AdamW's two fp32 states), 0 offloaded."""
+    tp, dp, pp, m = _size(case, "tp"), _size(case, "dp"), _size(case, "pp"), case["microbatches"]
+    virtual = 2 if case["schedule"] in ("interleaved", "zbv", "dualpipev") else 1
+    full = {n: p.numel() for n, p in zoo.build(MODEL).named_parameters()}
+    for rank, out in enumerate(results):
+        ran = out["ran"]
+        where = f"rank {rank} ({ran['coords']})"
+        offloaded = ran["held"].get("offloaded", 0)
+        assert (offloaded > 0) == (case["offload"] != "none"), f"{where}: {offloaded} bytes offloaded"
+        want = [] if pp * virtual == 1 and m == 1 else effects.schedule_actions(
+            case["schedule"], pp, m, 2 if case["schedule"] == "interleaved" else None, ran["coords"].get("pp", 0))
+        assert ran["actions"] == want, f"{where} ran {ran['actions']}, its schedule is {want}"
+        assert (ran["kernels"] > 0) == (ran["kernel_sites"] > 0) and (case["fusion"] or not ran["kernel_sites"]), \
+            f"{where}: {ran['kernels']} kernel calls in a step, {ran['kernel_sites']} fused sites in its graphs"
+        if case_id(case) not in REMAT_GAPS:  # those: some ranks checkpoint no block (the xfail test below)
+            assert (ran["remat"] > 0) == (case["remat"] != "none"), f"{where}: {ran['remat']} remat regions"
+        if not (case["collective_matmul"] and tp > 1):
+            assert ran["collective_matmuls"] == 0, f"{where}: collective matmuls without Plan.collective_matmul"
+        local = sum(math.prod(s) for s in ran["local_shapes"].values())
+        if tp > 1 and case["zero"] < 3:  # over the blocks this rank holds
+            covered = parity.block_coverage(ran["local_shapes"], zoo.build(MODEL), tp, held_only=True)
+            assert covered >= 0.9, f"{where}: {covered:.2f} of its blocks' weight bytes sharded on tp"
+        if dp > 1 and case["zero"] >= 1:  # the rank's parameters are its ZeRO shards: about 1/dp of its share
+            share = local / sum(full[n] for n in ran["local_shapes"])
+            assert share <= 1.1 / dp * (0.6 if tp > 1 else 1.0), f"{where}: holds {share:.3f} of its parameters"
+        if case["zero"] >= 1 and case["offload"] == "none":  # AdamW's 2 fp32 states per element of those shards
+            assert ran["held"]["optimizer"] <= 8 * local * 1.05, f"{where}: states {ran['held']} for {local} elements"
+    if case["collective_matmul"] and tp > 1:
+        assert any(out["ran"]["collective_matmuls"] for out in results), "no rank runs a collective matmul"
 
 
 _RUNS: dict[str, list[list[dict]]] = {}
@@ -365,3 +418,15 @@ def test_bf16_outlier_gradients_within_the_common_bound(name):
     for rank, results in enumerate(_mesh_runs(case["mesh"])):
         rel, where = parity.max_relative(results[index]["grads0"], ref["grads0"])
         assert rel < GRAD_BOUND, f"rank {rank}: step-1 gradient of {where} off by {rel:.2%} (relative L2)"
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=AssertionError,
+                                                                             reason=reason))
+                                  for name, reason in REMAT_GAPS.items()])
+def test_remat_takes_effect_with_fused_norms(name):
+    """The cases whose remat regions _took_effect does not check (REMAT_GAPS: some ranks have none), held to what
+    Plan.remat promises: every rank runs checkpointed blocks. Expected to fail (strict: a fix shows as XPASS)."""
+    case = next(c for c in CASES if case_id(c) == name)
+    index = [c for c in CASES if c["mesh"] == case["mesh"]].index(case)
+    for rank, results in enumerate(_mesh_runs(case["mesh"])):
+        assert results[index]["ran"]["remat"] > 0, f"rank {rank}: no block checkpointed under remat={case['remat']}"

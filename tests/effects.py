@@ -1,0 +1,67 @@
+"""What a plan really did on a rank, read off the job around real steps: parity alone holds when an option took
+no effect (a plan that shards nothing, fuses nothing or offloads nothing trains like one process too).
+
+    with effects.Counting() as ops:      # around one job.step: the fused kernels it dispatched
+        job.step(...)
+    ran = effects.record(job, mesh, ops)  # after the steps: bytes held, pipeline actions, what the graphs call
+    problems = effects.check(ran, expected)
+"""
+from __future__ import annotations
+
+import torch
+
+from meshc.compiler.ir import torch_compat as compat
+from meshc.compiler.ir.named_schedule import schedule as named_schedule
+from meshc.runtime.ops.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from meshc.runtime.ops.remat import Remat
+
+COLLECTIVE_MATMULS = (all_gather_matmul, matmul_reduce_scatter)
+
+
+class Counting(compat.dispatch_mode_base()):
+    """Counts the meshc custom ops (the fused kernels: meshc::bias_gelu, meshc::pack_cast, ...) dispatched inside
+    the `with`, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "namespace", None) == "meshc":
+            self.kernels += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _graphs(job, actions: list) -> list[torch.fx.GraphModule]:
+    stages = sorted({stage for _, stage, _ in actions})
+    return [job.graph(stage=s) for s in stages] if stages else [job.graph()]
+
+
+def _regions(gm: torch.fx.GraphModule) -> list[Remat]:
+    return [m for n in gm.graph.nodes if n.op == "call_module" and isinstance(m := gm.get_submodule(n.target), Remat)]
+
+
+def _nodes(gm: torch.fx.GraphModule) -> list:
+    """Every node `gm` runs, the remat regions' own graphs included."""
+    return [*gm.graph.nodes, *(n for r in _regions(gm) for n in r.block.graph.nodes)]
+
+
+def record(job, mesh, ops: Counting) -> dict:
+    """This rank's effects: held bytes (job.held_bytes), the pipeline actions of the last step as (kind, stage,
+    micro-batch), what the graphs it runs call (remat regions; collective matmuls and fused-kernel sites, inside
+    the regions too: a kernel node, or a ZeRO gather/reduce flagged fused), the kernels `ops` counted in a step,
+    the local parameter shapes and the rank's mesh coordinates."""
+    actions = [a[:3] for a in job.pipeline_actions() or []]
+    graphs = _graphs(job, actions)
+    calls = [n for gm in graphs for n in _nodes(gm) if n.op == "call_function"]
+    return {"held": job.held_bytes(), "actions": actions, "coords": mesh.coords(), "kernels": ops.kernels,
+            "kernel_sites": sum(1 for n in calls if getattr(n.target, "__module__", "").startswith("meshc.kernels")
+                                or n.kwargs.get("fused") is True),
+            "collective_matmuls": sum(1 for n in calls if n.target in COLLECTIVE_MATMULS),
+            "remat": sum(len(_regions(gm)) for gm in graphs),
+            "local_shapes": {fqn: tuple(p.shape) for fqn, p in job.named_parameters()}}
+
+
+def schedule_actions(name: str, pp: int, microbatches: int, virtual: int | None, coord: int) -> list[tuple]:
+    """(kind, stage, micro-batch) of the compute actions the named schedule gives pp rank `coord`, in order."""
+    return [(a.kind, a.stage, a.microbatch) for a in named_schedule(name, pp, microbatches, virtual).actions[coord]]
