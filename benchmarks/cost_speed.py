@@ -49,7 +49,7 @@ def _find(candidates, runs, **want) -> dict:
 
 def main() -> None:
     from meshc.compiler.cost import hardware
-    from meshc.compiler.cost.planner_compiled import plan_compiled
+    from meshc.compiler.planner.compiled import plan_compiled
     from tests.compiler import cost_runs
 
     x, _ = cost_runs.batch()
@@ -75,7 +75,7 @@ def main() -> None:
 def _chosen(candidates, runs, x, load: float, cores: int) -> None:
     """The planner's choice on the profile calibrated in the runs, against every candidate measured."""
     from meshc.compiler.cost import hardware
-    from meshc.compiler.cost.planner_compiled import plan_compiled
+    from meshc.compiler.planner.compiled import plan_compiled
     from tests.compiler import cost_runs
 
     hw = hardware.Hardware.from_dict(runs[0]["hardware"])

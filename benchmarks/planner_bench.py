@@ -5,7 +5,7 @@
 1. `meshc calibrate` (unless --profile names a profile already written) measures this machine.
 2. The planner scores every plan of 2 ranks for torch's reference Transformer (2 layers of width 128,
    batch 8 x 128): dp=2, tp=2 or pp=2; ZeRO 0-3; 1, 2 or 4 micro-batches; each schedule; remat; sequence
-   and vocabulary parallelism; on the real graphs of a simulated rank (compiler/cost/planner_compiled.plan_compiled).
+   and vocabulary parallelism; on the real graphs of a simulated rank (compiler/planner/compiled.plan_compiled).
 3. A 2-rank torchrun job compiles every candidate and times them in interleaved rounds (median).
 Prints predicted and measured step time per plan, both rankings, Spearman's rank correlation, and
 where the planner's choice lands among the measured.
@@ -62,8 +62,8 @@ def main() -> None:
     import meshc
     from meshc import calibrate
     from meshc.compiler.cost.hardware import load
-    from meshc.compiler.cost.planner import Search
-    from meshc.compiler.cost.planner_compiled import plan_compiled
+    from meshc.compiler.planner.search import Search
+    from meshc.compiler.planner.compiled import plan_compiled
     from tests.compiler import cost_runs
 
     if args.profile:

@@ -12,7 +12,7 @@ five (global batch, sequence) shapes. For each case:
 1. `meshc calibrate` measures this machine on the case's world size right before the case (`--calibrate each`,
    the default: the shared 2-core machine's speed drifts by up to 1.5x within an hour, so a profile measured at
    the start of a 90-minute run misprices its later cases; `--calibrate once` keeps one profile per world for the
-   run, reusing `--profile-dir`'s if there); the planner (compiler/cost/planner_compiled.plan_compiled, the compiled
+   run, reusing `--profile-dir`'s if there); the planner (compiler/planner/compiled.plan_compiled, the compiled
    path: every dp/tp/pp mesh of the world, each plan scored on the real graph of a simulated rank) ranks every
    plan that fits on that profile and nothing else; the measured ranks compile on the same profile
    ($MESHC_HARDWARE), as a user's jobs do after `meshc calibrate`;
@@ -184,8 +184,8 @@ def sample(n: int, k: int) -> list[int]:
 def plan_case(case: dict, hw):
     """The planner's ranking of every plan that fits the case on profile `hw` (compiled path)."""
     import meshc
-    from meshc.compiler.cost.planner import Search
-    from meshc.compiler.cost.planner_compiled import plan_compiled
+    from meshc.compiler.planner.search import Search
+    from meshc.compiler.planner.compiled import plan_compiled
 
     search = Search(zero=(0, 1, 2, 3), remat=("none", "full"), schedules=("1f1b", "gpipe", "zb-h1"),
                     microbatches=(1, 2, 4), sequence_parallel=(False, True), vocab_parallel=(False,),

@@ -86,7 +86,7 @@ def build_passes(program: Program) -> list[tuple[str, PassFn]]:
 
 def run_passes(program: Program, passes: list[tuple[str, PassFn]] | None = None) -> Program:
     """Run `passes` (default: `build_passes(program)`) and return the final program with its pass log."""
-    from meshc.compiler.report.show import format_graph
+    from meshc.compiler.ir.show import format_graph
     from meshc.compiler.verify import verify
 
     passes = build_passes(program) if passes is None else passes

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from meshc.api import compile
     from meshc.dynamo_backend import backend, last_compiled
     from meshc.compiler.ir.plan import Plan
-    from meshc.compiler.report.show import show
+    from meshc.compiler.ir.show import show
     from meshc.job import Job
     from meshc.runtime.checkpoint.init_weights import init_weights
     from meshc.runtime.mesh import Mesh, mesh
@@ -38,7 +38,7 @@ def _load(name: str):  # noqa: C901 - one branch per lazy name
     elif name == "Plan":
         from meshc.compiler.ir.plan import Plan as value
     elif name == "show":
-        from meshc.compiler.report.show import show as value
+        from meshc.compiler.ir.show import show as value
     elif name == "Job":
         from meshc.job import Job as value
     elif name == "Mesh":

@@ -20,7 +20,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, *, example_inputs: Any, example_
     `example_inputs` is this rank's dp-local batch (a tensor or a tuple of positional inputs), as the
     job will be called; `example_kwargs` holds keyword inputs if the model takes any. `plan="auto"` lets
     the planner choose ZeRO stage, micro-batches, schedule and remat for this mesh by predicted step time
-    (compiler/cost/planner_compiled.auto_plan, on the hardware profile of this device or the calibrated CPU).
+    (compiler/planner/compiled.auto_plan, on the hardware profile of this device or the calibrated CPU).
     """
     if not isinstance(model, torch.nn.Module):
         raise MeshcTypeError(f"meshc.compile: expected an nn.Module, got {type(model).__name__}")
@@ -33,7 +33,7 @@ def compile(model: torch.nn.Module, mesh: Mesh, *, example_inputs: Any, example_
                              f"and dtypes are what is compiled), got {type(example_inputs).__name__}; pass a batch "
                              "as the job will be called, e.g. example_inputs=(tokens,)")
     if isinstance(plan, str) and plan == "auto":  # the planner chooses, for this model on this mesh
-        from meshc.compiler.cost.planner_compiled import auto_plan
+        from meshc.compiler.planner.compiled import auto_plan
 
         plan, _ = auto_plan(model, mesh, args, dict(example_kwargs or {}))
     if not isinstance(plan, Plan):

@@ -30,7 +30,7 @@ import torch
 import meshc
 from meshc import models
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.report.show import format_graph
+from meshc.compiler.ir.show import format_graph
 from meshc.compiler.ir.mesh_spec import parse_sizes
 
 

@@ -28,7 +28,7 @@ from meshc.compiler.report.explain import explain
 from meshc.compiler.cost.hardware import load as load_hardware
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.report.html import write_report
-from meshc.compiler.report.show import format_graph
+from meshc.compiler.ir.show import format_graph
 from meshc.compiler.ir.mesh_spec import MeshSpec, parse_sizes
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -304,7 +304,7 @@ class Job:
 
     def save(self, path, *, step: int = 0, extra: dict | None = None, optimizers=None) -> str:
         """Write parameters, optimizer states (of the job's live optimizers, or `optimizers`), RNG states and
-        `step`/`extra` (JSON) to the folder `path`, each rank its own shards (a collective). See checkpoint.py."""
+        `step`/`extra` (JSON) to the folder `path`, each rank its own shards (a collective). See runtime/checkpoint/save_load.py."""
         from meshc.runtime.checkpoint.save_load import save  # torch.distributed.checkpoint takes ~1 s to import: only when used
 
         return save(self, path, step=step, extra=extra, optimizers=optimizers)
@@ -391,7 +391,7 @@ class Job:
 
     def _offload_lines(self, live: list) -> tuple[list[str], Any]:
         """explain()'s lines on Plan.offload, and what tells a resident state from an offloaded one."""
-        from meshc.compiler.report.show import human_bytes
+        from meshc.compiler.ir.show import human_bytes
         from meshc.runtime.zero.offload import of as offload_of
 
         plan = self.plan

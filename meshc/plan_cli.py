@@ -23,8 +23,8 @@ import torch
 from meshc import models
 from meshc.compiler.cost.hardware import default_cpu_path, load
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.cost.planner import Search, plan_model
-from meshc.compiler.cost.planner_compiled import plan_compiled
+from meshc.compiler.planner.search import Search, plan_model
+from meshc.compiler.planner.compiled import plan_compiled
 from meshc.compiler.report.plans import write_plans
 
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -115,7 +115,7 @@ def _offload_trade(best, shape, gpus: int, batch: int, hw, memory, search) -> st
     """The trade of the offloaded best plan: the fewest devices (doubling) on which a plan fits without offload."""
     import dataclasses
 
-    from meshc.compiler.report.show import human_bytes
+    from meshc.compiler.ir.show import human_bytes
 
     plain = dataclasses.replace(search, offload=False)
     step = best.estimate.step_time

@@ -46,7 +46,7 @@ def _nodes(gm: torch.fx.GraphModule) -> list:
     return [*gm.graph.nodes, *(n for r in _regions(gm) for n in r.block.graph.nodes)]
 
 
-def record(job, mesh, ops: Counting) -> dict:
+def record(job, mesh, ops: Counting | None = None) -> dict:
     """This rank's effects: held bytes (job.held_bytes), the pipeline actions of the last step as (kind, stage,
     micro-batch), what the graphs it runs call (remat regions; collective matmuls and fused-kernel sites, inside
     the regions too: a kernel node, or a ZeRO gather/reduce flagged fused), the kernels `ops` counted in a step,
@@ -54,7 +54,8 @@ def record(job, mesh, ops: Counting) -> dict:
     actions = [a[:3] for a in job.pipeline_actions() or []]
     graphs = _graphs(job, actions)
     calls = [n for gm in graphs for n in _nodes(gm) if n.op == "call_function"]
-    return {"held": job.held_bytes(), "actions": actions, "coords": mesh.coords(), "kernels": ops.kernels,
+    return {"held": job.held_bytes(), "actions": actions, "coords": mesh.coords(),
+            "kernels": None if ops is None else ops.kernels,
             "kernel_sites": sum(1 for n in calls if getattr(n.target, "__module__", "").startswith("meshc.kernels")
                                 or n.kwargs.get("fused") is True),
             "collective_matmuls": sum(1 for n in calls if n.target in COLLECTIVE_MATMULS),
@@ -62,6 +63,10 @@ def record(job, mesh, ops: Counting) -> dict:
             "local_shapes": {fqn: tuple(p.shape) for fqn, p in job.named_parameters()}}
 
 
-def schedule_actions(name: str, pp: int, microbatches: int, virtual: int | None, coord: int) -> list[tuple]:
-    """(kind, stage, micro-batch) of the compute actions the named schedule gives pp rank `coord`, in order."""
-    return [(a.kind, a.stage, a.microbatch) for a in named_schedule(name, pp, microbatches, virtual).actions[coord]]
+def expected_actions(name: str, pp: int, microbatches: int, virtual: int | None, coord: int) -> list[tuple]:
+    """(kind, stage, micro-batch) of the compute actions the named schedule gives pp rank `coord`, in order; none
+    where a job runs no pipeline (one stage, one micro-batch). `virtual` None: the schedule's own."""
+    sched = named_schedule(name, pp, microbatches, virtual)
+    if sched.num_stages == 1 and microbatches == 1:
+        return []
+    return [(a.kind, a.stage, a.microbatch) for a in sched.actions[coord]]

@@ -10,7 +10,7 @@ import functools
 import torch
 
 import meshc
-from tests import zoo
+from tests import effects, zoo
 
 LR = 1e-3
 
@@ -57,9 +57,7 @@ def meshc_rank(model: str, steps: int, batch: int, mesh_sizes: dict | None = Non
         losses.append(loss.item())
     params = job.state_dict()
     return {"losses": losses, "grads0": grads0, "params": params, "report": str(job.explain()),
-            "local_shapes": {fqn: tuple(p.shape) for fqn, p in job.named_parameters()},
-            "coords": mesh.coords(), "held": job.held_bytes(),  # what this rank holds, measured
-            "actions": [a[:3] for a in job.pipeline_actions() or []]}  # (kind, stage, micro-batch) it ran last step
+            **effects.record(job, mesh)}  # what this rank holds and ran: local shapes, held bytes, actions, ...
 
 
 def _optimizer_args(name: str):

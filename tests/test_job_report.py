@@ -15,7 +15,7 @@ import torch
 import meshc
 from meshc import models
 from meshc.compiler.report.html import MEMORY_PARTS
-from meshc.compiler.report.show import human_bytes
+from meshc.compiler.ir.show import human_bytes
 from tests import cdp
 from tests.harness import run_ranks
 

@@ -1,1 +1,1 @@
-"""The cost model (closed-form formulas and the compiled graphs' estimate), hardware profiles, the planner."""
+"""The cost model (closed-form formulas and the compiled graphs' estimate) and hardware profiles."""

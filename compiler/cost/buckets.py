@@ -11,11 +11,11 @@ backward can hide them behind (hardware.overlap: 1 on GPUs, 0 on gloo on CPUs):
 
 Few large buckets pay the latency α fewer times; small ones leave less for after backward. The candidates
 are 1, 2, 4, ..., 1024 MiB, and the choice is the smallest whose exposed time is within 5% of the least:
-buckets hold 2 b bytes of buffers (cost_graph._buffers), so no larger than what pays.
+buckets hold 2 b bytes of buffers (compiled._buffers), so no larger than what pays.
 
 Before the passes, G is the trainable parameters' bytes (in Plan.reduce_dtype where set) over tp x pp (what one
 rank's grad_sync reduces; ZeRO-2/3 reduce theirs in their own buckets, Plan.zero_bucket_mb) and the backward 2/3
-of the traced graph's compute (cost_graph.graph_cost) over tp x pp: one micro-batch's, the least a bucket can
+of the traced graph's compute (compiled.graph_cost) over tp x pp: one micro-batch's, the least a bucket can
 hide behind.
 """
 from __future__ import annotations

@@ -21,7 +21,7 @@ extras are paid per W action of the stage (m under ZB-H1 and ZBV; DualPipeV spli
 Context parallelism: a context attention (passes/context.py) computes (local queries against every key) and
 communicates (its CommRecords on axis cp: cp consecutive dp ranks, tp apart); it saves its inputs and output, and
 all-gathered the whole K, V. A "ring" record is `count` α-β `send`s of `bytes` on the group's link, each hidden
-behind one block of the attention (its FLOPs / cp, twice that backward) as far as `overlap` allows (cost_cp.py).
+behind one block of the attention (its FLOPs / cp, twice that backward) as far as `overlap` allows (cp.py).
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Context parallelism's part of the cost model's formulas (compiler/cost/formulas.py): the attention's traffic on cp.
 
-Kept apart from cost.py to keep that file small; cost.py imports these symbols and terms into its formulas.
+Kept apart from formulas.py to keep that file small; formulas.py imports these symbols and terms into its formulas.
 The compiled path prices the same traffic from the CommRecords passes/context.py puts on each context
 attention (compiler/cost/compiled.py).
 
-Terms (symbols, beside cost.py's): c the cp size (c consecutive dp ranks share one batch slice and split each
+Terms (symbols, beside formulas.py's): c the cp size (c consecutive dp ranks share one batch slice and split each
 of its sequences; N counts them, so b = B/(N·m), fractional where c > 1, is already one rank's share and s·b
 its tokens per micro-batch: activations and FLOPs need no other change); u_c = [c > 1]; x_c = [the cp group,
 c ranks t apart, spans nodes]; r_c, g_c = [Plan.cp_attention is "ring", "all_gather"] (all_to_all where
@@ -17,7 +17,7 @@ tokens, kv = 2·T·(k·h/a)/c_kv·cb its K and V, q = T·h/t·cb its queries, A 
               in fp32). Each hop overlaps one block of attention, A/c FLOPs forward and 2A/c backward, as far
               as the profile's `overlap` ω allows:
                   exposed (c−1)·max(0, send(kv) − ω·κ·A/(c·F)) + (c−1)·max(0, send(kv') − ω·κ·2A/(c·F))
-              (causal skipping is not discounted, as the FLOPs count of cost.py and cost_graph does not).
+              (causal skipping is not discounted, as the FLOPs count of formulas.py and compiled.py does not).
   all_gather  forward an all-gather of kv, backward a reduce-scatter of c·kv; no overlap. Without remat the
               gathered K and V stay saved for backward: + (c−1)·kv activations per layer.
   all_to_all  (DeepSpeed-Ulysses) forward one all-to-all of 2q + kv' (q in and the output back; K, V in),

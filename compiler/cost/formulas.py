@@ -216,7 +216,7 @@ class Estimate:
         return float(self.memory["params"] + self.memory["grads"] + self.memory["optimizer"])
 
     def lines(self) -> list[str]:
-        from meshc.compiler.report.show import human_bytes
+        from meshc.compiler.ir.show import human_bytes
 
         mem = ", ".join(f"{key} {human_bytes(value)}" for key, value in self.memory.items() if value)
         tim = ", ".join(f"{key} {_seconds(value)}" for key, value in self.time.items() if value > 0)
@@ -305,7 +305,7 @@ def _coll(hw: Hardware, kind: str, n, payload, crossing):
 def formulas(hw: Hardware, flags, inline: bool = True) -> dict[str, sympy.Expr]:
     """Every part of memory (of the first and of the last pp rank) and of step time as a sympy expression
     (hardware constants as numbers). Not `inline`: a layer's cp terms stand as the symbols CP_TERMS, which
-    formula_values evaluates apart (cost_cp.cp_numbers), so that plans without cp pay nothing for them."""
+    formula_values evaluates apart (cp.cp_numbers), so that plans without cp pay nothing for them."""
     gated, tied, *_ = flags
     b, t_sp, v_div = B / (N * m), 1 + sp * (t - 1), 1 + vp * (t - 1)
     first, last, layer = _stage_params(flags)
@@ -319,7 +319,7 @@ def formulas(hw: Hardware, flags, inline: bool = True) -> dict[str, sympy.Expr]:
               for x in (first, last))
     psi = Max(first, last, evaluate=False) - experts
     boundary = s * b * h * cb / t_sp
-    bucket = Min(25 * 2**20, psi * gb, evaluate=False)  # the compiled path sizes buckets per device (cost_buckets)
+    bucket = Min(25 * 2**20, psi * gb, evaluate=False)  # the compiled path sizes buckets per device (cost/buckets.py)
     buffers = (1 - zz) * 2 * bucket * u_n + z2 * bucket + z3 * (2 * layer * pb + V * h / v_div * pb) + u_p * 2 * boundary
     # time of one micro-batch on the busiest stage
     mm = 2 * h * h / t + 2 * h * kvd / c_kv + K * (3 if gated else 2) * h * f / t

@@ -21,7 +21,7 @@ import dataclasses
 
 from meshc.compiler.cost.formulas import Estimate
 from meshc.compiler.cost.hardware import Hardware
-from meshc.compiler.report.show import human_bytes
+from meshc.compiler.ir.show import human_bytes
 
 KINDS = ("cpu", "nvme")
 POOL_MIN, POOL_MAX, POOL_FRACTION = 2**20, 64 * 2**20, 32

@@ -19,7 +19,7 @@ CP_ATTENTION = ("ring", "all_gather", "all_to_all")
 TP_STYLES = ("colwise", "rowwise", "vocab", "replicate")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv", "dualpipev")
 SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev")  # schedules that run backwards as input- and weight-gradient halves
-DEFAULT_BUCKET_MB = 25.0  # gradient bucket MiB where the cost model has nothing to decide (cost_buckets)
+DEFAULT_BUCKET_MB = 25.0  # gradient bucket MiB where the cost model has nothing to decide (compiler/cost/buckets.py)
 
 
 @dataclass(frozen=True)

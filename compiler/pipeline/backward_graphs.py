@@ -61,5 +61,5 @@ def _tensor(node: fx.Node) -> bool:
 def _alias(graph: fx.Graph, value: fx.Node) -> fx.Node:
     node = graph.call_function(ALIAS, (value,))
     node.meta.update({k: v for k, v in value.meta.items() if k == "val" or k.startswith("meshc.")})
-    node.meta["meshc.why"] = "zb_split: a node of its own for this parameter use (weight gradient apart)"
+    node.meta["meshc.why"] = "backward_graphs: a node of its own for this parameter use (weight gradient apart)"
     return node

@@ -1,1 +1,1 @@
-"""What a compiled job shows a person: explain(), show(), the HTML report, its graph, the plans page."""
+"""What a compiled job shows a person: explain(), the HTML report, its graph, the plans page."""

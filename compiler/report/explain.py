@@ -17,7 +17,7 @@ from meshc.compiler.ir.coverage import coverage
 from meshc.compiler.ir.fx_ops import op_label
 from meshc.compiler.ir.placement import format_placements
 from meshc.compiler.ir.program import CommRecord, Program
-from meshc.compiler.report.show import human_bytes
+from meshc.compiler.ir.show import human_bytes
 
 
 @dataclass

@@ -24,7 +24,7 @@ from meshc.compiler.compile import passes_for_rank
 from meshc.compiler.ir.placement import format_placements
 from meshc.compiler.ir.program import COMM, PLACEMENT, SHAPE, WHY
 from meshc.compiler.pipeline.rank_plan import PipelinePlan
-from meshc.compiler.report.show import human_bytes
+from meshc.compiler.ir.show import human_bytes
 
 MAX_GRAPH_RANKS = 16  # representative ranks compiled for the picker (the page grows by one graph per distinct one)
 e = html.escape

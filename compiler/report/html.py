@@ -37,7 +37,7 @@ from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.placement import format_placements
 from meshc.compiler.ir.program import COMM, CommRecord
 from meshc.compiler.ir.schedule_sim import simulate
-from meshc.compiler.report.show import human_bytes
+from meshc.compiler.ir.show import human_bytes
 
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers")
 PART_COLOURS = {"params": "#4e79a7", "grads": "#f28e2b", "optimizer": "#59a14f", "activations": "#e15759",

@@ -1,6 +1,6 @@
 """`meshc plan --html plans.html`: the planner's candidates as one self-contained page (the report's CSS).
 
-One row per plan the planner scored (compiler/cost/planner.py's PlanResult): those that fit, by rank, the chosen one
+One row per plan the planner scored (compiler/planner/search.py's PlanResult): those that fit, by rank, the chosen one
 (rank 1) marked, each with why it ranks where it does; then those that did not fit, leanest first, with the
 memory they need against what a rank has; then those that did not compile, with the error. Columns: mesh,
 plan options, predicted memory per rank (the fullest), predicted step time, rank or verdict, why. Under the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from meshc.compiler.report import assets as report_assets
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.report.show import human_bytes
+from meshc.compiler.ir.show import human_bytes
 
 MAX_ROWS = 2000  # ~250 bytes a row: ~0.5 MB at most
 e = html.escape

@@ -12,7 +12,7 @@ user's `extra` (JSON: the data position, a scheduler's state_dict()). Optimizer 
 parameter (Adam's exp_avg and exp_avg_sq, SGD's momentum) are resharded exactly as the parameter is; 0-d
 states (Adam's step) are stored once per parameter.
 
-Format and why (details in checkpoint_format.py): torch.distributed.checkpoint (DCP) writes and plans,
+Format and why (details in format.py): torch.distributed.checkpoint (DCP) writes and plans,
 each rank writing its own file in parallel; a local tensor is given to DCP as the boxes of the whole
 tensor it holds (ZeRO's flat padded shards are a few boxes each), so a loader on another plan (dp <->
 ZeRO-3, tp 2 -> 4, pp 2 -> 1, more or fewer ranks) reads exactly the overlapping parts with DCP's own

@@ -30,7 +30,7 @@ DIM, LAYERS, VOCAB, SEQ, BATCH = 128, 2, 256, 128, 8
 
 def _search():
     import meshc
-    from meshc.compiler.cost.planner import Search
+    from meshc.compiler.planner.search import Search
 
     # fusion off: the cost model charges a fused meshc kernel the bytes of one fused op, as its Triton
     # version runs on a GPU; on CPU its torch reference runs the ops it replaces and more (measured: a tp=2

@@ -15,7 +15,7 @@ from meshc.compiler.cost import formulas as cost
 from meshc.compiler.cost import hardware
 from meshc.compiler.cost.formulas import MIXED, formula_estimate, model_state_bytes
 from meshc.compiler.cost.compiled import comm_bytes, estimate_compiled, graph_cost, node_flops
-from meshc.compiler.cost.planner_compiled import plan_compiled
+from meshc.compiler.planner.compiled import plan_compiled
 from tests.compiler import cost_runs
 
 

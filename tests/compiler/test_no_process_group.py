@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from meshc.compiler.cost import hardware
-from meshc.compiler.cost.planner import Search
-from meshc.compiler.cost.planner_compiled import plan_compiled
+from meshc.compiler.planner.search import Search
+from meshc.compiler.planner.compiled import plan_compiled
 from meshc.explain_cli import simulate
 from tests import zoo
 

@@ -14,7 +14,7 @@ from meshc import models
 from meshc.compiler.cost import hardware
 from meshc.compiler.cost.compiled import estimate_compiled
 from meshc.compiler.cost.offload import with_offload
-from meshc.compiler.cost.planner import Search, plan_model
+from meshc.compiler.planner.search import Search, plan_model
 
 H100 = hardware.load("h100")
 BF16 = Search(param_dtype=torch.bfloat16, schedules=("1f1b", "zb-h1"), remat=("none", "full"))
@@ -178,7 +178,7 @@ def test_compile_auto_uses_the_best_plan(fake_mesh, monkeypatch, tmp_path):
     mesh = fake_mesh(dp=2)
     tokens = torch.zeros(4, 64, dtype=torch.long)
     job = meshc.compile(models.build("gpt-tiny"), mesh, example_inputs=(tokens,), plan="auto")
-    from meshc.compiler.cost.planner_compiled import auto_plan
+    from meshc.compiler.planner.compiled import auto_plan
 
     plan, result = auto_plan(models.build("gpt-tiny"), mesh, (tokens,), {})
     assert job.plan == plan == result.best.candidate.plan
@@ -268,7 +268,7 @@ class _MlpBlock(torch.nn.Module):
 def test_compiled_scoring_sees_what_tensor_parallelism_really_shards(block, tp_share):
     """The compiled path prices tp from the sharded graph, not from a formula that assumes every block splits:
     a model whose blocks stay whole on tp gets no memory or FLOPs back from tp=2; an MLP gets half."""
-    from meshc.compiler.cost.planner_compiled import _traced, estimate_plan
+    from meshc.compiler.planner.compiled import _traced, estimate_plan
     from meshc.compiler.ir.mesh_spec import MeshSpec
 
     torch.manual_seed(0)
@@ -283,7 +283,7 @@ def test_one_microbatch_schedules_are_enumerated_once():
     """With one micro-batch, GPipe's and 1F1B's actions are the same (each rank's F, then its B): the search
     offers that plan once (as 1F1B), so neither the ranking nor a measured suite holds a duplicate; with more
     micro-batches both stay, and zero-bubble (a split backward) stays at m = 1."""
-    from meshc.compiler.cost.planner import Search, plans_for
+    from meshc.compiler.planner.search import Search, plans_for
 
     search = Search(zero=(0,), remat=("none",), schedules=("1f1b", "gpipe", "zb-h1"), microbatches=(1, 2))
     plans = list(plans_for((1, 1, 2), 8, search))
@@ -295,7 +295,7 @@ def test_zbv_is_enumerated_where_each_rank_gets_two_stages():
     """ZBV runs 2·pp stages: offered (with virtual=2, at every micro-batch count) only to a model with at least
     2·pp layers, and never with selective recompute (its I and W halves run backward twice); DualPipeV likewise,
     from 2·pp micro-batches."""
-    from meshc.compiler.cost.planner import Search, plans_for
+    from meshc.compiler.planner.search import Search, plans_for
 
     search = Search(zero=(0,), remat=("none", "selective"), schedules=("zbv",), microbatches=(1, 3))
     plans = list(plans_for((1, 1, 2), 6, search, layers=4))

@@ -12,8 +12,8 @@ import meshc
 from meshc import models, plan_cli
 from meshc.compiler.cost.hardware import load
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.cost.planner import Search, plan_model
-from meshc.compiler.cost.planner_compiled import _score_pruned
+from meshc.compiler.planner.search import Search, plan_model
+from meshc.compiler.planner.compiled import _score_pruned
 from meshc.compiler.report.plans import plans_html, write_plans
 
 

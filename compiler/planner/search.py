@@ -6,7 +6,7 @@ and vocabulary parallelism, and context parallelism's attention (Plan.cp_attenti
 model (compiler/cost/formulas.py): by its formulas from the model's sizes for any number of ranks
 (`plan_model`), or by compiling the real graph for a simulated rank of each mesh (`plan_compiled`), or,
 inside a running job, for the job's own mesh (`auto_plan`, behind `meshc.compile(..., plan="auto")`); those
-two live in compiler/cost/planner_compiled.py.
+two live in compiler/planner/compiled.py.
 
 Nothing here encodes a rule such as "tensor parallelism inside a node": a tp group that spans nodes is
 slow because the cost model gives it the inter-node link's bandwidth, so plans with it rank lower.
@@ -39,7 +39,7 @@ from meshc.compiler.cost.hardware import Hardware
 from meshc.compiler.cost.offload import KINDS, with_offload
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.plan import SPLIT_BACKWARD, V_SHAPED, Plan
-from meshc.compiler.report.show import human_bytes
+from meshc.compiler.ir.show import human_bytes
 
 log = logging.getLogger("meshc.planner")
 WHY = {"compute": "compute per rank", "recompute": "recomputation ({remat} remat)",

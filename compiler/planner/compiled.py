@@ -1,6 +1,6 @@
 """The planner's compiled path: each candidate plan scored on the real graph of a simulated rank
 (`plan_compiled`, over every mesh of a world size), or of a running job's own rank (`auto_plan`, behind
-`meshc.compile(..., plan="auto")`). Enumeration, ranking and the formula path: compiler/cost/planner.py.
+`meshc.compile(..., plan="auto")`). Enumeration, ranking and the formula path: compiler/planner/search.py.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Callable
 from meshc.compiler.cost.formulas import Estimate
 from meshc.compiler.cost.hardware import Hardware
 from meshc.compiler.ir.plan import Plan
-from meshc.compiler.cost.planner import Candidate, PlanResult, Search, _candidate, meshes, plans_for, rank, usable_memory
+from meshc.compiler.planner.search import Candidate, PlanResult, Search, _candidate, meshes, plans_for, rank, usable_memory
 
 log = logging.getLogger("meshc.planner")
 
