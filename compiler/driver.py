@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import Callable, Iterator
 import torch
 import torch.fx as fx
 
-from meshc.compiler.ir.errors import MeshcError, MeshcInternalError, MeshcValueError
+from meshc.compiler.ir.errors import MeshcError, MeshcInternalError, MeshcValueError, meshc_folders
 from meshc.compiler.ir.fx_ops import op_label
 from meshc.compiler.ir.program import Program
 
@@ -172,7 +171,7 @@ def _failing_node(tb) -> fx.Node | None:
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
-    ours = _package_folders()
+    ours = meshc_folders()
     for frame in reversed(frames):
         if os.path.abspath(frame.f_code.co_filename).startswith(ours):
             for name in ("node", "n"):
@@ -182,13 +181,6 @@ def _failing_node(tb) -> fx.Node | None:
         if isinstance(frame.f_locals.get("node"), fx.Node):
             return frame.f_locals["node"]
     return None
-
-
-def _package_folders() -> tuple[str, ...]:
-    folders = []
-    for name in ("meshc", "meshc.compiler", "meshc.passes", "meshc.kernels", "meshc.runtime"):
-        folders += [os.path.abspath(p) + os.sep for p in getattr(sys.modules.get(name), "__path__", ())]
-    return tuple(folders) or (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
 
 
 def _source(node: fx.Node) -> str:

@@ -47,10 +47,11 @@ class MeshcWarning(UserWarning):
 # The folders of meshc's packages (pyproject maps five folders to meshc.*), found from the loaded
 # modules, so an installed copy works as a checkout does. torch's own frames are skipped as well: under
 # torch.compile the caller of meshc's backend is Dynamo, whose caller is the user's code.
-_PACKAGES = ("meshc", "meshc.compiler", "meshc.passes", "meshc.kernels", "meshc.runtime", "torch")
+_PACKAGES = ("meshc", "meshc.compiler", "meshc.passes", "meshc.kernels", "meshc.runtime")
 
 
-def _internal_folders() -> tuple[str, ...]:
+def meshc_folders() -> tuple[str, ...]:
+    """The folders of meshc's own packages, each ending in os.sep."""
     folders = {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # compiler/, where this file is
     for name in _PACKAGES:
         for path in getattr(sys.modules.get(name), "__path__", ()):
@@ -58,17 +59,25 @@ def _internal_folders() -> tuple[str, ...]:
     return tuple(folder + os.sep for folder in folders)
 
 
+def internal_folders() -> tuple[str, ...]:
+    """meshc's folders and torch's: what lies between the user's code and an error meshc reports."""
+    import torch
+
+    return (*meshc_folders(), *(os.path.abspath(p) + os.sep for p in torch.__path__))
+
+
 def user_stacklevel() -> int:
     """The `stacklevel` that makes a warnings.warn called by the caller of this function report the first
     frame outside meshc and torch (and outside FX's generated code): the user's line that led there."""
-    folders = _internal_folders()
+    folders = internal_folders()
     frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and _is_internal(frame.f_code.co_filename, folders):
+    while frame.f_back is not None and is_internal(frame.f_code.co_filename, folders):
         frame, level = frame.f_back, level + 1
     return level
 
 
-def _is_internal(filename: str, folders: tuple[str, ...]) -> bool:
+def is_internal(filename: str, folders: tuple[str, ...]) -> bool:
+    """Whether a frame's file is meshc's or torch's (`folders`: internal_folders()), or FX's generated code."""
     return filename.startswith("<eval_with_key>") or os.path.abspath(filename).startswith(folders)
 
 

@@ -12,7 +12,6 @@ torch.export; they are merged here into one placeholder under the canonical FQN 
 from __future__ import annotations
 
 import logging
-import os
 import time
 import traceback
 from typing import Any
@@ -24,15 +23,12 @@ from torch.export.graph_signature import InputKind, OutputKind
 from meshc.compiler.trace.autograd_functions import functions_as_ops
 from meshc.compiler.trace.constant_indices import slices_for_constant_indices
 from meshc.compiler.trace.elementwise_functions import annotate_elementwise
-from meshc.compiler.ir.errors import MeshcValueError, TraceError
+from meshc.compiler.ir.errors import MeshcValueError, TraceError, internal_folders, is_internal
 from meshc.compiler.ir.mesh_spec import as_spec
 from meshc.compiler.ir.program import ParamSpec, Program, replicated
 
 log = logging.getLogger("meshc.trace")
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_MESHC_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # compiler/trace/ -> root
-_MESHC_DIRS = tuple(os.path.join(_MESHC_ROOT, d) + os.sep for d in ("meshc", "compiler", "passes", "kernels", "runtime"))
 
 
 def export(model: torch.nn.Module, args: tuple, kwargs: dict,
@@ -304,10 +300,9 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
 
 def _user_frame(error: BaseException) -> str | None:
     """The innermost frame of the traceback that is model code (not torch's, not meshc's)."""
-    frames = traceback.extract_tb(error.__traceback__)
+    frames, folders = traceback.extract_tb(error.__traceback__), internal_folders()
     for frame in reversed(frames):
-        path = os.path.abspath(frame.filename)
-        if path.startswith(_TORCH_DIR) or path.startswith(_MESHC_DIRS) or frame.filename.startswith("<"):
+        if frame.filename.startswith("<") or is_internal(frame.filename, folders):
             continue
         code = f": `{frame.line.strip()}`" if frame.line else ""
         return f"{frame.filename}:{frame.lineno} in {frame.name}{code}"
