@@ -35,18 +35,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import table  # noqa: E402
 
-CASES = {"dp": {"dp": 2, "zero": 0}, "zero3": {"dp": 2, "zero": 3}, "tp": {"tp": 2}, "pp": {"pp": 2, "microbatches": 2}}
-
-
-def _find(candidates, runs, **want) -> dict:
-    """Rank 0's run of the candidate whose mesh sizes and Plan fields are `want`."""
-    for i, (sizes, plan) in enumerate(candidates):
-        d = dict(sizes)
-        if all((d.get(k) if k in d else getattr(plan, k)) == v for k, v in want.items()):
-            return runs[0]["plans"][i]
-    raise SystemExit(f"no candidate {want} among {[c[0] for c in candidates]}")
-
-
 def main() -> None:
     from meshc.compiler.cost import hardware
     from meshc.compiler.planner.compiled import plan_compiled
@@ -60,8 +48,8 @@ def main() -> None:
     load, cores = runs[0]["load"], os.cpu_count() or 1
     tolerance = 0.3 if load <= cores + 1 else 0.65
     rows = []
-    for case, want in CASES.items():
-        run = _find(candidates, runs, **want)
+    for case, want in cost_runs.CASES.items():
+        run = runs[0]["plans"][cost_runs.index_of(candidates, **want)]
         rows.append({"case": case, "predicted (ms)": run["estimate"].step_time * 1e3,
                      "measured (ms)": run["seconds"] * 1e3, "predicted / measured": run["ratio"],
                      "within": "yes" if abs(run["ratio"] - 1) <= tolerance else "NO"})

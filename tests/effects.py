@@ -8,6 +8,8 @@ no effect (a plan that shards nothing, fuses nothing or offloads nothing trains 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from meshc.compiler.ir import torch_compat as compat
@@ -61,6 +63,13 @@ def record(job, mesh, ops: Counting | None = None) -> dict:
             "collective_matmuls": sum(1 for n in calls if n.target in COLLECTIVE_MATMULS),
             "remat": sum(len(_regions(gm)) for gm in graphs),
             "local_shapes": {fqn: tuple(p.shape) for fqn, p in job.named_parameters()}}
+
+
+def held_share(ran: dict, model: torch.nn.Module) -> float:
+    """The elements this rank holds (its local shapes) over those of the whole parameters they belong to: about
+    1/dp under ZeRO's shards, about 1/tp of the blocks under tp, 1 when nothing of its own is split."""
+    full = {n: p.numel() for n, p in model.named_parameters()}
+    return sum(math.prod(s) for s in ran["local_shapes"].values()) / sum(full[n] for n in ran["local_shapes"])
 
 
 def expected_actions(name: str, pp: int, microbatches: int, virtual: int | None, coord: int) -> list[tuple]:

@@ -83,10 +83,8 @@ def _rank(candidates: list[tuple[dict, object]]) -> dict:
 
     import meshc
     from meshc import calibrate
-    from meshc.compiler.cost.compiled import comm_bytes, estimate_compiled
+    from meshc.compiler.cost.compiled import estimate_compiled
     from meshc.compiler.cost.hardware import Hardware
-    from meshc.runtime.monitor.census import CommCensus
-    from tests import zoo
 
     torch.set_num_threads(1)
     base = meshc.mesh(timeout_s=120)
@@ -121,17 +119,26 @@ def _rank(candidates: list[tuple[dict, object]]) -> dict:
                 for c, lk in zip(computes, links)]
     out = {"hardware": hw.to_dict(), "plans": [], "load": max(load, os.getloadavg()[0])}
     for i, (job, opt, step, mesh, xs, ys) in enumerate(jobs):
-        job.step(xs, ys, zoo.lm_loss)  # gradients held, Adam's states exist: what held_bytes measures
-        held = job.held_bytes()
-        opt.zero_grad()
-        with CommCensus(mesh) as census:
-            step()
-        estimate = estimate_compiled(job.compiled, hw, own_rank=True)
         ratios = [estimate_compiled(job.compiled, h).step_time / t for h, t in zip(by_round, times[i])]
-        predicted_bytes = comm_bytes(job.program, job.compiled.pipeline)
         out["plans"].append({"seconds": statistics.median(times[i]), "ratio": statistics.median(ratios),
-                             "held": held, "census": census.by_kind(), "estimate": estimate, "bytes": predicted_bytes})
+                             **_counts(job, opt, step, mesh, xs, ys, hw)})
     return out
+
+
+def _counts(job, opt, step, mesh, xs, ys, hw) -> dict:
+    """One plan's untimed counts: the bytes it holds after a step (gradients held, Adam's states made), the
+    collectives a further step runs (CommCensus), the bytes the compiled graphs predict, the estimate on `hw`."""
+    from meshc.compiler.cost.compiled import comm_bytes, estimate_compiled
+    from meshc.runtime.monitor.census import CommCensus
+    from tests import zoo
+
+    job.step(xs, ys, zoo.lm_loss)
+    held = job.held_bytes()
+    opt.zero_grad()
+    with CommCensus(mesh) as census:
+        step()
+    return {"held": held, "census": census.by_kind(), "bytes": comm_bytes(job.program, job.compiled.pipeline),
+            "estimate": estimate_compiled(job.compiled, hw, own_rank=True)}
 
 
 def _median_samples(rounds: list[dict]) -> dict:
@@ -141,23 +148,22 @@ def _median_samples(rounds: list[dict]) -> dict:
 
 
 def _count_rank(candidates: list[tuple[dict, object]]) -> list[dict]:
-    from meshc.compiler.cost.compiled import comm_bytes, estimate_compiled
-    from meshc.runtime.monitor.census import CommCensus
-    from tests import zoo
-
     torch.set_num_threads(1)
     x, y = batch()
-    out = []
-    for sizes, plan in candidates:
-        job, opt, step, mesh, xs, ys = compiled_step(sizes, plan, x, y, timeout_s=120)
-        job.step(xs, ys, zoo.lm_loss)  # gradients held, Adam's states exist: what held_bytes measures
-        held = job.held_bytes()
-        opt.zero_grad()
-        with CommCensus(mesh) as census:
-            step()
-        out.append({"held": held, "census": census.by_kind(), "bytes": comm_bytes(job.program, job.compiled.pipeline),
-                    "estimate": estimate_compiled(job.compiled, "cpu-default", own_rank=True)})
-    return out
+    return [_counts(*compiled_step(sizes, plan, x, y, timeout_s=120), "cpu-default") for sizes, plan in candidates]
+
+
+# The plans the cost tests and benchmarks/cost_speed.py measure, picked among the planner's candidates.
+CASES = {"dp": {"dp": 2, "zero": 0}, "zero3": {"dp": 2, "zero": 3}, "tp": {"tp": 2}, "pp": {"pp": 2, "microbatches": 2}}
+
+
+def index_of(candidates, **want) -> int:
+    """The index of the candidate whose mesh sizes and Plan fields are `want`."""
+    for i, (sizes, plan) in enumerate(candidates):
+        d = dict(sizes)
+        if all((d.get(k) if k in d else getattr(plan, k)) == v for k, v in want.items()):
+            return i
+    raise AssertionError(f"no candidate {want} among {[c[0] for c in candidates]}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -210,15 +210,7 @@ def test_compiled_activations_follow_remat(fake_mesh):
 
 
 # ------------------------------------------------------------------------------------------ on gloo
-CASES = {"dp": {"dp": 2, "zero": 0}, "zero3": {"dp": 2, "zero": 3}, "tp": {"tp": 2}, "pp": {"pp": 2, "microbatches": 2}}
-
-
-def _index(candidates, **want) -> int:
-    for i, (sizes, plan) in enumerate(candidates):
-        d = dict(sizes)
-        if all((d.get(k) if k in d else getattr(plan, k)) == v for k, v in want.items()):
-            return i
-    raise AssertionError(f"no candidate {want} among {[c[0] for c in candidates]}")
+CASES = cost_runs.CASES
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,7 +221,7 @@ def _counted():
     result = plan_compiled(cost_runs.model, lambda dp: (x[: x.shape[0] // dp],), 2, hardware.load("cpu-default"),
                            search=cost_runs.SEARCH)
     candidates = cost_runs.candidates_of(result)
-    chosen = tuple(candidates[_index(candidates, **want)] for want in CASES.values())
+    chosen = tuple(candidates[cost_runs.index_of(candidates, **want)] for want in CASES.values())
     runs = cost_runs.count(chosen)
     return {case: [r[i] for r in runs] for i, case in enumerate(CASES)}
 

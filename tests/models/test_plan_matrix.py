@@ -345,7 +345,7 @@ def _took_effect(case: dict, results: list[dict]) -> None:
     0.50 at dp2 with ZeRO, 1.00 without; 0.26-0.28 at dp2 x tp2 with ZeRO, 0.55 without; tp2 alone 0.51-0.59
     (norms whole); the optimizer's states are 8 bytes per local element (AdamW's two fp32 states), 0 offloaded."""
     tp, dp, pp, m = _size(case, "tp"), _size(case, "dp"), _size(case, "pp"), case["microbatches"]
-    full = {n: p.numel() for n, p in zoo.build(MODEL).named_parameters()}
+    model = zoo.build(MODEL)
     for rank, out in enumerate(results):
         ran = out["ran"]
         where = f"rank {rank} ({ran['coords']})"
@@ -362,10 +362,10 @@ def _took_effect(case: dict, results: list[dict]) -> None:
             assert ran["collective_matmuls"] == 0, f"{where}: collective matmuls without Plan.collective_matmul"
         local = sum(math.prod(s) for s in ran["local_shapes"].values())
         if tp > 1 and case["zero"] < 3:  # over the blocks this rank holds
-            covered = parity.block_coverage(ran["local_shapes"], zoo.build(MODEL), tp, held_only=True)
+            covered = parity.block_coverage(ran["local_shapes"], model, tp, held_only=True)
             assert covered >= 0.9, f"{where}: {covered:.2f} of its blocks' weight bytes sharded on tp"
         if dp > 1 and case["zero"] >= 1:  # the rank's parameters are its ZeRO shards: about 1/dp of its share
-            share = local / sum(full[n] for n in ran["local_shapes"])
+            share = effects.held_share(ran, model)
             assert share <= 1.1 / dp * (0.6 if tp > 1 else 1.0), f"{where}: holds {share:.3f} of its parameters"
         if case["zero"] >= 1 and case["offload"] == "none":  # AdamW's 2 fp32 states per element of those shards
             assert abs(ran["held"]["optimizer"] - 8 * local) <= 0.05 * 8 * local, \
