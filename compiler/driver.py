@@ -121,14 +121,17 @@ def run_passes(program: Program, passes: list[tuple[str, PassFn]] | None = None)
 
 def with_decisions(program: Program) -> Program:
     """The program with the choices its Plan leaves to the cost model made (compiler/cost/fusion.py,
-    compiler/cost/buckets.py) for its hardware profile (Program.hardware; None: the profile of the mesh's
+    compiler/cost/buckets.py, compiler/cost/inductor.py) for its hardware profile (Program.hardware; None: the profile of the mesh's
     device, hardware.for_device)."""
     from meshc.compiler.cost.buckets import decide_buckets
     from meshc.compiler.cost.fusion import decide
     from meshc.compiler.cost.hardware import for_device
+    from meshc.compiler.cost.inductor import decide_inductor
 
     hw = program.hardware or for_device(program.mesh.device_type)
-    return program.replace(hardware=hw, decisions={**decide(program, hw), "bucket_mb": decide_buckets(program, hw)})
+    decisions = {**decide(program, hw), "bucket_mb": decide_buckets(program, hw)}
+    decisions["inductor"] = decide_inductor(program, hw, decisions)
+    return program.replace(hardware=hw, decisions=decisions)
 
 
 # What a user can do about a failing pass while the bug is fixed, where there is something.

@@ -31,6 +31,7 @@ from meshc.compiler.ir.program import Program
 from meshc.compiler.pipeline.rank_plan import PipelinePlan
 from meshc.compiler.report.html import write_report
 
+from meshc.runtime.inductor import InductorPrograms
 from meshc.runtime.monitor import failures
 from meshc.runtime.monitor import trace as tracing
 from meshc.runtime.zero.param_store import ParamStore
@@ -57,6 +58,7 @@ class Job:
         self._store = ParamStore(program, tensors, mesh, keep=keep)
         self._params = self._store.masters
         self.zero_stats = ZeroStats()
+        self.inductor = InductorPrograms()  # what Inductor compiled for this job (stats: graphs, seconds)
         self._buffers: dict[str, torch.Tensor] = {}
         self._pending_buffers: set[str] = set()
         for fqn, spec in program.buffers.items():
@@ -84,7 +86,7 @@ class Job:
         flat, _ = compat.tree_flatten((args, kwargs))
         flat = [self._input(x) for x in flat]
         values = self._store.graph_inputs(program) + [self._buffers[f] for f in program.buffers]
-        gm = tracing.marked(program.gm)  # with module marks while job.trace records
+        gm = self._runnable(program)
         if self.plan.zero >= 2:  # gathered parameters recomputed in backward; ZeRO-2 master gradients
             self.zero_stats = ZeroStats()
             with ZeroContext(self._params, self.zero_stats, release=self._release_pages()):
@@ -96,6 +98,14 @@ class Job:
             for fqn, value in zip(program.mutated_buffers, outs[:n]):
                 self._buffers[fqn].copy_(value)
         return compat.tree_unflatten(list(outs[n:]), program.out_spec)
+
+    def _runnable(self, program: Program):
+        """What runs `program`: Inductor's code where the plan's decision says so (runtime/inductor.py), else the
+        FX graph itself (with module marks while job.trace records)."""
+        decision = program.decisions.get("inductor")
+        if decision is not None and decision.value:
+            return self.inductor.runner(program.gm, "program")
+        return tracing.marked(program.gm)
 
     def _release_pages(self):
         """With Plan.offload_params: what drops the pages of parameter shards ZeRO-3's gathers read (offload.py)."""
@@ -158,7 +168,9 @@ class Job:
             return ZeroContext(self._params, self.zero_stats, release=self._release_pages())
         if self.plan.zero >= 2:  # what this step's gathers did, as a step without pipeline stages reports it
             self.zero_stats = ZeroStats()
-        loss = self._pipe.step(flat, targets, loss_fn, values, zero_context if self.plan.zero >= 2 else None)
+        compiled = program.decisions["inductor"].value
+        runnable = (lambda stage: self.inductor.runner(stage.gm, f"stage {stage.index}")) if compiled else None
+        loss = self._pipe.step(flat, targets, loss_fn, values, zero_context if self.plan.zero >= 2 else None, runnable)
         specs = program.params
         holder = (lambda f: store.compute.get(f)) if self.plan.zero == 1 else (lambda f: store.masters.get(f))
         self._pipe.sum_tied(holder, lambda f: _grad_shape(store, specs[f], self.mesh), lambda f: _grad_dtype(store, specs[f]))
@@ -386,8 +398,9 @@ class Job:
         routing = self._routing.lines(self.mesh.coord("ep")) if getattr(self, "_routing", None) else []
         if routing:
             routing = ["rows received by this rank's experts in the last step:"] + routing
+        compiled = [self.inductor.stats.line()] if self.inductor.stats.programs else []
         return explain(getattr(self, "_last", self.program), live, self._layout, offload=lines, resident=resident,
-                       routing=routing)
+                       routing=routing, compiled=compiled)
 
     def _offload_lines(self, live: list) -> tuple[list[str], Any]:
         """explain()'s lines on Plan.offload, and what tells a resident state from an offloaded one."""

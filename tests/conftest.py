@@ -16,6 +16,10 @@ import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+# Inductor's FX-graph and AOTAutograd caches in a folder of the project's own (git-ignored): a program compiled by one
+# test (or rank, or run) is not compiled again by the next
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                              ".cache", "inductor"))
 # the cost model's choices (fusion, collective matmul, ...) from the built-in uncalibrated CPU profile, not from a
 # calibration this machine may have written to ~/.cache/meshc (a path that does not exist selects cpu-default)
 os.environ["MESHC_HARDWARE"] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "no-calibration.json")

@@ -8,6 +8,7 @@ no effect (a plan that shards nothing, fuses nothing or offloads nothing trains 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -52,7 +53,7 @@ def record(job, mesh, ops: Counting | None = None) -> dict:
     """This rank's effects: held bytes (job.held_bytes), the pipeline actions of the last step as (kind, stage,
     micro-batch), what the graphs it runs call (remat regions; collective matmuls and fused-kernel sites, inside
     the regions too: a kernel node, or a ZeRO gather/reduce flagged fused), the kernels `ops` counted in a step,
-    the local parameter shapes and the rank's mesh coordinates."""
+    the local parameter shapes, the rank's mesh coordinates and what Inductor compiled for it."""
     actions = [a[:3] for a in job.pipeline_actions() or []]
     graphs = _graphs(job, actions)
     calls = [n for gm in graphs for n in _nodes(gm) if n.op == "call_function"]
@@ -62,6 +63,7 @@ def record(job, mesh, ops: Counting | None = None) -> dict:
                                 or n.kwargs.get("fused") is True),
             "collective_matmuls": sum(1 for n in calls if n.target in COLLECTIVE_MATMULS),
             "remat": sum(len(_regions(gm)) for gm in graphs),
+            "inductor": dataclasses.asdict(job.inductor.stats),  # graphs Inductor compiled (forward, backward)
             "local_shapes": {fqn: tuple(p.shape) for fqn, p in job.named_parameters()}}
 
 

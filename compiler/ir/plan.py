@@ -26,7 +26,8 @@ DEFAULT_BUCKET_MB = 25.0  # gradient bucket MiB where the cost model has nothing
 class Decision:
     """One choice the compiler made for a Plan field left to it (or the user's value): what, and why.
 
-    Keys (Program.decisions): "fusion.<kernel>" for each fused kernel, "collective_matmul", "bucket_mb"."""
+    Keys (Program.decisions): "fusion.<kernel>" for each fused kernel, "collective_matmul", "bucket_mb",
+    "inductor"."""
 
     value: Any
     why: str
@@ -113,8 +114,14 @@ class Plan:
         offload_buffer_mb: the pool of offload buffers, in MiB (three buckets: one updating, one being read,
             one being written; parameters are cut into pieces to fit). None: 1/32 of the bytes offloaded,
             between 1 and 64 MiB.
-        inductor: under torch.compile(model, backend=meshc.backend(...)), Inductor compiles each per-rank
-            program (the regions between collectives become generated kernels; the collectives stay).
+        inductor: Inductor lowers each per-rank program, forward and backward (AOTAutograd's joint graph,
+            partitioned, compiled by compile_fx; the collectives stay functional collectives in the graphs). None
+            (default): the cost model's choice for the device (on on CUDA; off on CPU, where Inductor's code
+            measured no faster than eager and costs seconds of compile per program) wherever the plan's programs
+            are graphs Inductor can trace; True forces it (an error naming what blocks it where the plan has run-
+            time state: ZeRO-2/3, pipeline stages, experts, context parallelism, collective matmul, remat); False
+            runs the programs as FX code. explain() says which and why. Under torch.compile(model,
+            backend=meshc.backend(...)), True compiles each region's program.
         trace: "auto" tries non-strict torch.export and falls back to strict (TorchDynamo); "strict" or
             "non-strict" forces one. Non-strict comes first because it keeps user autograd.Functions'
             backward (strict export drops it: wrong gradients) and is several times faster.
@@ -151,7 +158,7 @@ class Plan:
     fusion: bool | None = None
     require_fusion: bool = False
     collective_matmul: bool | None = None
-    inductor: bool = False
+    inductor: bool | None = None
     offload: str | None = None
     offload_dir: str | None = None
     offload_params: bool = False
@@ -207,7 +214,7 @@ class Plan:
             raise MeshcValueError("Plan.reduce_dtype: expected zero >= 1 (ZeRO's reduce-scatters are what casts "
                                   "gradients), got zero=0; use zero=1, which communicates as much as plain data "
                                   "parallelism")
-        for name in ("fusion", "collective_matmul"):
+        for name in ("fusion", "collective_matmul", "inductor"):
             if getattr(self, name) not in (None, True, False):
                 raise MeshcTypeError(f"Plan.{name}: expected True, False or None (the cost model decides), got "
                                      f"{getattr(self, name)!r}")

@@ -5,6 +5,8 @@ upgrade is checked in one file. Nothing here has behaviour of its own beyond thi
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as _pytree  # no public pytree module in torch 2.13
@@ -138,11 +140,21 @@ def graph_break() -> None:
     torch._dynamo.graph_break()
 
 
-def inductor_compile(gm, example_inputs):
-    """TorchInductor on one FX graph (what torch.compile(backend="inductor") calls)."""
-    from torch._inductor.compile_fx import compile_fx
+def inductor_compile(gm, example_inputs, on_graph=None):
+    """TorchInductor on one FX graph (what torch.compile(backend="inductor") calls): where inputs require
+    gradients, AOTAutograd traces the joint graph, partitions it and Inductor compiles the forward now and the
+    backward at the first backward. `on_graph(gm, is_backward, seconds)` is told of each graph compiled."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    return compile_fx(gm, example_inputs)
+    if on_graph is None:
+        return compile_fx(gm, example_inputs)
+
+    def inner(graph, inputs, **kwargs):
+        t0 = time.perf_counter()
+        out = compile_fx_inner(graph, inputs, **kwargs)
+        on_graph(graph, bool(kwargs.get("is_backward")), time.perf_counter() - t0)
+        return out
+    return compile_fx(gm, example_inputs, inner_compile=inner)
 
 
 # ------------------------------------------------------------------ op overloads and nn.Module internals

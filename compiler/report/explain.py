@@ -48,6 +48,7 @@ class Report:
     materialization: str = ""  # predicted peak while init_weights / load_pretrained fill this rank's shards
     offload: list[str] = field(default_factory=list)  # where Plan.offload keeps what (the job says, from its store)
     experts: list[str] = field(default_factory=list)  # expert layers found; rows per local expert in the last step
+    compiled: list[str] = field(default_factory=list)  # what Inductor compiled for the job so far (graphs, seconds)
 
     def bytes_per_step(self) -> dict[str, int]:
         """Collective payload bytes per step, summed by mesh axis."""
@@ -86,6 +87,7 @@ class Report:
         if self.decisions:
             lines += ["", "decisions (the user's Plan values, else the cost model's for this device):"]
             lines += [f"  {line}" for line in self.decisions]
+        lines += [f"  inductor: {line}" for line in self.compiled]
         if self.fusion:
             lines += ["", "fusion:"] + [f"  {line}" for line in self.fusion]
         lines += ["", f"parameters ({len(self.params)}):",
@@ -98,12 +100,12 @@ class Report:
 
 
 def explain(program: Program, optimizers: list[torch.optim.Optimizer] = (), pipeline=None, *,
-            offload: list[str] = (), resident=None, routing: list[str] = ()) -> Report:
+            offload: list[str] = (), resident=None, routing: list[str] = (), compiled: list[str] = ()) -> Report:
     """The report for `program`; live optimizers, if given, give measured optimizer-state bytes; a
     pipelined job adds its stages, schedule grid and predicted bubble (and holds only its stages' params).
     `offload`: the job's lines on where Plan.offload keeps states; `resident(t)`: whether a state tensor is in
     this process's memory (offloaded ones are counted there, not above); `routing`: the job's lines on the rows
-    its experts received in the last step."""
+    its experts received in the last step; `compiled`: the job's lines on what Inductor compiled."""
     mesh = program.mesh
     sizes = mesh.sizes
     held = [s for s in program.params.values() if pipeline is None or s.fqn in pipeline.params]
@@ -134,6 +136,7 @@ def explain(program: Program, optimizers: list[torch.optim.Optimizer] = (), pipe
         materialization=_materialization(held, sizes, params_bytes),
         offload=list(offload),
         experts=_expert_lines(program) + list(routing),
+        compiled=list(compiled),
     )
 
 

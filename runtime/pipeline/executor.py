@@ -47,8 +47,12 @@ class PipelineRun:
     user's loss on them (eagerly, as torch.distributed.pipelining does)."""
 
     def __init__(self, stages: dict[int, Stage], schedule: Schedule, mesh, values: Callable[[Stage], list],
-                 loss_of: Callable[[tuple, int], torch.Tensor], zero_context: Callable[[], ZeroContext] | None):
+                 loss_of: Callable[[tuple, int], torch.Tensor], zero_context: Callable[[], ZeroContext] | None,
+                 runnable: Callable[[Stage], Callable] | None = None):
         self.stages, self.schedule, self.mesh = stages, schedule, mesh
+        # what runs a stage's program: Inductor's code (runtime/inductor.py) or the FX graph, with module marks
+        # while job.trace records
+        self.runnable = runnable or (lambda stage: tracing.marked(stage.gm))
         self.values, self.loss_of, self.zero_context = values, loss_of, zero_context
         self.rank = mesh.coord("pp")
         self.m = schedule.microbatches
@@ -113,7 +117,7 @@ class PipelineRun:
             self.inputs[key] = [_leaf(t, b.grad) for t, b in zip(prev, stage.recv)]
         recv = self.inputs.setdefault(key, [])
         args = self.values(stage) + [self.micro[mb][i] for i in stage.inputs] + recv
-        gm = tracing.marked(stage.gm)  # with module marks while job.trace records, else stage.gm
+        gm = self.runnable(stage)
         if self.zero_context is not None:
             with self.zero_context() as context:
                 outs = gm(*args)

@@ -28,7 +28,7 @@ class Pipelined:
         self.last_actions: list = []  # (Action, seconds) of this rank's compute actions in the last step
 
     def step(self, flat: list, targets: Any, loss_fn: Callable, values: Callable[[Stage], list],
-             zero_context) -> torch.Tensor:
+             zero_context, runnable: Callable[[Stage], Callable] | None = None) -> torch.Tensor:
         m = self.plan.microbatches
         micro = [list(x) for x in zip(*(_chunks(t, m, f"input {i}") for i, t in enumerate(flat)))]
         micro_targets = _chunks_tree(targets, m)
@@ -40,7 +40,7 @@ class Pipelined:
                 raise MeshcValueError("job.step: expected loss_fn to return a scalar tensor; reduce the loss to its "
                                       "mean over the batch")
             return loss
-        run = PipelineRun(self.layout.local, self.layout.schedule, self.mesh, values, loss_of, zero_context)
+        run = PipelineRun(self.layout.local, self.layout.schedule, self.mesh, values, loss_of, zero_context, runnable)
         loss = run.run(micro)
         self.last_busy, self.last_elapsed = run.busy, run.elapsed  # measured bubble: elapsed / busy - 1
         self.last_actions = run.actions

@@ -1,0 +1,71 @@
+"""Plan.inductor decided for the device at hand: whether Inductor lowers each per-rank program.
+
+    True    the user forces it: an error where the plan's programs hold run-time state a traced graph cannot
+            (`blockers`), naming it and what to do instead;
+    False   the programs run as FX code (ATen ops called one by one from Python);
+    None    the cost model's choice: on on CUDA (Inductor fuses the element-wise chains between matmuls into
+            generated Triton kernels: measured on one H200, torch.compile's step 1.11x eager's tokens/s on a 1.1B
+            Llama, docs/gpu.md), off on CPU (its C++ code measured within noise of eager on this machine class,
+            docs/compiler.md, and a cold compile costs seconds per program); off wherever a blocker stands.
+
+A blocker is a part of the plan whose run-time behaviour lives outside the graph, so that tracing the program
+(make_fx under AOTAutograd, on fake tensors) would record something else than what runs: ZeRO-2/3's saved-tensor
+hooks and gradients written to master shards inside backward (runtime/zero/context.py), the zero-bubble
+schedules' split of a stage's backward into input and weight halves (autograd nodes edited at run time), expert routing's data-dependent all-to-all sizes, context
+parallelism's point-to-point rings, collective matmul's rings, activation checkpointing's saved-tensor hooks.
+"""
+from __future__ import annotations
+
+from meshc.compiler.cost.hardware import Hardware
+from meshc.compiler.ir.errors import MeshcValueError
+from meshc.compiler.ir.schedule import ALIASES
+from meshc.compiler.ir.plan import Decision
+from meshc.compiler.ir.program import Program
+
+SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev")  # schedules whose B is an I (inputs' gradients) and a W (weights')
+
+
+def blockers(program: Program, decisions: dict) -> list[str]:
+    """What in this program's plan keeps Inductor from compiling it (empty: nothing)."""
+    plan, mesh = program.plan, program.mesh
+    out = []
+    if plan.zero >= 2:
+        out.append(f"zero={plan.zero} runs on run-time state (saved-tensor hooks that re-gather parameters, "
+                   "gradients written to the master shards inside backward); use zero=1")
+    if (mesh.size("pp") > 1 or plan.microbatches > 1) and ALIASES.get(str(plan.schedule).lower()) in SPLIT_BACKWARD:
+        out.append(f"schedule={plan.schedule!r} splits each stage's backward into input and weight halves at run "
+                   "time (autograd nodes); use gpipe, 1f1b or interleaved")
+    if mesh.size("ep") > 1:
+        out.append(f"expert parallelism (ep={mesh.size('ep')}) sizes its all-to-all from the routing (data-dependent)")
+    if mesh.size("cp") > 1:
+        out.append(f"context parallelism (cp={mesh.size('cp')}) passes key/value blocks around a ring of "
+                   "point-to-point transfers")
+    matmul = decisions.get("collective_matmul")
+    if mesh.size("tp") > 1 and plan.sequence_parallel and matmul is not None and matmul.value:
+        out.append("collective matmul passes activation chunks around a ring of point-to-point transfers; "
+                   "use collective_matmul=False")
+    if plan.remat != "none":
+        out.append(f"remat={plan.remat!r} recomputes through torch.utils.checkpoint's saved-tensor hooks")
+    return out
+
+
+def decide_inductor(program: Program, hw: Hardware, decisions: dict) -> Decision:
+    """Decision for Plan.inductor (module docstring); raises where True is asked of a plan with a blocker."""
+    plan = program.plan
+    found = blockers(program, decisions)
+    if plan.inductor is False:
+        return Decision(False, "Plan.inductor=False")
+    if plan.inductor is True:
+        if found:
+            raise MeshcValueError(f"Plan.inductor: expected a plan whose per-rank programs are graphs Inductor can "
+                                  f"trace, got inductor=True where {found[0]}; drop that part of the plan or use "
+                                  "Plan(inductor=None), which runs such programs as FX code")
+        return Decision(True, "Plan.inductor=True")
+    if found:
+        return Decision(False, f"not compiled for this plan yet: {found[0]}")
+    if program.mesh.device_type == "cuda":
+        return Decision(True, f"{hw.name} profile: Inductor fuses the element-wise chains between matmuls "
+                              "into generated kernels")
+    return Decision(False, f"{hw.name} profile: on CPU Inductor's code measured no faster than eager "
+                           "(docs/compiler.md) and a cold compile costs seconds per program; "
+                           "Plan(inductor=True) forces it")

@@ -1,0 +1,101 @@
+"""Plan.inductor (compiler/cost/inductor.py, runtime/inductor.py): the decision per device and plan, the errors
+where a plan's run-time state keeps Inductor out, and a job that really runs Inductor's code (or really does not).
+Parity of compiled plans on several ranks: tests/models/test_inductor_parity.py."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import meshc
+from meshc.compiler.cost import hardware
+from meshc.compiler.cost.inductor import decide_inductor
+from meshc.compiler.ir.errors import MeshcTypeError, MeshcValueError
+from meshc.compiler.ir.mesh_spec import MeshSpec
+from meshc.compiler.trace.export import trace
+from tests import zoo
+
+CPU = hardware.PROFILES["cpu-default"]
+
+
+@pytest.fixture(scope="module")
+def traced():
+    model = zoo.build("llama")
+    x, _ = zoo.batches(1, 4)[0]
+    program, _ = trace(model, (x,), {}, mesh=MeshSpec({"dp": 1}), plan=meshc.Plan(trace="non-strict"), rank=0)
+    return program
+
+
+def _decide(program, sizes: dict, device: str = "cpu", decisions: dict | None = None, **plan):
+    mesh = MeshSpec(sizes, device_type=device)
+    return decide_inductor(program.replace(plan=meshc.Plan(**plan), mesh=mesh), CPU, decisions or {})
+
+
+def test_default_is_off_on_cpu_and_on_on_cuda(traced):
+    cpu = _decide(traced, {"dp": 2})
+    assert cpu.value is False and "CPU" in cpu.why and "Plan(inductor=True)" in cpu.why
+    assert _decide(traced, {"dp": 2}, device="cuda").value is True
+    assert _decide(traced, {"dp": 2}, inductor=True).value is True
+    assert _decide(traced, {"dp": 2}, device="cuda", inductor=False).value is False
+
+
+BLOCKED = [  # (mesh, plan, what the error names)
+    ({"dp": 2}, {"zero": 3}, "zero=3"),
+    ({"dp": 2}, {"zero": 2}, "zero=2"),
+    ({"pp": 2}, {"microbatches": 4, "schedule": "zbv"}, "schedule='zbv'"),
+    ({"pp": 2}, {"microbatches": 4, "schedule": "zb-h1"}, "schedule='zb-h1'"),
+    ({"dp": 2, "ep": 2}, {}, "ep=2"),
+    ({"dp": 2, "cp": 2}, {}, "cp=2"),
+    ({"dp": 2}, {"remat": "full"}, "remat='full'"),
+]
+
+
+@pytest.mark.parametrize("sizes,plan,named", BLOCKED, ids=[b[2] for b in BLOCKED])
+def test_a_plan_with_run_time_state_is_refused_when_forced_and_left_eager_by_default(traced, sizes, plan, named):
+    with pytest.raises(MeshcValueError, match="Plan.inductor") as error:
+        _decide(traced, sizes, device="cuda", inductor=True, **plan)
+    assert named in str(error.value) and "inductor=None" in str(error.value)
+    default = _decide(traced, sizes, device="cuda", **plan)  # on CUDA the default would be on: the blocker wins
+    assert default.value is False and named in default.why
+
+
+def test_collective_matmul_blocks_and_pipelines_without_a_split_backward_do_not(traced):
+    ring = {"collective_matmul": meshc.compiler.ir.plan.Decision(True, "Plan.collective_matmul=True")}
+    with pytest.raises(MeshcValueError, match="collective matmul"):
+        _decide(traced, {"tp": 2}, inductor=True, sequence_parallel=True, decisions=ring)
+    for schedule in ("gpipe", "1f1b"):
+        assert _decide(traced, {"pp": 2}, inductor=True, microbatches=4, schedule=schedule).value is True
+
+
+def test_inductor_field_is_validated():
+    with pytest.raises(MeshcTypeError, match="Plan.inductor"):
+        meshc.Plan(inductor="yes")
+
+
+def test_a_job_runs_inductors_code_only_where_decided(single_mesh):
+    """World 1: the default on this CPU compiles nothing; inductor=True compiles the forward at the first call and
+    the backward at the first backward, once for a given signature, again for a new grad mode; explain() says so;
+    the compiled step gives the FX program's loss and gradients."""
+    x, y = zoo.batches(1, 4)[0]
+    results = {}
+    for forced in (None, True):
+        job = meshc.compile(zoo.build("llama"), single_mesh, example_inputs=(x,),
+                            plan=meshc.Plan(trace="non-strict", inductor=forced))
+        losses = [job.step(x, y, zoo.lm_loss).item() for _ in range(2)]
+        grads = {n: p.grad.clone() for n, p in job.named_parameters()}
+        results[forced] = (losses, grads, dataclasses.replace(job.inductor.stats))
+        report = str(job.explain())
+        if forced:
+            assert "inductor: on (Plan.inductor=True)" in report and "program(s) compiled" in report
+            with torch.no_grad():  # inference: its own forward-only program, no backward
+                job(x)
+    assert results[None][2].programs == 0 and results[None][2].forward == 0
+    compiled = results[True][2]
+    assert (compiled.programs, compiled.forward, compiled.backward) == (1, 1, 1)  # two steps, compiled once
+    assert job.inductor.stats.programs == 2 and job.inductor.stats.backward == 1  # + the no-grad forward
+    # the same ops in Inductor's fused loops: reductions in another order, a few fp32 ulps (measured <= 5e-7)
+    for a, b in zip(results[None][0], results[True][0]):
+        assert abs(a - b) <= 1e-5
+    for name, g in results[None][1].items():
+        assert torch.allclose(g, results[True][1][name], rtol=1e-4, atol=1e-6), name
