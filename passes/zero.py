@@ -222,6 +222,8 @@ def _step_comms(program: Program, stage: int) -> list[CommRecord]:
         if not trainable:
             continue
         n = mesh.size(axis)
+        if n == 1:  # one rank on the axis: the step packs, reduces and gathers nothing (runtime/zero/param_store.py)
+            continue
         shard_elems = sum(s.local_shape(mesh.sizes)[0] for s in trainable)
         if stage == 1:
             nbytes = shard_elems * n * (program.plan.reduce_dtype or program.plan.param_dtype or torch.float32).itemsize

@@ -105,6 +105,9 @@ class ParamStore:
             dtype = self.plan.reduce_dtype or grads[0].dtype
             axis = flat_axis(self.specs[fqns[0]])  # dp, or edp for experts: averaged over dp either way
             n = self.mesh.size(axis)
+            if n == 1:  # one rank on the axis: each master's gradient is its compute copy's, nothing packed
+                self._take_whole_grads(fqns)
+                continue
             sizes = [shard_size(g.numel(), n) for g in grads]
             flat = pack(grads, sizes, dtype, n).div_(self.mesh.size(DP))
             local = compat.reduce_scatter_sum(flat, n, self.mesh.group_name(axis)) if n > 1 else flat
@@ -113,14 +116,33 @@ class ParamStore:
                 master.grad = g.to(master.dtype) if master.grad is None else master.grad.add_(g.to(master.dtype))
                 self.compute[f].grad = None
 
+    def _take_whole_grads(self, fqns: list[str]) -> None:
+        """ZeRO-1 over an axis of one rank: the master (the whole flat parameter) takes its compute copy's gradient,
+        a view where the dtypes agree (no copy), averaged over dp where dp > 1 (experts on edp = 1)."""
+        dp = self.mesh.size(DP)
+        for f in fqns:
+            master, compute = self.masters[f], self.compute[f]
+            g = compute.grad.reshape(-1)
+            g = g / dp if dp > 1 else g
+            g = g.to(master.dtype)
+            master.grad = g if master.grad is None else master.grad.add_(g)
+            compute.grad = None
+
     @torch.no_grad()
     def gather_updated(self) -> None:
-        """After the step: every rank's updated master slices, all-gathered into the compute copies."""
+        """After the step: every rank's updated master slices, all-gathered into the compute copies (over an axis
+        of one rank: copied, cast, where the master is not a view of its compute copy; nothing otherwise)."""
         trainable = [f for f in self.compute if self.masters[f].requires_grad]
         for fqns in self._buckets(trainable):
             dtype = self.compute[fqns[0]].dtype
             axis = flat_axis(self.specs[fqns[0]])
             n = self.mesh.size(axis)
+            if n == 1:
+                for f in fqns:
+                    master, compute = self.masters[f], self.compute[f]
+                    if master.untyped_storage().data_ptr() != compute.untyped_storage().data_ptr():
+                        compute.copy_(master.view(compute.shape))
+                continue
             local = torch.cat([self.masters[f].reshape(-1).to(dtype) for f in fqns])
             whole = compat.all_gather(local, n, self.mesh.group_name(axis)) if n > 1 else local
             numels = [self.compute[f].numel() for f in fqns]

@@ -197,3 +197,29 @@ def test_stage3_zero_bubble_gathers_each_bucket_once_in_w():
         assert z["gathered"] == z["predicted"] and p["gathered"] == p["predicted"], (rank, z, p)
         diff, where = parity.max_diff(z["grads"], p["grads"])
         assert diff < 1e-6, where  # the same sums in another order: float rounding
+
+
+def test_zero1_over_one_rank_packs_reduces_and_gathers_nothing(single_mesh):
+    """An axis of one rank: ZeRO-1's step hooks move no byte through a collective or a pack. In fp32 the master is
+    the compute copy's own buffer, so training is bitwise the plan without ZeRO; with bf16 compute the compute copy is
+    the fp32 master cast after each step; explain() lists no step collective."""
+    x, y = zoo.batches(1, 4)[0]
+    runs = {}
+    for plan in ({}, {"zero": 1}, {"zero": 1, "param_dtype": torch.bfloat16}):
+        job = meshc.compile(zoo.build("llama"), single_mesh, example_inputs=(x,),
+                            plan=meshc.Plan(trace="non-strict", **plan))
+        opt = job.optimizer(torch.optim.AdamW, lr=1e-2)
+        losses = []
+        for _ in range(3):
+            losses.append(job.step(x, y, zoo.lm_loss).item())
+            opt.step()
+            opt.zero_grad()
+        runs[tuple(plan)] = losses
+        if plan:
+            assert "reduce_scatter" not in str(job.explain()) and "all_gather" not in str(job.explain())
+            masters = dict(job.named_parameters())
+            for fqn, compute in job.compute_copies().items():  # what the next forward reads: the updated masters
+                assert torch.equal(compute.reshape(-1), masters[fqn].detach().to(compute.dtype)), fqn
+    assert runs[()] == runs[("zero",)]  # bitwise: the same AdamW over the same tensors
+    assert runs[("zero", "param_dtype")] != runs[()]  # bf16 compute really ran (and still learns)
+    assert runs[("zero", "param_dtype")][-1] < runs[("zero", "param_dtype")][0]
