@@ -14,7 +14,9 @@ from the same weights (one fp32 model built once) and batch:
   torch.compile  the same bf16 copy under torch.compile (default Inductor); the optimizer stays eager
   meshc ...      meshc.compile of the fp32 model, world of one process, Plan(param_dtype=bf16): bf16
                  compute, fp32 master weights and AdamW states (ZeRO-1 or -3 on dp=1), fused kernels on
-                 or off (at world 1 only ZeRO-3's copy-in/out chains are eligible, so ZeRO-3 is the pair)
+                 or off (at world 1 only ZeRO-3's copy-in/out chains are eligible, so ZeRO-3 is the pair);
+                 the program run as FX code (Plan(inductor=False); ZeRO-3's always is) or, in the Inductor
+                 row, lowered by Inductor forward and backward (Plan(inductor=True))
   offload=cpu    meshc with Plan(offload="cpu"), where this build's Plan has that field
 Per row: the first step (including building the row: copy, compile or trace), the median of --steps
 timed steps after --warmup (torch.cuda.synchronize around each), tokens/s, MFU = 6 x matmul parameters
@@ -195,7 +197,12 @@ def meshc_row(bench: Bench, **plan_fields) -> tuple[StepFn, Callable[[], str]]:
         opt.zero_grad()
         return loss
 
-    return step, lambda: fusion_note(str(job.explain()), plan.fusion)
+    def note() -> str:
+        text = fusion_note(str(job.explain()), plan.fusion)
+        stats = job.inductor.stats
+        return text + (f"; Inductor: {stats.forward} fw + {stats.backward} bw graphs, {stats.seconds:.0f} s"
+                       if stats.programs else "")
+    return step, note
 
 
 def fusion_note(report: str, fusion: bool | None) -> str:
@@ -288,7 +295,9 @@ def training_rows(bench: Bench) -> list[Row]:
     args = bench.args
     rows = [measure(bench, "eager", "bf16 params + AdamW", lambda: eager_row(bench, None))]
     meshc_precision = "bf16 compute, fp32 master + AdamW"
-    rows.append(measure(bench, "meshc ZeRO-1", meshc_precision, lambda: meshc_row(bench, zero=1)))
+    rows.append(measure(bench, "meshc ZeRO-1", meshc_precision, lambda: meshc_row(bench, zero=1, inductor=False)))
+    rows.append(measure(bench, "meshc ZeRO-1 Inductor", meshc_precision + ", Inductor",
+                        lambda: meshc_row(bench, zero=1, inductor=True)))
     rows.append(measure(bench, "meshc ZeRO-3 fused", meshc_precision, lambda: meshc_row(bench, zero=3, fusion=True)))
     rows.append(measure(bench, "meshc ZeRO-3 unfused", meshc_precision,
                         lambda: meshc_row(bench, zero=3, fusion=False)))

@@ -36,8 +36,8 @@ PassFn = Callable[[Program], Program]
 
 # Every pass meshc knows, in the order build_passes runs them. DESIGN.md §3 also places context (cp) between
 # experts and tensor_parallel; it is not built, so it is not here.
-PASS_NAMES = ("shapes", "masks", "tp_placement", "experts", "context", "tensor_parallel", "pipeline_split", "zero", "grad_sync", "fuse_comm",
-              "remat")
+PASS_NAMES = ("shapes", "masks", "tp_placement", "experts", "context", "tensor_parallel", "gqa", "pipeline_split", "zero",
+              "grad_sync", "fuse_comm", "remat")
 
 
 @dataclass
@@ -61,8 +61,9 @@ def build_passes(program: Program) -> list[tuple[str, PassFn]]:
     from meshc.passes.context import context_pass
     from meshc.passes.experts import experts_pass
     from meshc.passes.fuse_comm import fuse_comm_pass
+    from meshc.passes.attention.gqa import gqa_pass
     from meshc.passes.grad_sync import grad_sync_pass
-    from meshc.passes.masks import masks_pass
+    from meshc.passes.attention.masks import masks_pass
     from meshc.passes.pipeline_split import pipeline_split_pass
     from meshc.passes.tp_placement import tp_placement_pass
     from meshc.passes.remat import remat_pass
@@ -77,7 +78,7 @@ def build_passes(program: Program) -> list[tuple[str, PassFn]]:
                               f"{', '.join(PASS_NAMES)}")
     wanted = [("shapes", shapes_pass), ("masks", masks_pass), ("tp_placement", tp_placement_pass), ("experts", experts_pass),
               ("context", context_pass),
-              ("tensor_parallel", tensor_parallel_pass),
+              ("tensor_parallel", tensor_parallel_pass), ("gqa", gqa_pass),
               ("pipeline_split", pipeline_split_pass), ("zero", zero_pass), ("grad_sync", grad_sync_pass),
               ("fuse_comm", fuse_comm_pass), ("remat", remat_pass)]
     return [(name, fn) for name, fn in wanted if name not in plan.disable]

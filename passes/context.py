@@ -37,11 +37,11 @@ from meshc.compiler.ir.program import CommRecord, Program
 from meshc.runtime.ops import context as attention
 from meshc.runtime.ops import sequence as seq
 
-from meshc.passes.constant_mask import MAX_ELEMENTS
+from meshc.passes.attention.constant_mask import MAX_ELEMENTS
 from meshc.passes.tensor_parallel import needs_grad, placement_shapes, redistribute_inputs, refresh_vals, where
 from meshc.passes.tp_rules import Decision, RuleCtx
 from meshc.passes.tp_table import infer
-from meshc.passes.written_attention import as_sdpa
+from meshc.passes.attention.written_attention import as_sdpa
 
 AXIS = "cp"
 aten = torch.ops.aten

@@ -75,7 +75,9 @@ def test_llama_activations_are_sequence_shards(cp):
     for name, shape in local.items():
         if name in one and one[name].numel():
             assert one[name].numel() == cp * shape.numel(), (name, one[name], shape)
-    assert sum(s.numel() for s in local.values()) * cp < sum(s.numel() for s in one.values())  # and copies gone
+    # nothing beyond the cp=1 program's share: K and V copies per query head are gone from both (context attention
+    # reads the kv heads, as the gqa pass makes the cp=1 program's SDPA do)
+    assert sum(s.numel() for s in local.values()) * cp <= sum(s.numel() for s in one.values())
     attn = [n for n in program.gm.graph.nodes if n.target is context_attention]
     assert len(attn) == 2
     hk, d = 2, 8  # kv heads and head dim of zoo.llama: the ring carries them, not their copies per query head

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from meshc.compiler.ir.program import Program
 
-from meshc.passes.constant_mask import constant_nodes, mask_form
+from meshc.passes.attention.constant_mask import constant_nodes, mask_form
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
