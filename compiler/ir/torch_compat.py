@@ -140,21 +140,21 @@ def graph_break() -> None:
     torch._dynamo.graph_break()
 
 
-def inductor_compile(gm, example_inputs, on_graph=None):
+def inductor_compile(gm, example_inputs, on_graph=None, config_patches=None):
     """TorchInductor on one FX graph (what torch.compile(backend="inductor") calls): where inputs require
     gradients, AOTAutograd traces the joint graph, partitions it and Inductor compiles the forward now and the
     backward at the first backward. `on_graph(gm, is_backward, seconds)` is told of each graph compiled."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     if on_graph is None:
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=config_patches)
 
     def inner(graph, inputs, **kwargs):
         t0 = time.perf_counter()
         out = compile_fx_inner(graph, inputs, **kwargs)
         on_graph(graph, bool(kwargs.get("is_backward")), time.perf_counter() - t0)
         return out
-    return compile_fx(gm, example_inputs, inner_compile=inner)
+    return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=config_patches)
 
 
 # ------------------------------------------------------------------ op overloads and nn.Module internals
