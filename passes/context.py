@@ -38,7 +38,8 @@ from meshc.runtime.ops import context as attention
 from meshc.runtime.ops import sequence as seq
 
 from meshc.passes.attention.constant_mask import MAX_ELEMENTS
-from meshc.passes.tensor_parallel import needs_grad, placement_shapes, redistribute_inputs, refresh_vals, where
+from meshc.passes.layout import refresh_vals
+from meshc.passes.tensor_parallel import needs_grad, placement_shapes, redistribute_inputs, where
 from meshc.passes.tp_rules import Decision, RuleCtx
 from meshc.passes.tp_table import infer
 from meshc.passes.attention.written_attention import as_sdpa

@@ -57,7 +57,7 @@ from meshc.compiler.ir.placement import Shard
 from meshc.compiler.ir.program import CommRecord, Program
 from meshc.runtime.ops.experts import combine, dispatch, local_ids, sort_rows, unsort_rows
 
-from meshc.passes.tensor_parallel import refresh_vals
+from meshc.passes.layout import refresh_vals
 
 AXIS = "ep"
 aten = torch.ops.aten

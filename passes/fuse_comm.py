@@ -107,7 +107,7 @@ def fuse_comm_pass(program: Program) -> Program:
     program.gm.graph.lint()
     program.gm.recompile()
     if any(r.fused for r in program.fusion.values()):
-        from meshc.passes.tensor_parallel import refresh_vals
+        from meshc.passes.layout import refresh_vals
 
         refresh_vals(program)
     for kernel, r in program.fusion.items():

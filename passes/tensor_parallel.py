@@ -28,7 +28,6 @@ import math
 import torch
 import torch.fx as fx
 
-from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError, MeshcWarning, warn
 from meshc.compiler.ir.fx_ops import get_arg, op_name, set_arg
 from meshc.compiler.ir.placement import Partial, R, Replicate, Shard, has_whole, in_parts, local_length
@@ -36,6 +35,7 @@ from meshc.compiler.ir.program import CommRecord, Program
 from meshc.runtime.ops import collectives as C
 from meshc.runtime.ops.tp_ops import join_blocks
 
+from meshc.passes.layout import refresh_vals
 from meshc.passes.shapes import check_divisible
 from meshc.passes.tp_rules import RuleCtx
 from meshc.passes.tp_table import infer
@@ -313,26 +313,6 @@ def _sp_target(program: Program):
             return Shard(0, batch)
         return None
     return target
-
-
-def refresh_vals(program: Program) -> None:
-    """Recompute every node's "val" with local shapes (fake tensors), as the rank will see them."""
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    mode = compat.fake_tensor_mode()
-    sizes = program.mesh.sizes
-    args = []
-    with mode:
-        for node in program.placeholders():
-            spec = program.params.get(node.meta.get("meshc.fqn")) or program.buffers.get(node.meta.get("meshc.fqn"))
-            val = node.meta.get("val")
-            if spec is not None:
-                args.append(torch.empty(spec.local_shape(sizes, program.local_axes), dtype=val.dtype, device=val.device))
-            elif isinstance(val, torch.Tensor):
-                args.append(torch.empty(val.shape, dtype=val.dtype, device=val.device))
-            else:
-                args.append(val)
-    FakeTensorProp(program.gm, mode).propagate_dont_convert_inputs(*args)
 
 
 # ---------------------------------------------------------------------------------------- helpers

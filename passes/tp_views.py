@@ -190,6 +190,26 @@ def unsqueeze_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, Shard(p.dim + (1 if d <= p.dim else 0), p.chunks))
 
 
+@handles(aten.view_as_complex.default)
+def view_as_complex_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """(..., n, 2) real -> (..., n) complex (complex rotary embeddings): a shard of any dim but the pair's stays on
+    that dim (a shard of n keeps whole pairs: n is the pairs' count); a shard of the pair dim is gathered."""
+    x = node.args[0]
+    p = ctx.pl(x)
+    if not isinstance(p, Shard):
+        return Decision({}, p)
+    if p.dim == len(_ints(x)) - 1:
+        return Decision({(0,): R}, R, note="view_as_complex of a value sharded on its (real, imaginary) pair: gathered")
+    return Decision({}, Shard(p.dim, p.chunks))
+
+
+@handles(aten.view_as_real.default)
+def view_as_real_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """(...) complex -> (..., 2) real: every shard stays on its dim (the new last dim holds each number's pair)."""
+    p = ctx.pl(node.args[0])
+    return Decision({}, Shard(p.dim, p.chunks) if isinstance(p, Shard) else p)
+
+
 @handles(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
 def squeeze_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     x = node.args[0]
@@ -416,4 +436,5 @@ def getitem_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
 
 
 VIEW_RULES = (view_rule, flatten_rule, expand_rule, transpose_rule, t_rule, permute_rule, unsqueeze_rule, squeeze_rule, slice_rule,
+              view_as_complex_rule, view_as_real_rule,
               select_rule, split_rule, chunk_rule, unbind_rule, cat_rule, stack_rule, index_rule, getitem_rule)

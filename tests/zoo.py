@@ -359,3 +359,12 @@ def mistral(seed: int = 0, layers: int = 2) -> torch.nn.Module:
 
 
 MODELS["mistral"] = mistral
+
+
+def _plain_llama3(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    from tests.plain_models import llama3
+
+    return llama3(seed, layers)
+
+
+MODELS["llama3_plain"] = _plain_llama3

@@ -19,10 +19,8 @@ from __future__ import annotations
 from meshc.compiler.cost.hardware import Hardware
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.schedule import ALIASES
-from meshc.compiler.ir.plan import Decision
+from meshc.compiler.ir.plan import SPLIT_BACKWARD, Decision
 from meshc.compiler.ir.program import Program
-
-SPLIT_BACKWARD = ("zb-h1", "zbv", "dualpipev")  # schedules whose B is an I (inputs' gradients) and a W (weights')
 
 
 def blockers(program: Program, decisions: dict) -> list[str]:

@@ -164,6 +164,11 @@ def op_name(func) -> str:
     return func._opname
 
 
+def is_op_overload(target) -> bool:
+    """Is a call target an ATen-level OpOverload (torch.ops.<ns>.<op>.<overload>)? `torch._ops.OpOverload`."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
 def op_returns_view(func) -> bool:
     """Does the OpOverload's schema say its result aliases an input (a view)? From `func._schema.returns`."""
     return any(r.alias_info is not None for r in func._schema.returns)

@@ -1,0 +1,136 @@
+"""Language models written in plain PyTorch the way people write them (no transformers), for tests.
+
+`llama3`: a Llama 3 in a reference trainer's style: complex rotary embeddings (torch.polar, view_as_complex,
+view_as_real), grouped-query attention with kv heads repeated by expand + reshape, the attention output written
+`transpose(1, 2).contiguous().view(bs, seqlen, -1)` (a view that is valid at trace time only because the transposed
+tensor happens to be contiguous there), RMSNorm, SwiGLU, an untied head and its own `init_weights`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, SEQ = 64, 16
+
+
+def precompute_freqs_cis(dim: int, end: int, theta: float = 500000.0) -> torch.Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+    t = torch.arange(end, dtype=torch.float32)
+    freqs = torch.outer(t, freqs)
+    return torch.polar(torch.ones_like(freqs), freqs)  # complex64, (end, dim / 2)
+
+
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs = freqs_cis.view(1, xq_.shape[1], 1, xq_.shape[-1])
+    xq_out = torch.view_as_real(xq_ * freqs).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    bs, slen, n_kv_heads, head_dim = x.shape
+    if n_rep == 1:
+        return x
+    return x[:, :, :, None, :].expand(bs, slen, n_kv_heads, n_rep, head_dim).reshape(bs, slen, n_kv_heads * n_rep,
+                                                                                     head_dim)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.scale_in_place: float | None = None
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+        xq = xq.view(bs, seqlen, -1, self.head_dim)
+        xk = xk.view(bs, seqlen, -1, self.head_dim)
+        xv = xv.view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        keys = repeat_kv(xk, self.n_heads // self.n_kv_heads)
+        values = repeat_kv(xv, self.n_heads // self.n_kv_heads)
+        xq, xk, xv = xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        output = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)
+        output = output.transpose(1, 2).contiguous().view(bs, seqlen, -1)
+        if self.scale_in_place is not None:  # a write through that view (tests/passes/test_layout.py)
+            output.mul_(self.scale_in_place)
+        return self.wo(output)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, hidden: int):
+        super().__init__()
+        self.attention = Attention(dim, n_heads, n_kv_heads)
+        self.feed_forward = FeedForward(dim, hidden)
+        self.attention_norm = RMSNorm(dim)
+        self.ffn_norm = RMSNorm(dim)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama3(nn.Module):
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, layers: int = 2, n_heads: int = 4, n_kv_heads: int = 2,
+                 hidden: int = 64, max_seq: int = SEQ):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(dim, n_heads, n_kv_heads, hidden) for i in range(layers)})
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("freqs_cis", precompute_freqs_cis(dim // n_heads, max_seq * 2), persistent=False)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.tok_embeddings.weight)
+        std = 0.02 / math.sqrt(2 * len(self.layers))
+        for block in self.layers.values():
+            for linear in (block.attention.wq, block.attention.wk, block.attention.wv, block.feed_forward.w1):
+                nn.init.trunc_normal_(linear.weight, std=0.02)
+            for linear in (block.attention.wo, block.feed_forward.w2, block.feed_forward.w3):
+                nn.init.trunc_normal_(linear.weight, std=std)
+        nn.init.trunc_normal_(self.output.weight, std=self.tok_embeddings.weight.shape[1] ** -0.5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seqlen = tokens.shape[1]
+        h = self.tok_embeddings(tokens)
+        freqs_cis = self.freqs_cis[:seqlen]
+        for layer in self.layers.values():
+            h = layer(h, freqs_cis)
+        return self.output(self.norm(h))
+
+
+def llama3(seed: int = 0, layers: int = 2) -> nn.Module:
+    torch.manual_seed(seed)
+    return Llama3(layers=layers)
