@@ -33,11 +33,12 @@ import torch.fx as fx
 from meshc.compiler.ir.coverage import block_weights, coverage
 from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
 from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_reshape, op_name
-from meshc.compiler.ir.placement import Partial, Replicate, Shard, Whole, as_chunks, in_parts
+from meshc.compiler.ir.placement import Partial, Replicate, Shard, in_parts
 from meshc.compiler.ir.program import Program
 
 from meshc.passes.blocks import block_of
 from meshc.passes.shapes import shard_divides
+from meshc.passes.tp_parts import chunks_of
 from meshc.passes.tp_rules import RuleCtx
 from meshc.passes.tp_table import infer
 
@@ -208,20 +209,20 @@ def _as_weight(program, fqn, node, use) -> Weight | None:
     bias_of = lambda b: b.meta.get("meshc.fqn") if isinstance(b, fx.Node) and b.op == "placeholder" else None
     if use.target == aten.linear.default and use.args[1] is node:
         bias = bias_of(use.args[2]) if len(use.args) > 2 else None
-        return Weight(fqn, module, "linear", use, use.args[0], bias, _chunks(use, n))
+        return Weight(fqn, module, "linear", use, use.args[0], bias, chunks_of(use, n))
     if use.target == aten.addmm.default and use.args[2] is node:
-        return Weight(fqn, module, "conv1d", use, use.args[1], bias_of(use.args[0]), _chunks(use, n))
+        return Weight(fqn, module, "conv1d", use, use.args[1], bias_of(use.args[0]), chunks_of(use, n))
     if use.target in (aten.mm.default, aten.matmul.default) and use.args[1] is node:
-        return Weight(fqn, module, "conv1d", use, use.args[0], None, _chunks(use, n))
+        return Weight(fqn, module, "conv1d", use, use.args[0], None, chunks_of(use, n))
     if _swaps_2d(use) and len(use.users) == 1:  # x @ weight.T: a linear layer written by hand (Falcon)
         (mm,) = use.users
         if mm.target in MATMULS and mm.args[1] is use and len(mm.args) == 2:
-            return Weight(fqn, module, "linear", mm, mm.args[0], None, _chunks(mm, n))
+            return Weight(fqn, module, "linear", mm, mm.args[0], None, chunks_of(mm, n))
     if use.target == aten.embedding.default and use.args[0] is node:
         return Weight(fqn, module, "embedding", use, use.args[1], None, 1)
     if _expert_use(use):  # experts (E, out, in) read as (E, in, out) by a grouped matmul: linear layers
         (mm,) = use.users
-        return Weight(fqn, module, "experts", mm, mm.args[0], None, _chunks(mm, n))
+        return Weight(fqn, module, "experts", mm, mm.args[0], None, chunks_of(mm, n))
     return None
 
 
@@ -247,71 +248,6 @@ def _swaps_2d(node: fx.Node) -> bool:
     if node.target == aten.transpose.int:
         return {d % 2 for d in node.args[1:3]} == {0, 1}
     return node.target == aten.permute.default and [d % 2 for d in node.args[1]] == [1, 0]
-
-
-def _chunks(node: fx.Node, n: int) -> int | tuple[int, ...]:
-    """A fused projection: its output, through reshapes that keep the last dim or split it into (heads, head
-    dim), is cut into parts on that dim or on the heads (split, chunk, or slices that tile it, as Phi-3's q|k|v
-    and Falcon's q|k|v heads are): their count when equal, else their sizes. A part of heads whose count does
-    not divide over the n ranks (multi-query k and v) is held whole on every rank (a Whole block), when
-    another part still shards."""
-    width = int(node.meta["meshc.shape"][-1])
-    frontier = [(node, 1)]  # (value, elements of the flat last dim per position of the dim cut)
-    while frontier:
-        cur, unit = frontier.pop()
-        ndim = len(cur.meta["meshc.shape"])
-        cut = ndim - (1 if unit == 1 else 2)
-        size = int(cur.meta["meshc.shape"][cut])
-        slices = []
-        for u in cur.users:
-            shape = u.meta.get("meshc.shape") or ()
-            if unit == 1 and is_reshape(u) and int(shape[-1]) == width:
-                frontier.append((u, 1))
-            elif unit == 1 and _head_split(u, width):
-                frontier.append((u, _head_split(u, width)))  # (..., heads, head dim)
-            elif u.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
-                dim = u.args[2] if len(u.args) > 2 else 0
-                if dim % ndim == cut:
-                    return _blocks([int(s[dim]) for s in shape], unit, n)
-            elif u.target == aten.slice.Tensor and len(u.args) > 1 and u.args[1] % ndim == cut:
-                step = u.args[4] if len(u.args) > 4 else 1
-                lo = u.args[2] if len(u.args) > 2 and u.args[2] is not None else 0
-                if step == 1 and 0 <= lo < size:
-                    slices.append((lo, lo + int(shape[cut]), _head_dim(u)))
-        tiles = sorted(set(slices))
-        if len(tiles) > 1 and tiles[0][0] == 0 and tiles[-1][1] == size and all(
-                a[1] == b[0] for a, b in zip(tiles, tiles[1:])):
-            heads = {d for *_, d in tiles}  # flat q|k|v slices each viewed as (heads, head dim) afterwards
-            if unit == 1 and len(heads) == 1 and None not in heads and all((hi - lo) % min(heads) == 0
-                                                                           for lo, hi, _ in tiles):
-                return _blocks([(hi - lo) // min(heads) for lo, hi, _ in tiles], min(heads), n)
-            return _blocks([hi - lo for lo, hi, _ in tiles], unit, n)
-    return 1
-
-
-def _head_split(u: fx.Node, width: int) -> int:
-    """The head dim when `u` reshapes a last dim of `width` into (heads, head dim), else 0."""
-    shape = u.meta.get("meshc.shape") or ()
-    if is_reshape(u) and len(shape) >= 2 and int(shape[-2]) * int(shape[-1]) == width:
-        return int(shape[-1])
-    return 0
-
-
-def _head_dim(part: fx.Node) -> int | None:
-    """The head dim of the one reshape of `part` that splits its last dim in two (heads, head dim), if any."""
-    width = int(part.meta["meshc.shape"][-1])
-    dims = {_head_split(u, width) for u in part.users} - {0}
-    return dims.pop() if len(dims) == 1 else None
-
-
-def _blocks(parts: list[int], unit: int, n: int) -> int | tuple[int, ...]:
-    """The chunks of parts of `unit` elements each (heads): a part of heads not dividing over n is Whole, unless
-    every part would be (nothing would shard)."""
-    sizes = [p * unit for p in parts]
-    whole = [unit > 1 and p % n != 0 for p in parts]
-    if any(whole) and not all(whole):
-        return tuple(Whole(s) if w else s for s, w in zip(sizes, whole))
-    return as_chunks(sizes)
 
 
 def _from_input(node: fx.Node | None) -> bool:

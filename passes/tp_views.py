@@ -122,6 +122,23 @@ def view_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, out, rewrite=lambda nd, o=out: nd.update_arg(1, _local(dst, o, ctx.n)))
 
 
+@handles(aten.unflatten.int)
+def unflatten_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """unflatten(dim, sizes) (nn.MultiheadAttention's packed q|k|v projection as (..., 3, embed)): a view to the
+    output's shape, made a reshape to the local one (its sizes argument is global)."""
+    x = node.args[0]
+    p = ctx.pl(x)
+    src, dst = _ints(x), _ints(node)
+    out = shard_through_view(src, dst, p, ctx.n) if isinstance(p, Shard) else p
+    if out is None:
+        return Decision({(0,): R}, R, note=f"shard {p} of {src} cannot follow the unflatten to {dst}")
+
+    def rewrite(nd: fx.Node, o=out) -> None:
+        nd.target = aten.reshape.default
+        nd.args = (nd.args[0], _local(dst, o, ctx.n))
+    return Decision({}, out, rewrite=rewrite)
+
+
 @handles(aten.flatten.using_ints)
 def flatten_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     """flatten(start, end): a view whose arguments are dims, not sizes (nothing to make local)."""
@@ -435,6 +452,6 @@ def getitem_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, p[node.args[1]] if isinstance(p, tuple) else p)
 
 
-VIEW_RULES = (view_rule, flatten_rule, expand_rule, transpose_rule, t_rule, permute_rule, unsqueeze_rule, squeeze_rule, slice_rule,
+VIEW_RULES = (view_rule, unflatten_rule, flatten_rule, expand_rule, transpose_rule, t_rule, permute_rule, unsqueeze_rule, squeeze_rule, slice_rule,
               view_as_complex_rule, view_as_real_rule,
               select_rule, split_rule, chunk_rule, unbind_rule, cat_rule, stack_rule, index_rule, getitem_rule)

@@ -134,3 +134,29 @@ class Llama3(nn.Module):
 def llama3(seed: int = 0, layers: int = 2) -> nn.Module:
     torch.manual_seed(seed)
     return Llama3(layers=layers)
+
+
+class EncoderLM(nn.Module):
+    """A language model on torch's own nn.TransformerEncoder (nn.MultiheadAttention with its packed in_proj_weight,
+    pre-norm), causal; `batch_first` either way."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, heads: int = 4, layers: int = 2, batch_first: bool = True):
+        super().__init__()
+        self.batch_first = batch_first
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=batch_first, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h if self.batch_first else h.transpose(0, 1)
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        h = self.encoder(h, mask=mask, is_causal=True)
+        h = h if self.batch_first else h.transpose(0, 1)
+        return self.head(h)
+
+
+def encoder_lm(seed: int = 0, layers: int = 2, batch_first: bool = True) -> nn.Module:
+    torch.manual_seed(seed)
+    return EncoderLM(layers=layers, batch_first=batch_first)

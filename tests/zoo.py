@@ -367,4 +367,12 @@ def _plain_llama3(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return llama3(seed, layers)
 
 
+def _encoder_lm(seed: int = 0, layers: int = 2, batch_first: bool = True) -> torch.nn.Module:
+    from tests.plain_models import encoder_lm
+
+    return encoder_lm(seed, layers, batch_first)
+
+
 MODELS["llama3_plain"] = _plain_llama3
+MODELS["encoder_lm"] = _encoder_lm
+MODELS["encoder_lm_seq_first"] = lambda seed=0: _encoder_lm(seed, batch_first=False)

@@ -1,0 +1,132 @@
+"""Where a fused projection's output is cut into parts (q|k|v, gate|up): the chunks its weight is sharded in.
+
+tp_placement shards a linear's weight on its output dim; when the output is several projections side by side
+(GPT-2's c_attn, Phi-3's qkv_proj, nn.MultiheadAttention's in_proj), each part must be split over the ranks on its
+own (S(dim, chunks)), or a rank would hold all of q and half of k. `chunks_of` follows the output to where it is
+cut: split/chunk/slices on the last dim or on the heads, or an unflatten into (parts, width / parts) whose parts dim
+is then taken apart (select/unbind after transposes), as nn.MultiheadAttention's packed projection is.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from meshc.compiler.ir.fx_ops import is_reshape
+from meshc.compiler.ir.placement import Whole, as_chunks
+
+aten = torch.ops.aten
+# ops that move a dim without touching the data's order along it: what a parts dim may pass through
+_MOVES = (aten.unsqueeze.default, aten.transpose.int, aten.squeeze.dim, aten.contiguous.default, aten.clone.default,
+          aten.permute.default)
+
+
+def chunks_of(node: fx.Node, n: int) -> int | tuple[int, ...]:
+    """A fused projection: its output, through reshapes that keep the last dim or split it into (heads, head
+    dim), is cut into parts on that dim or on the heads (split, chunk, or slices that tile it, as Phi-3's q|k|v
+    and Falcon's q|k|v heads are): their count when equal, else their sizes. A part of heads whose count does
+    not divide over the n ranks (multi-query k and v) is held whole on every rank (a Whole block), when
+    another part still shards."""
+    width = int(node.meta["meshc.shape"][-1])
+    frontier = [(node, 1)]  # (value, elements of the flat last dim per position of the dim cut)
+    while frontier:
+        cur, unit = frontier.pop()
+        ndim = len(cur.meta["meshc.shape"])
+        cut = ndim - (1 if unit == 1 else 2)
+        size = int(cur.meta["meshc.shape"][cut])
+        slices = []
+        for u in cur.users:
+            shape = u.meta.get("meshc.shape") or ()
+            if unit == 1 and is_reshape(u) and int(shape[-1]) == width:
+                frontier.append((u, 1))
+            elif unit == 1 and _packed_parts(u, width):  # (..., parts, width / parts), each part taken apart
+                return _blocks([width // _packed_parts(u, width)] * _packed_parts(u, width), 1, n)
+            elif unit == 1 and _head_split(u, width):
+                frontier.append((u, _head_split(u, width)))  # (..., heads, head dim)
+            elif u.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+                dim = u.args[2] if len(u.args) > 2 else 0
+                if dim % ndim == cut:
+                    return _blocks([int(s[dim]) for s in shape], unit, n)
+            elif u.target == aten.slice.Tensor and len(u.args) > 1 and u.args[1] % ndim == cut:
+                step = u.args[4] if len(u.args) > 4 else 1
+                lo = u.args[2] if len(u.args) > 2 and u.args[2] is not None else 0
+                if step == 1 and 0 <= lo < size:
+                    slices.append((lo, lo + int(shape[cut]), _head_dim(u)))
+        tiles = sorted(set(slices))
+        if len(tiles) > 1 and tiles[0][0] == 0 and tiles[-1][1] == size and all(
+                a[1] == b[0] for a, b in zip(tiles, tiles[1:])):
+            heads = {d for *_, d in tiles}  # flat q|k|v slices each viewed as (heads, head dim) afterwards
+            if unit == 1 and len(heads) == 1 and None not in heads and all((hi - lo) % min(heads) == 0
+                                                                           for lo, hi, _ in tiles):
+                return _blocks([(hi - lo) // min(heads) for lo, hi, _ in tiles], min(heads), n)
+            return _blocks([hi - lo for lo, hi, _ in tiles], unit, n)
+    return 1
+
+
+def _head_split(u: fx.Node, width: int) -> int:
+    """The head dim when `u` reshapes a last dim of `width` into (heads, head dim), else 0."""
+    shape = u.meta.get("meshc.shape") or ()
+    if is_reshape(u) and len(shape) >= 2 and int(shape[-2]) * int(shape[-1]) == width:
+        return int(shape[-1])
+    return 0
+
+
+def _head_dim(part: fx.Node) -> int | None:
+    """The head dim of the one reshape of `part` that splits its last dim in two (heads, head dim), if any."""
+    width = int(part.meta["meshc.shape"][-1])
+    dims = {_head_split(u, width) for u in part.users} - {0}
+    return dims.pop() if len(dims) == 1 else None
+
+
+def _blocks(parts: list[int], unit: int, n: int) -> int | tuple[int, ...]:
+    """The chunks of parts of `unit` elements each (heads): a part of heads not dividing over n is Whole, unless
+    every part would be (nothing would shard)."""
+    sizes = [p * unit for p in parts]
+    whole = [unit > 1 and p % n != 0 for p in parts]
+    if any(whole) and not all(whole):
+        return tuple(Whole(s) if w else s for s, w in zip(sizes, whole))
+    return as_chunks(sizes)
+
+
+def _packed_parts(u: fx.Node, width: int) -> int:
+    """k when `u` unflattens a last dim of `width` into (k, width / k) and the k parts are then taken apart
+    (select or unbind on that dim, after dims moved by unsqueeze/transpose/squeeze/permute/contiguous), else 0."""
+    if u.target is not aten.unflatten.int or len(u.args) < 3 or u.args[1] not in (-1, len(u.args[0].meta["meshc.shape"]) - 1):
+        return 0
+    sizes = [int(s) for s in u.args[2]]
+    if len(sizes) != 2 or sizes[0] * sizes[1] != width or sizes[0] < 2:
+        return 0
+    ndim = len(u.meta["meshc.shape"])
+    todo, seen = [(u, ndim - 2)], set()
+    while todo:
+        cur, dim = todo.pop()
+        for user in cur.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            moved = _moved_dim(user, dim, len(cur.meta["meshc.shape"]))
+            if user.target in (aten.select.int, aten.unbind.int) and (user.args[1] if len(user.args) > 1 else 0) % \
+                    len(cur.meta["meshc.shape"]) == dim:
+                continue  # a part taken
+            if moved is None:
+                return 0  # used as a whole somewhere: not parts
+            todo.append((user, moved))
+    return sizes[0] if seen else 0
+
+
+def _moved_dim(node: fx.Node, dim: int, ndim: int) -> int | None:
+    """Where `dim` of the input of `node` (a dim-moving op) is in its output; None for any other op."""
+    if node.target not in _MOVES:
+        return None
+    args = node.args
+    if node.target is aten.unsqueeze.default:
+        d = args[1] % (ndim + 1)
+        return dim + (1 if d <= dim else 0)
+    if node.target is aten.transpose.int:
+        a, b = args[1] % ndim, args[2] % ndim
+        return b if dim == a else a if dim == b else dim
+    if node.target is aten.squeeze.dim:
+        d = args[1] % ndim
+        return None if d == dim else dim - (1 if d < dim else 0)
+    if node.target is aten.permute.default:
+        return [p % ndim for p in args[1]].index(dim)
+    return dim
