@@ -1,5 +1,5 @@
-"""`meshc explain`: compile one rank of a built-in model on a mesh, in this process, and print the plan
-with its predicted memory and step time.
+"""`meshc explain`: compile one rank of a built-in model (or of your own, `--model path.to.module:factory`) on a
+mesh, in this process, and print the plan with its predicted memory and step time.
 
 No processes are launched, no process group is created and no memory is spent on weights: the mesh is a
 MeshSpec (sizes and group names only) and the model is built from fake tensors, so a plan for thousands of
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 import meshc
-from meshc import models
+from meshc import factory, models
 from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.cost.formulas import Estimate, formula_estimate
 from meshc.compiler.compile import CompiledRank, compile_rank
@@ -31,6 +31,7 @@ from meshc.compiler.report.html import write_report
 from meshc.compiler.ir.show import format_graph
 from meshc.compiler.ir.mesh_spec import MeshSpec, parse_sizes
 
+FACTORY_SEQ = 128  # the sequence of a factory's model that returns no example inputs (--seq changes it)
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -49,7 +50,8 @@ class Simulation:
 
 def simulate(model: str, mesh: dict[str, int], *, rank: int = 0, plan: meshc.Plan | None = None,
              batch: int | None = None, seq: int | None = None, hardware="h100", **overrides) -> Simulation:
-    """Compile `rank` of a built-in model (or a transformers config .json) on a simulated mesh.
+    """Compile `rank` of a built-in model (or a transformers config .json, or a factory `module:callable`,
+    meshc/factory.py) on a simulated mesh.
 
     `batch` is the global batch in sequences (default 8, or one sequence per micro-batch per dp rank where 8
     does not divide);
@@ -61,21 +63,34 @@ def simulate(model: str, mesh: dict[str, int], *, rank: int = 0, plan: meshc.Pla
     if not 0 <= rank < world:
         raise MeshcValueError(f"explain: expected a rank in [0, {world}), got {rank}")
     dp, mb = sizes["dp"] // sizes["cp"], plan.microbatches  # cp ranks share a batch slice (and split its sequences)
-    batch = batch or (8 if 8 % (dp * mb) == 0 else dp * mb)
-    if batch % (dp * mb):
-        raise MeshcValueError(f"explain: expected the batch divisible by dp/cp × microbatches = {dp * mb}, got {batch}")
-    seq = seq or models.seq_len(model)
+    user = factory.is_factory(model)
     hw = load_hardware(hardware)
     t0 = time.perf_counter()
     spec = MeshSpec(sizes)  # ep folds into dp: not a factor of the world
     with compat.fake_tensor_mode():
-        net = models.build(model, seq_len=seq, **overrides)
-        tokens = torch.zeros(batch // dp, seq // sizes["cp"], dtype=torch.long)  # this rank's part (shard_batch's)
-        result, _ = compile_rank(net, (tokens,), {}, mesh=spec, plan=plan, rank=rank, hardware=hw)
+        built = factory.build(model, **overrides) if user else None
+        if built is not None and built.inputs is not None:  # the factory's own global batch
+            if batch is not None and batch != built.inputs[0].shape[0]:
+                raise MeshcValueError(f"explain: --batch {batch} but the factory's example inputs hold a batch of "
+                                      f"{built.inputs[0].shape[0]}; drop --batch or change the factory's inputs")
+            batch = int(built.inputs[0].shape[0])
+        batch = batch or (8 if 8 % (dp * mb) == 0 else dp * mb)
+        if batch % (dp * mb):
+            raise MeshcValueError(f"explain: expected the batch divisible by dp/cp × microbatches = {dp * mb}, got "
+                                  f"{batch}")
+        if built is not None and built.inputs is not None:
+            net, inputs = built.module, factory.local_inputs(built.inputs, dp, sizes["cp"])
+        else:
+            seq = seq or (FACTORY_SEQ if user else models.seq_len(model))
+            net = built.module if user else models.build(model, seq_len=seq, **overrides)
+            inputs = (torch.zeros(batch // dp, seq // sizes["cp"], dtype=torch.long),)  # this rank's part
+        result, _ = compile_rank(net, inputs, {}, mesh=spec, plan=plan, rank=rank, hardware=hw)
     report = explain(result.program, (), result.pipeline)
     compiled = estimate_compiled(result, hw)
     seconds = time.perf_counter() - t0
     try:
+        if user:
+            raise ValueError("a factory's model has no formula shape")
         shape = models.shape(model, seq=seq)
         if overrides.get("layers"):
             import dataclasses
@@ -90,7 +105,8 @@ def simulate(model: str, mesh: dict[str, int], *, rank: int = 0, plan: meshc.Pla
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt2-small",
-                   help=f"built-in model ({', '.join(models.NAMES)}) or a transformers config .json")
+                   help=f"built-in model ({', '.join(models.NAMES)}), a transformers config .json, or "
+                        "path.to.module:factory (a function returning your nn.Module, or (module, example inputs))")
     p.add_argument("--config", default=None, help="a transformers config.json to build instead of --model")
     p.add_argument("--mesh", default="dp=2", help="mesh sizes such as dp=2,tp=2 (default dp=2)")
     p.add_argument("--rank", type=int, default=0, help="which rank's program to show (default 0)")

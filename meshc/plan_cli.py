@@ -20,12 +20,14 @@ import time
 
 import torch
 
-from meshc import models
+from meshc import factory, models
+from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.cost.hardware import default_cpu_path, load
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.planner.search import Search, plan_model
 from meshc.compiler.planner.compiled import plan_compiled
 from meshc.compiler.report.plans import write_plans
+from meshc.explain_cli import FACTORY_SEQ
 
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
          "tib": 2**40, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -41,7 +43,8 @@ def parse_bytes(text: str) -> float:
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt2-small",
-                   help=f"built-in model ({', '.join(models.NAMES)}) or a transformers config .json")
+                   help=f"built-in model ({', '.join(models.NAMES)}), a transformers config .json, or "
+                        "path.to.module:factory (your nn.Module; scored on its compiled graphs)")
     p.add_argument("--gpus", type=int, required=True, help="number of devices (ranks)")
     p.add_argument("--memory", default=None, help="memory per device, e.g. 80GB (default: 90%% of the profile's)")
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: one per device)")
@@ -73,21 +76,17 @@ def run_plan(args: argparse.Namespace) -> int:
     batch = args.batch or args.gpus
     search = Search(param_dtype=dtype)
     t0 = time.perf_counter()
-    if args.compiled:
-        seq = args.seq or models.seq_len(args.model)
-
-        def build():
-            return models.build(args.model, seq_len=seq)
-
-        def inputs(dp: int) -> tuple:
-            return (torch.zeros(batch // dp, seq, dtype=torch.long),)
-        result = plan_compiled(build, inputs, args.gpus, hw, memory, search)
+    user = factory.is_factory(args.model)
+    if args.compiled or user:  # a factory's model has no formula shape: its graphs are scored
+        with compat.fake_tensor_mode():  # no memory for weights, whatever the model's size
+            result, batch = _plan_compiled(args, batch, hw, memory, search)
     else:
         shape = models.shape(args.model, seq=args.seq)
         result = plan_model(shape, args.gpus, batch, hw, memory, search)
-    shape = None if args.compiled else shape
+    compiled = args.compiled or user
+    shape = None if compiled else shape
     print(f"meshc plan: {args.model} on {args.gpus} x {hw.name}, global batch {batch} sequences "
-          f"({'compiled graphs' if args.compiled else 'formulas'}, {time.perf_counter() - t0:.1f} s)")
+          f"({'compiled graphs' if compiled else 'formulas'}, {time.perf_counter() - t0:.1f} s)")
     print(result.table(args.top))
     if args.html:
         title = f"meshc plan: {args.model} on {args.gpus} x {hw.name}, global batch {batch}"
@@ -106,9 +105,32 @@ def run_plan(args: argparse.Namespace) -> int:
           f"meshc.Plan(zero={p.zero}, microbatches={p.microbatches}, schedule={p.schedule!r}, virtual={p.virtual}, "
           f"remat={p.remat!r}, sequence_parallel={p.sequence_parallel}, vocab_parallel={p.vocab_parallel}{cp}"
           + (f", param_dtype=torch.{str(dtype).split('.')[-1]}" if dtype is not None else "") + offload + ")")
-    if p.offload and not args.compiled:
+    if p.offload and not compiled:
         print(_offload_trade(best, shape, args.gpus, batch, hw, memory, search))
     return 0
+
+
+def _plan_compiled(args: argparse.Namespace, batch: int, hw, memory, search):
+    """Every mesh scored on the real graph of its rank 0 (on fake tensors); a factory's example inputs, when it
+    returns them, set the global batch."""
+    if factory.is_factory(args.model):
+        built = factory.build(args.model)
+        if built.inputs is not None:
+            batch = int(built.inputs[0].shape[0])
+
+            def inputs(dp: int) -> tuple:
+                return factory.local_inputs(built.inputs, dp, 1)
+        else:
+            seq = args.seq or FACTORY_SEQ
+
+            def inputs(dp: int) -> tuple:
+                return (torch.zeros(batch // dp, seq, dtype=torch.long),)
+        return plan_compiled(lambda: built.module, inputs, args.gpus, hw, memory, search), batch
+    seq = args.seq or models.seq_len(args.model)
+
+    def inputs(dp: int) -> tuple:
+        return (torch.zeros(batch // dp, seq, dtype=torch.long),)
+    return plan_compiled(lambda: models.build(args.model, seq_len=seq), inputs, args.gpus, hw, memory, search), batch
 
 
 def _offload_trade(best, shape, gpus: int, batch: int, hw, memory, search) -> str:

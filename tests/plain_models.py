@@ -160,3 +160,9 @@ class EncoderLM(nn.Module):
 def encoder_lm(seed: int = 0, layers: int = 2, batch_first: bool = True) -> nn.Module:
     torch.manual_seed(seed)
     return EncoderLM(layers=layers, batch_first=batch_first)
+
+
+def encoder_lm_with_batch(layers: int = 2) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """A factory as `meshc explain --model tests.plain_models:encoder_lm_with_batch` takes it: the model and one
+    global batch of 8 sequences of SEQ tokens."""
+    return encoder_lm(layers=layers), (torch.randint(0, VOCAB, (8, SEQ)),)

@@ -51,3 +51,52 @@ def test_explain_a_pipeline_rank(capsys):
     assert re.search(r"send\s+pp\s+128.0 KiB\s+1\s+backward\s+stage 1's input gradients", text)
     assert "gradients of parameters held on several pp ranks: tok.weight" in text
     assert "blocks.0.attn.qkv.weight" not in text.split("parameters (")[1]  # stage 0's, held on pp rank 0
+
+
+def test_explain_a_users_factory(capsys):
+    """A model the user wrote, named as module:factory, explained on fake tensors; its example batch splits over
+    dp; --layers reaches the factory."""
+    assert cli.main(["explain", "--model", "tests.plain_models:encoder_lm_with_batch", "--mesh", "dp=2,tp=2",
+                     "--layers", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "rank 0 of 4" in text and "tp coverage: 1.00" in text
+    assert "encoder.layers.2.self_attn column-parallel -> encoder.layers.2.self_attn.out_proj row-parallel" in text
+    assert re.search(r"all_reduce\s+dp", text)  # the 8 sequences split over dp: gradients reduced
+    assert cli.main(["explain", "--model", "tests.zoo:llama", "--mesh", "tp=2", "--seq", "16", "--batch", "4"]) == 0
+    assert "tp coverage: 1.00" in capsys.readouterr().out
+
+
+def test_a_factory_that_cannot_be_used_is_named(capsys):
+    for spec, said in [("tests.zoo:nothing", "tests.zoo has no callable 'nothing'"),
+                       ("no_such_package.models:build", "cannot import 'no_such_package.models'"),
+                       ("tests.zoo:VOCAB", "has no callable 'VOCAB'"),
+                       ("tests.test_cli:numpy_factory", "the factory failed under fake tensors"),
+                       ("tests.test_cli:not_a_module", "expected the factory to return an nn.Module")]:
+        assert cli.main(["explain", "--model", spec]) == 2
+        assert said in capsys.readouterr().err
+    assert cli.main(["explain", "--model", "tests.plain_models:encoder_lm_with_batch", "--batch", "4"]) == 2
+    assert "the factory's example inputs hold a batch of 8" in capsys.readouterr().err
+    assert cli.main(["explain", "--model", "tests.zoo:gpt2", "--layers", "1", "--batch", "3", "--mesh", "dp=2"]) == 2
+    assert "divisible by dp/cp" in capsys.readouterr().err
+
+
+def test_plan_a_users_factory(capsys):
+    """`meshc plan` scores a factory's model on its compiled graphs (it has no formula shape)."""
+    assert cli.main(["plan", "--model", "tests.plain_models:encoder_lm_with_batch", "--gpus", "2", "--hardware",
+                     "cpu", "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "global batch 8 sequences (compiled graphs" in text
+    assert re.search(r"best: meshc\.mesh\(dp=\d, tp=\d, pp=\d\)", text)
+
+
+def numpy_factory():
+    """A factory that reads its weights' values (fails on fake tensors)."""
+    import torch
+
+    layer = torch.nn.Linear(4, 4)
+    layer.weight.detach().numpy()
+    return layer
+
+
+def not_a_module():
+    return "a model"
