@@ -122,15 +122,17 @@ def run_passes(program: Program, passes: list[tuple[str, PassFn]] | None = None)
 
 def with_decisions(program: Program) -> Program:
     """The program with the choices its Plan leaves to the cost model made (compiler/cost/fusion.py,
-    compiler/cost/buckets.py, compiler/cost/inductor.py) for its hardware profile (Program.hardware; None: the profile of the mesh's
+    compiler/cost/buckets.py, compiler/cost/inductor.py, compiler/cost/vocab.py) for its hardware profile (Program.hardware; None: the profile of the mesh's
     device, hardware.for_device)."""
     from meshc.compiler.cost.buckets import decide_buckets
     from meshc.compiler.cost.fusion import decide
     from meshc.compiler.cost.hardware import for_device
     from meshc.compiler.cost.inductor import decide_inductor
+    from meshc.compiler.cost.vocab import decide_vocab_parallel
 
     hw = program.hardware or for_device(program.mesh.device_type)
-    decisions = {**decide(program, hw), "bucket_mb": decide_buckets(program, hw)}
+    decisions = {**decide(program, hw), "bucket_mb": decide_buckets(program, hw),
+                 "vocab_parallel": decide_vocab_parallel(program, hw)}
     decisions["inductor"] = decide_inductor(program, hw, decisions)
     return program.replace(hardware=hw, decisions=decisions)
 

@@ -31,7 +31,6 @@ from meshc.compiler.report.html import write_report
 from meshc.compiler.ir.show import format_graph
 from meshc.compiler.ir.mesh_spec import MeshSpec, parse_sizes
 
-FACTORY_SEQ = 128  # the sequence of a factory's model that returns no example inputs (--seq changes it)
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -81,7 +80,7 @@ def simulate(model: str, mesh: dict[str, int], *, rank: int = 0, plan: meshc.Pla
         if built is not None and built.inputs is not None:
             net, inputs = built.module, factory.local_inputs(built.inputs, dp, sizes["cp"])
         else:
-            seq = seq or (FACTORY_SEQ if user else models.seq_len(model))
+            seq = seq or (factory.SEQ if user else models.seq_len(model))
             net = built.module if user else models.build(model, seq_len=seq, **overrides)
             inputs = (torch.zeros(batch // dp, seq // sizes["cp"], dtype=torch.long),)  # this rank's part
         result, _ = compile_rank(net, inputs, {}, mesh=spec, plan=plan, rank=rank, hardware=hw)
@@ -127,7 +126,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--virtual", type=int, default=1, help="stages per pp rank (interleaved)")
     p.add_argument("--remat", default="none", help="none, selective or full")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
-    p.add_argument("--vocab-parallel", action="store_true", help="shard the embedding and LM head over tp")
+    p.add_argument("--vocab-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="shard the embedding and LM head over tp (default: the cost model's choice)")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="compute dtype (bf16 needs --zero >= 1)")
     p.add_argument("--no-fusion", action="store_true", help="switch the fuse_comm pass off")
 

@@ -20,6 +20,9 @@ import torch.nn as nn
 from meshc.compiler.ir.errors import MeshcTypeError, MeshcValueError
 
 
+SEQ = 128  # the sequence of a factory's model that returns no example inputs (--seq changes it)
+
+
 def is_factory(name: str) -> bool:
     """Does `--model` name a factory (module:callable) rather than a built-in model or a config file?"""
     return ":" in name and not name.endswith(".json") and not os.path.exists(name)

@@ -17,6 +17,7 @@ for initialization), never the user's weights.
 from __future__ import annotations
 
 import copy
+import os
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -26,7 +27,7 @@ from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.compile import CompiledRank, compile_program, compile_rank, passes_for_rank
 from meshc.compiler.report.explain import Report, explain
 from meshc.compiler.cost.hardware import detect as detect_hardware
-from meshc.compiler.ir.errors import MeshcValueError
+from meshc.compiler.ir.errors import MeshcValueError, warn
 from meshc.compiler.ir.program import Program
 from meshc.compiler.pipeline.rank_plan import PipelinePlan
 from meshc.compiler.report.html import write_report
@@ -143,7 +144,7 @@ class Job:
             targets = targets.to(self.mesh.device)
         if self._pipe is not None:  # micro-batches through the stages, in the schedule's order
             return self._average(self._pipeline_step(args, targets, loss_fn), "dp")
-        if self.plan.vocab_parallel:  # the loss joins the graph: cross-entropy on vocabulary shards
+        if self._vocab_parallel():  # the loss joins the graph: cross-entropy on vocabulary shards
             loss = self._run(self._step_program(args, targets, loss_fn), (*args, targets), {})
         else:
             loss = loss_fn(self(*args), targets)
@@ -153,6 +154,13 @@ class Job:
                                   "reduce the loss to its mean over the batch")
         loss.backward()
         return self._average(loss.detach(), "dp")
+
+    def _vocab_parallel(self) -> bool:
+        """Whether the job's plan shards the vocabulary (Plan.vocab_parallel, or the cost model's choice)."""
+        if self.plan.vocab_parallel is not None:
+            return self.plan.vocab_parallel
+        decision = self.program.decisions.get("vocab_parallel")
+        return bool(decision is not None and decision.value)
 
     def _pipeline_step(self, args: tuple, targets: Any, loss_fn: Callable) -> torch.Tensor:
         program = self.program
@@ -292,6 +300,17 @@ class Job:
         grads = {f: p.grad for f, p in self._params.items() if p.grad is not None}
         return self.whole_tensors(grads, [f for f in self.program.params if self.program.params[f].requires_grad])
 
+    def offload_dir(self) -> str | None:
+        """This rank's folder for Plan.offload="nvme" (Plan.offload_dir, or what its function returns for this
+        rank)."""
+        where = self.plan.offload_dir
+        if callable(where):
+            where = where(self.mesh.rank)
+            if not isinstance(where, (str, os.PathLike)):
+                raise MeshcValueError(f"Plan.offload_dir: expected the function to return a folder for rank "
+                                      f"{self.mesh.rank}, got {where!r}")
+        return None if where is None else os.fspath(where)
+
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer states this rank really holds (measured)."""
         return self._store.held_bytes(self.live_optimizers())  # offloaded states apart (runtime/zero/offload.py)
@@ -417,7 +436,7 @@ class Job:
         if not offs:
             return [f"offload: '{plan.offload}' streams the optimizer states once job.optimizer() has made one"], None
         held = self.held_bytes()
-        where = f"a scratch file under {plan.offload_dir} (unlinked while open)" if plan.offload == "nvme" else \
+        where = f"a scratch file under {self.offload_dir()} (unlinked while open)" if plan.offload == "nvme" else \
             "host memory"
         what = "optimizer states and parameter shards" if plan.offload_params else "optimizer states"
         lines = [f"offload: {what}, {human_bytes(held['offloaded'])} on this rank, in {where}; streamed through a "
@@ -487,13 +506,17 @@ def _offloaded_optimizer(cls, params: list, kwargs: dict, job: Job) -> torch.opt
     from meshc.runtime.zero.offload import of as offload_of
 
     states = probe_states(cls, kwargs, job.mesh.device)
+    if not states and not job.plan.offload_params:
+        warn(f"Plan.offload={job.plan.offload!r}: {cls.__name__}(**{kwargs}) keeps no state shaped like its "
+             "parameters, so nothing is offloaded: it steps in memory (offload_params=True with zero=3 would "
+             "offload the parameter shards)")
     opt = offloaded_class(cls)(params, **kwargs)
     names = {id(p): f for f, p in job.named_parameters()}
     plan = job.plan
     if plan.offload_params and any(offload_of(o) is not None for o in job.live_optimizers()):
         raise MeshcValueError("job.optimizer: expected one optimizer with Plan.offload_params (the parameters live in "
                               "its offload store), got a second one; put every parameter in one optimizer's groups")
-    opt._meshc_offload = StateOffload(opt, states, names, kind=plan.offload, folder=plan.offload_dir,
+    opt._meshc_offload = StateOffload(opt, states, names, kind=plan.offload, folder=job.offload_dir(),
                                       rank=job.mesh.rank, pool_mb=plan.offload_buffer_mb, params=plan.offload_params)
     return opt
 

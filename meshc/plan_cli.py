@@ -27,7 +27,6 @@ from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.planner.search import Search, plan_model
 from meshc.compiler.planner.compiled import plan_compiled
 from meshc.compiler.report.plans import write_plans
-from meshc.explain_cli import FACTORY_SEQ
 
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
          "tib": 2**40, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -121,7 +120,7 @@ def _plan_compiled(args: argparse.Namespace, batch: int, hw, memory, search):
             def inputs(dp: int) -> tuple:
                 return factory.local_inputs(built.inputs, dp, 1)
         else:
-            seq = args.seq or FACTORY_SEQ
+            seq = args.seq or factory.SEQ
 
             def inputs(dp: int) -> tuple:
                 return (torch.zeros(batch // dp, seq, dtype=torch.long),)

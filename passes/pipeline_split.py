@@ -38,6 +38,7 @@ from meshc.runtime.ops.experts import combine
 
 from meshc.passes.blocks import block_of
 from meshc.passes.experts import grouped_mm_flops
+from meshc.passes.stage_memory import StageMemory, budget
 
 AXIS = "pp"
 MARKER = "pippy::_pipe_split"
@@ -50,6 +51,7 @@ class StageInfo:
     flops: float
     param_bytes: int
     boundary_bytes: int  # activations sent to the next stage, per micro-batch
+    memory: float = 0.0  # predicted bytes its rank holds for it: states and in-flight activations (stage_memory)
 
 
 def pipeline_split_pass(program: Program) -> Program:
@@ -62,16 +64,18 @@ def pipeline_split_pass(program: Program) -> Program:
     order = [n for n in graph.nodes if n in acts]
     cost = _flops(order)
     crossing = _crossing_bytes(order, acts)
-    cuts = _chosen_cuts(program, order, cost, crossing, stages)
+    memory = StageMemory(program, order, crossing, stages)
+    cuts = _chosen_cuts(program, order, cost, crossing, stages, memory)
     stage = 0
     for i, node in enumerate(order):
         if stage < len(cuts) and i == cuts[stage]:
             stage += 1
         node.meta["meshc.stage"] = stage
-    program.stage_info = _describe(program, order, cost, crossing, cuts, stages)
+    program.stage_info = _describe(program, order, cost, crossing, cuts, stages, memory)
     for s in program.stage_info:
         program.notes.append(f"stage {s.stage}: {', '.join(s.blocks) or '-'}; {s.flops / 1e9:.3f} GFLOP forward, "
-                             f"{s.param_bytes / 2**20:.2f} MiB parameters, {s.boundary_bytes / 2**10:.1f} KiB sent on")
+                             f"{s.param_bytes / 2**20:.2f} MiB parameters, {s.boundary_bytes / 2**10:.1f} KiB sent on, "
+                             f"{s.memory / 2**20:.1f} MiB predicted held")
     return program
 
 
@@ -169,7 +173,7 @@ def _nbytes(node: fx.Node) -> int:
     return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
 
 
-def _chosen_cuts(program: Program, order, cost, crossing, stages: int) -> list[int]:
+def _chosen_cuts(program: Program, order, cost, crossing, stages: int, memory: StageMemory) -> list[int]:
     """Indices i into `order` where stage s+1 begins (len = stages - 1)."""
     markers = [i for i, n in enumerate(order) if _is_marker(n)]
     forced = _forced_cuts(program, order) or _marker_cuts(program, markers)
@@ -189,7 +193,11 @@ def _chosen_cuts(program: Program, order, cost, crossing, stages: int) -> list[i
     flops, bandwidth = program.stage_rates or (1.0, float("inf"))
     times = [3 * c / flops for c in cost]
     sends = [2 * b / bandwidth for b in crossing]
-    cuts = _balance(times, sends, crossing, candidates, stages)
+    total = budget(program)
+    cuts = _balance(times, sends, crossing, candidates, stages, memory if total else None, total or 0.0)
+    if cuts is None:  # no split fits: balance time, and say by how much the fullest stage is over
+        cuts = _balance(times, sends, crossing, candidates, stages)
+        _say_memory(program, memory, cuts, len(order), total)
     _say_balance(program, times, sends, cuts, len(candidates))
     return cuts
 
@@ -261,9 +269,10 @@ def _repeated(a: str, b: str) -> bool:
 
 
 def _balance(times: list[float], sends: list[float], crossing: list[int], candidates: list[int],
-             stages: int) -> list[int]:
+             stages: int, memory: StageMemory | None = None, total: float = 0.0) -> list[int] | None:
     """Choose stages-1 cuts among candidates minimizing the slowest stage (its compute, plus its send when it has
-    a next stage), then the bytes crossing the cuts (dynamic programming)."""
+    a next stage), then the bytes crossing the cuts (dynamic programming); with `memory`, only among the splits
+    whose every stage fits its share of `total` bytes (None: none fits)."""
     prefix = [0.0]
     for c in times:
         prefix.append(prefix[-1] + c)
@@ -279,7 +288,9 @@ def _balance(times: list[float], sends: list[float], crossing: list[int], candid
             seg = prefix[points[j]] - prefix[points[i]] + (0.0 if last else sends[points[j] - 1])
             sent = 0 if last else crossing[points[j] - 1]
             for s, ((worst, nbytes), cuts) in best[i].items():
-                if s + 1 > stages:
+                if s + 1 > stages or (last and s + 1 != stages) or (not last and s + 1 == stages):
+                    continue
+                if memory is not None and memory.of(s, points[i], points[j]) > memory.limit(s, total):
                     continue
                 # stage times equal to 1e-9 of the step are a tie: the fewer bytes win
                 key = (round(max(worst, seg) / scale, 9), nbytes + sent)
@@ -287,7 +298,19 @@ def _balance(times: list[float], sends: list[float], crossing: list[int], candid
                 old = best[j].get(s + 1)
                 if old is None or key < (round(old[0][0] / scale, 9), old[0][1]):
                     best[j][s + 1] = cand
-    return list(best[k - 1][stages][1])
+    found = best[k - 1].get(stages)
+    return None if found is None else list(found[1])
+
+
+def _say_memory(program: Program, memory: StageMemory, cuts: list[int], n: int, total: float) -> None:
+    """A warning when no split keeps every stage within the device's memory."""
+    bounds = [0] + cuts + [n]
+    held = [memory.of(s, bounds[s], bounds[s + 1]) / memory.limit(s, total) for s in range(len(bounds) - 1)]
+    worst = max(range(len(held)), key=held.__getitem__)
+    program.warnings.append(
+        f"pipeline split: no split keeps every stage within {total / 2**30:.3g} GiB per device (the hardware "
+        f"profile's); balanced for time, stage {worst} is predicted at {held[worst]:.2f}x its share (parameter "
+        "states and in-flight activations); more stages, ZeRO, remat or fewer micro-batches in flight would fit")
 
 
 def _say_balance(program: Program, times: list[float], sends: list[float], cuts: list[int], places: int) -> None:
@@ -306,7 +329,7 @@ def _say_balance(program: Program, times: list[float], sends: list[float], cuts:
             "more (smaller) blocks, balance better")
 
 
-def _describe(program, order, cost, crossing, cuts, stages) -> list[StageInfo]:
+def _describe(program, order, cost, crossing, cuts, stages, memory: StageMemory) -> list[StageInfo]:
     bounds = [0] + cuts + [len(order)]
     info = []
     for s in range(stages):
@@ -320,6 +343,7 @@ def _describe(program, order, cost, crossing, cuts, stages) -> list[StageInfo]:
                 if a.op == "placeholder" and a.meta.get("meshc.role") == "param"}
         pbytes = sum(program.params[f].local_bytes(program.mesh.sizes) for f in used)
         sent = crossing[bounds[s + 1] - 1] if s < stages - 1 else 0
-        info.append(StageInfo(s, blocks, sum(cost[bounds[s]: bounds[s + 1]]), pbytes, sent))
+        info.append(StageInfo(s, blocks, sum(cost[bounds[s]: bounds[s + 1]]), pbytes, sent,
+                              memory.of(s, bounds[s], bounds[s + 1])))
     return info
 

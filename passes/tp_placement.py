@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from meshc.compiler.ir.coverage import block_weights, coverage
 from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
+from meshc.compiler.ir.logits import logits_end
 from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_reshape, op_name
 from meshc.compiler.ir.placement import Partial, Replicate, Shard, in_parts
 from meshc.compiler.ir.program import Program
@@ -78,7 +79,8 @@ def tp_placement_pass(program: Program) -> Program:
         return program
     weights = _weights(program)
     styles: dict[str, str] = {}
-    if program.plan.vocab_parallel:
+    vocab = program.decisions.get("vocab_parallel")  # the plan's, or the cost model's where it left it open
+    if program.plan.vocab_parallel or (program.plan.vocab_parallel is None and vocab is not None and vocab.value):
         styles.update(_vocab_styles(program, weights))
     styles.update({k: v for k, v in _megatron(program, weights, n).items() if k not in styles})
     for glob, style in (program.plan.tp or {}).items():
@@ -264,8 +266,8 @@ def _vocab_styles(program: Program, weights: dict[str, Weight]) -> dict[str, str
         raise MeshcValueError("Plan.vocab_parallel: expected a token embedding indexed by a model input, got none")
     vocab = program.params[tokens[0].fqn].shape[0]
     out = {w.fqn: "vocab" for w in tokens}
-    for w in weights.values():
-        if w.kind != "embedding" and program.params[w.fqn].shape[w.out_dim] == vocab:
+    for w in weights.values():  # the LM heads: their logits go to the output or a cross-entropy
+        if w.kind != "embedding" and program.params[w.fqn].shape[w.out_dim] == vocab and logits_end(w.node):
             out[w.fqn] = "vocab"
     return out
 

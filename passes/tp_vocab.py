@@ -10,6 +10,7 @@ import math
 import torch
 import torch.fx as fx
 
+from meshc.compiler.ir.logits import plain_cross_entropy
 from meshc.compiler.ir.placement import P, Placement, R, Replicate, Shard
 from meshc.compiler.ir.program import CommRecord
 from meshc.runtime.ops.tp_ops import vocab_parallel_cross_entropy, vocab_parallel_embedding
@@ -59,9 +60,7 @@ def cross_entropy_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     its max, sum of exponentials and target logit over the axis."""
     logits, target = node.args[0], node.args[1]
     p = ctx.pl(logits)
-    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
-    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
-    plain = weight is None and not smoothing and _ndim(logits) == 2
+    plain = plain_cross_entropy(node)
     req = {} if isinstance(ctx.pl(target), Replicate) else {(1,): R}
     if isinstance(p, Shard) and p.dim == 1 and p.chunks == 1 and plain:
         return Decision(req, R, rewrite=lambda nd: _loss_parallel(nd, ctx))

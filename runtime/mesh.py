@@ -197,7 +197,7 @@ def _members(group: dist.ProcessGroup) -> tuple[int, ...]:
 
 
 def mesh(*, dp: int | None = None, ep: int = 1, cp: int = 1, tp: int = 1, pp: int = 1, timeout_s: float = 300.0,
-         host_malloc: bool = True, **unknown_axes: int) -> Mesh:
+         host_malloc: bool = False, **unknown_axes: int) -> Mesh:
     """The mesh of this process's world: `meshc.mesh(dp=2, tp=2, pp=2)`, `meshc.mesh(dp=4, ep=2)` or
     `meshc.mesh(dp=4, cp=2)`.
 
@@ -207,10 +207,12 @@ def mesh(*, dp: int | None = None, ep: int = 1, cp: int = 1, tp: int = 1, pp: in
     sub-group of dp, not a factor of the world: experts are sharded over ep consecutive dp ranks
     (MeshSpec). `cp` (context parallelism) is one too: cp consecutive dp ranks share a batch and split its
     sequences, dp/cp different batches are trained at once. `timeout_s` bounds every collective (gloo's own default is 30 minutes).
-    On a CPU world, `host_malloc` keeps a training step's large blocks on this process's heap (runtime/host_malloc.py:
-    without it each step page-faults its gradients and activations in afresh, 10-15% of a step on the 2-core
-    machine); False leaves the C library's settings as they are (freed memory goes back to the system sooner; a process
-    an earlier meshc.mesh() tuned stays tuned).
+    On a CPU world, `host_malloc=True` keeps a training step's large blocks on this process's heap
+    (runtime/host_malloc.py: without it each step page-faults its gradients and activations in afresh, up to 10-15%
+    of a small model's step on the 2-core machine) at the price of resident memory: the heap keeps what a step
+    freed, fragmented, and a ZeRO-3 run's peak RSS measured 1.2-1.4x glibc's (docs/memory.md). The default, False,
+    leaves the C library's settings as they are: meshc, whose purpose is fitting big models, does not trade memory
+    for speed unless asked (a process an earlier meshc.mesh(host_malloc=True) tuned stays tuned).
     """
     if unknown_axes:
         name = next(iter(unknown_axes))

@@ -61,7 +61,17 @@ def builtin_gpt(seed: int = 0, layers: int = 2, seq: int = SEQ) -> torch.nn.Modu
     return models.build("gpt-tiny", vocab_size=VOCAB, seq_len=seq, layers=layers, dim=32)
 
 
-MODELS = {"gpt": builtin_gpt, "reference": reference_transformer, "gpt2": gpt2, "llama": llama, "bert": bert}
+def gpt_vocab(seed: int = 0, layers: int = 1) -> torch.nn.Module:
+    """meshc's built-in GPT with a vocabulary of 4096 over a width of 64 (tied head): where the head's compute
+    outweighs the collectives that sharding the vocabulary adds, even on the CPU profile (compiler/cost/vocab.py)."""
+    from meshc import models
+
+    torch.manual_seed(seed)
+    return models.build("gpt-tiny", vocab_size=4096, seq_len=SEQ, layers=layers, dim=64)
+
+
+MODELS = {"gpt": builtin_gpt, "reference": reference_transformer, "gpt2": gpt2, "llama": llama, "bert": bert,
+          "gpt_vocab": gpt_vocab}
 
 
 def build(name: str, seed: int = 0, **kwargs) -> torch.nn.Module:

@@ -74,6 +74,7 @@ from sympy import Max, Min
 
 from meshc.compiler.cost.cp import CP_TERMS, cp_layer_terms, cp_numbers
 from meshc.compiler.cost.hardware import Hardware
+from meshc.compiler.cost.vocab import decide_from_shape
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.schedule import V_SHAPED
 
@@ -434,7 +435,7 @@ def _simulated_terms(schedule: str, pp: int, m: int, virtual: int) -> tuple[floa
 def plan_indicators(plan) -> tuple[int, ...]:
     """The 0/1 indicators of a meshc Plan's choices: z1, z2, z3, rs, rf, sp, vp."""
     return (int(plan.zero == 1), int(plan.zero == 2), int(plan.zero == 3), int(plan.remat == "selective"),
-            int(plan.remat == "full"), int(plan.sequence_parallel), int(plan.vocab_parallel))
+            int(plan.remat == "full"), int(plan.sequence_parallel), int(bool(plan.vocab_parallel)))
 
 
 def precision_of(plan) -> Precision:
@@ -459,6 +460,8 @@ def formula_values(shape: ModelShape, sizes: tuple, choice: tuple, batch: int, h
     n, tp, pp = sizes[0], sizes[1], sizes[2]
     ep, cp = sizes[3] if len(sizes) > 3 else 1, sizes[4] if len(sizes) > 4 else 1
     mb, schedule, virtual, zero, remat, sp_, vp_ = choice[:7]
+    if vp_ is None:  # Plan(vocab_parallel=None): the cost model's choice, as the compiled graph's decision makes it
+        vp_ = decide_from_shape(hw, tp, batch * shape.seq // (n * mb), shape.hidden, shape.vocab, shape.tied)
     if cp > 1 and (n % cp or ep > 1):
         raise MeshcValueError(f"cost: expected cp dividing dp and not with ep > 1, got dp={n}, ep={ep}, cp={cp}")
     if batch % (n // cp * mb):

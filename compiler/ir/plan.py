@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -58,7 +58,11 @@ class Plan:
         sequence_parallel: keep activations between tensor-parallel regions sharded on the sequence
             dim (norms, dropout, residual adds on sequence shards): all-gather before column-parallel
             and reduce-scatter after row-parallel layers instead of all-reduce.
-        vocab_parallel: shard the token embedding and the LM head over the vocabulary.
+        vocab_parallel: shard the token embedding's rows and the LM head's columns over tp (Megatron's
+            default), the loss a vocabulary-parallel cross-entropy where a plain one reads the logits in the
+            graph. None (default): the cost model's choice (compiler/cost/vocab.py): on where tp > 1, the
+            vocabulary divides over tp and the head's compute it saves outweighs the collectives it adds (tiny
+            vocabularies on CPU stay replicated); explain() says which and why.
         cp_attention: how attention sees the whole sequence under context parallelism (a mesh with cp > 1):
             "ring" (K/V chunks passed around the cp ring, overlapping the local block's attention; no
             rank holds the whole sequence's K/V), "all_gather" (K/V gathered whole on every rank) or
@@ -108,7 +112,9 @@ class Plan:
             "cpu" (ZeRO-Offload): in host memory, streamed the same way; on a CPU device host memory is the
             device's, so it is the identity placement (explain() says so).
         offload_dir: folder for "nvme" offload files (this run's scratch: a meshc-offload-* folder per rank,
-            removed at exit). Missing, unwritable or too full is an error before the first step.
+            removed at exit), or a function of the global rank returning one (a local disk per rank or node, as
+            DeepSpeed's nvme_path is node-local). A rank's resource, not part of the plan: ranks may name
+            different folders. Missing, unwritable or too full is an error on that rank before the first step.
         offload_params: with zero=3 and offload="nvme", the parameter shards too live in the file; each
             bucket is read before its all-gather and the updated shards are written back by the step.
         offload_buffer_mb: the pool of offload buffers, in MiB (three buckets: one updating, one being read,
@@ -143,7 +149,7 @@ class Plan:
     tp: dict[str, str] | None = None
     min_tp_coverage: float | None = None
     sequence_parallel: bool = False
-    vocab_parallel: bool = False
+    vocab_parallel: bool | None = None
     cp_attention: str = "ring"
     zero: int = 0
     zero_bucket_mb: float = 25.0
@@ -160,7 +166,7 @@ class Plan:
     collective_matmul: bool | None = None
     inductor: bool | None = None
     offload: str | None = None
-    offload_dir: str | None = None
+    offload_dir: str | os.PathLike | Callable[[int], str] | None = None
     offload_params: bool = False
     offload_buffer_mb: float | None = None
 
@@ -214,7 +220,7 @@ class Plan:
             raise MeshcValueError("Plan.reduce_dtype: expected zero >= 1 (ZeRO's reduce-scatters are what casts "
                                   "gradients), got zero=0; use zero=1, which communicates as much as plain data "
                                   "parallelism")
-        for name in ("fusion", "collective_matmul", "inductor"):
+        for name in ("fusion", "collective_matmul", "inductor", "vocab_parallel"):
             if getattr(self, name) not in (None, True, False):
                 raise MeshcTypeError(f"Plan.{name}: expected True, False or None (the cost model decides), got "
                                      f"{getattr(self, name)!r}")
@@ -262,9 +268,10 @@ class Plan:
             raise MeshcValueError(f"Plan.offload: expected zero >= 1 (offload moves ZeRO's optimizer-state shards), "
                                   f"got zero=0 with offload={self.offload!r}; use zero=1, which communicates as much as "
                                   "plain data parallelism")
-        if self.offload == "nvme" and not isinstance(self.offload_dir, (str, os.PathLike)):
-            raise MeshcValueError(f"Plan.offload_dir: expected a folder for offload='nvme' (a fast local disk), got "
-                                  f"{self.offload_dir!r}")
+        if self.offload == "nvme" and not (isinstance(self.offload_dir, (str, os.PathLike)) or
+                                           callable(self.offload_dir)):
+            raise MeshcValueError(f"Plan.offload_dir: expected a folder for offload='nvme' (a fast local disk), or a "
+                                  f"function of the rank returning one, got {self.offload_dir!r}")
         if self.offload_dir is not None and self.offload != "nvme":
             raise MeshcValueError(f"Plan.offload_dir: expected offload='nvme' with it, got offload={self.offload!r}; "
                                   "drop offload_dir or set offload='nvme'")

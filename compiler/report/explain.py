@@ -200,7 +200,8 @@ def _pipeline_lines(program: Program, pipeline) -> list[str]:
         where = f"pp rank {pipeline.schedule.rank_of(s.stage)}"
         lines.append(f"stage {s.stage} ({where}): {', '.join(s.blocks) or '-'}; {s.flops / 1e9:.3f} GFLOP forward per "
                      f"micro-batch, {s.param_bytes / 2**20:.2f} MiB parameters, {s.boundary_bytes / 2**10:.1f} KiB "
-                     "sent to the next stage")
+                     f"sent to the next stage, {s.memory / 2**20:.1f} MiB predicted held (states, in-flight "
+                     "activations)")
     sched = pipeline.schedule
     lines.append(f"schedule {sched.name}: {sched.microbatches} micro-batches, predicted bubble "
                  f"{pipeline.simulated.bubble:.1%} of compute (stage costs from their FLOPs; B = 2F)")

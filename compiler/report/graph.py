@@ -56,7 +56,11 @@ def representatives(mesh, me: int, limit: int = MAX_GRAPH_RANKS) -> tuple[list[t
 
 
 def _normalized(gm, names: dict[str, str]) -> str:
-    return re.sub(r"'([^']*)'", lambda m: f"'{names.get(m.group(1), m.group(1))}'", gm.code)
+    """`gm`'s code with process-group names made axis names, and what each rank of a group has as its own left out
+    (a vocabulary-parallel op's slice, start and end; a collective's position in its group, index): what peers that
+    run the same graph have in common."""
+    code = re.sub(r"'([^']*)'", lambda m: f"'{names.get(m.group(1), m.group(1))}'", gm.code)
+    return re.sub(r"\b(start|end|index) = \d+", r"\1 = .", code)
 
 
 def _group_names(mesh) -> dict[str, str]:

@@ -334,7 +334,7 @@ def fingerprint(job) -> dict:
     """What every rank must agree on before a step, and this rank's pipeline messages."""
     program, mesh = job.program, job.mesh
     plan = {f.name: repr(getattr(job.plan, f.name)) for f in dataclasses.fields(job.plan)
-            if f.name not in ("debug_dir", "verify")}
+            if f.name not in ("debug_dir", "verify", "offload_dir")}  # a rank's own resources, not the plan
     params = [f"{s.fqn} {tuple(s.shape)} {s.dtype} {format_placements(s.placements)}" for s in program.params.values()]
     comms = [f"{r.kind} over {r.axis}, {r.bytes} B, {r.phase}, x{r.count}" for _, r in program.comm_records()]
     messages = []

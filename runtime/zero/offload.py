@@ -26,6 +26,10 @@ copied back once; plain values likewise.
 A state entry that is not a view of the store when the step starts (one a load or the user put there) is
 the truth: it is written into the store first.
 
+An optimizer without such states (SGD without momentum) has nothing to offload: its parameters step in memory,
+in one call, and job.optimizer says so with a MeshcWarning (with offload_params the parameters are still
+offloaded and streamed).
+
 Parameters (offload_params, ZeRO-3): each master shard gets a place too; its .data is a view of the mapping
 from the optimizer's creation on, and its pieces update in the buffers like its states. ZeRO-3's gathers
 read the shards through the page cache; after packing a bucket the job drops those pages from the process
@@ -155,6 +159,9 @@ class StateOffload:
         if pool_mb is None:  # a few percent of what it streams: buckets of MiBs keep the disk busy all the same
             pool_mb = max(MIN_POOL_MB, min(MAX_POOL_MB, total / POOL_FRACTION / 2**20))
         self.buckets = _buckets(plist, per_element, int(pool_mb * 2**20) // NBUF, self.names)
+        # parameters with nothing to offload (a stateless optimizer: SGD without momentum, and not offload_params)
+        # step in memory, once per step, as the optimizer would without offload
+        self.resident = [p for p in plist if per_element[id(p)] == 0]
         device = plist[0].device if plist else torch.device("cpu")
         self.store = FileStore(folder, rank, total, "optimizer_states") if kind == "nvme" else \
             HostStore(total, pin=device.type == "cuda")
@@ -181,6 +188,9 @@ class StateOffload:
                         for p, st in self.opt.state.items() if st}
         self.stats = OffloadStats(buckets=len(self.buckets), pool_bytes=self.stats.pool_bytes,
                                   store_bytes=self.stats.store_bytes)
+        if self.resident:
+            with _only(self.opt, {id(p): [(p, None, None)] for p in self.resident}):
+                update()
         reads, writes = {}, []
         for k in range(min(NBUF - 1, len(self.buckets))):
             reads[k] = self._io("read", k)
@@ -340,6 +350,8 @@ def _buckets(params: list, per_element: dict, cap: int, names: dict) -> list[_Bu
     out: list[_Bucket] = []
     for p in params:
         each = per_element[id(p)]
+        if each == 0:
+            continue  # nothing of it offloaded: it steps in memory
         if each + 8 > cap:
             raise MeshcValueError(f"Plan.offload_buffer_mb: expected room for one element's offloaded bytes of "
                                   f"{names.get(id(p), '?')} in a third of the pool, got a pool of {NBUF * cap} bytes")

@@ -16,6 +16,8 @@ twice) produces.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests import parity, zoo
@@ -65,6 +67,23 @@ def test_tp_matches_single_process(case):
         assert covered >= floor, f"rank {rank}: {covered:.3f} of the blocks' weight bytes sharded, expected {floor:.3f}"
     moved, _ = parity.max_diff(ref["params"], built.state_dict())
     assert moved > 20 * 5e-5  # training moved weights (by up to 5 x lr) far beyond the tolerance
+
+
+@pytest.mark.parametrize("mesh", [{"tp": 2}, {"dp": 2, "tp": 2}], ids=["tp2", "dp2xtp2"])
+def test_the_default_plan_shards_the_vocabulary(mesh):
+    """Plan() at tp=2 on a tied-head GPT whose head outweighs the collectives (vocabulary 4096, width 64): the cost
+    model turns vocabulary parallelism on, as Megatron's default is. The embedding (= head) holds half the rows on
+    each rank, the step's loss runs vocabulary-parallel (no rank gathers the logits), and training matches one
+    process (tolerances: the module docstring's, the loss's softmax split over ranks)."""
+    ref = parity.reference("gpt_vocab", STEPS, BATCH)
+    results = run_ranks(parity.meshc_rank, mesh.get("dp", 1) * mesh["tp"], "gpt_vocab", STEPS, BATCH, mesh, FAST,
+                        timeout=240)
+    for rank, out in enumerate(results):
+        parity.assert_matches(rank, out, ref, STEPS)
+        assert out["local_shapes"]["tok.weight"] == (2048, 64), out["local_shapes"]
+        report = out["report"]  # the step program's, run last
+        assert "vocab_parallel: on (cpu-default profile" in report, report
+        assert "loss-parallel cross-entropy" in report and not re.search(r"all_gather\s+tp", report), report
 
 
 # Families whose fused projections the plan once left whole (issue 14): each must shard >= 90% of its blocks'

@@ -205,3 +205,34 @@ def test_coarse_blocks_are_said_to_unbalance_the_stages(fake_mesh):
     ratios, warnings = _timed(fake_mesh, 4, 4)
     assert max(ratios) > 1.10
     assert warnings and "slower than the mean" in warnings[0] and "fewer stages" in warnings[0], warnings
+
+
+def _split_under(fake_mesh, memory: float | None):
+    """An 8-block GPT at pp=2, 1F1B over 4 micro-batches (rank 0 holds two micro-batches' activations, rank 1 one),
+    split for time on the CPU profile's rates with `memory` bytes per device (None: the profile's 8 GiB)."""
+    import dataclasses
+
+    from meshc.compiler.cost.hardware import load
+
+    hw = load("cpu-default")
+    hw = hw if memory is None else dataclasses.replace(hw, memory=memory)
+    traced, _ = trace(zoo.builtin_gpt(layers=8), (zoo.batches(1, 16)[0][0],), mesh=fake_mesh(pp=2),
+                      plan=meshc.Plan(trace="non-strict", microbatches=4))
+    program = run_passes(traced.replace(hardware=hw, stage_rates=hw.stage_rates(traced.mesh.sizes)))
+    return program.stage_info, [w for w in program.warnings if "within" in w]
+
+
+def test_the_split_keeps_every_stage_within_the_devices_memory(fake_mesh):
+    """The split balanced for time puts 4 blocks before the cut and 4 after: stage 0 holds twice the activations
+    of stage 1 under 1F1B. With a budget below stage 0's predicted bytes, the split moves blocks to stage 1 until
+    every stage fits (a cut may fall between a block's attention and its MLP); with a budget no split meets, it stays balanced for
+    time and warns."""
+    free, _ = _split_under(fake_mesh, None)
+    assert free[0].memory > 1.3 * free[1].memory, [s.memory for s in free]
+    budget = 0.9 * free[0].memory
+    fit, warnings = _split_under(fake_mesh, budget)
+    assert all(s.memory <= budget for s in fit), ([s.memory for s in fit], budget)
+    assert fit[0].flops < free[0].flops and fit[1].flops > free[1].flops and not warnings, (fit, free)
+    tight, warnings = _split_under(fake_mesh, 0.2 * free[1].memory)
+    assert [s.blocks for s in tight] == [s.blocks for s in free]
+    assert warnings and "no split keeps every stage within" in warnings[0], warnings

@@ -211,3 +211,52 @@ def test_checkpoints_are_the_same_with_and_without_offload(save_with, tmp_path):
         assert r["params"] and r["states"] and r["next"] and r["resharded"], r
         if not save_with:
             assert r["resident"] == 0, r
+
+
+def _sgd_rank(folder: str, cases: list) -> dict:
+    """SGD under ZeRO-3 + offload="nvme", each rank's folder named by a function of its rank, against the same plan
+    without offload."""
+    import warnings
+
+    mesh = meshc.mesh(dp=2, timeout_s=60)
+    x, y = (mesh.shard_batch(t) for t in zoo.batches(1, 8)[0])
+    out = {}
+    for momentum, params in cases:
+        runs = {}
+        for where in (None, lambda rank: os.path.join(folder, f"disk{rank}")):
+            extra = dict(offload="nvme", offload_dir=where, offload_buffer_mb=POOL_MB, offload_params=params) \
+                if where else {}
+            job = meshc.compile(zoo.build("llama"), mesh, example_inputs=(x,),
+                                plan=meshc.Plan(zero=3, trace="non-strict", **extra))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt = job.optimizer(torch.optim.SGD, lr=0.1, momentum=momentum)
+            losses = _train(job, opt, x, y, STEPS)
+            runs[where is None] = (losses, {f: p.detach().clone() for f, p in job.named_parameters()},
+                                   job.held_bytes(), [str(w.message) for w in caught], job.offload_dir())
+        (l0, p0, _, _, _), (l1, p1, held, said, where) = runs[True], runs[False]
+        out[(momentum, params)] = {"same": l0 == l1 and all(torch.equal(p0[f], p1[f]) for f in p0), "dir": where,
+                                   "held": held, "local": sum(p.numel() for p in p1.values()), "said": said}
+    return out
+
+
+def test_sgd_offloads_what_it_has_on_each_ranks_own_disk(tmp_path):
+    """SGD without momentum keeps no states: nothing to offload, it steps in memory and job.optimizer says so; with
+    offload_params the parameter shards are still offloaded; with momentum its buffer is. Each rank's folder comes
+    from a function of its rank (a rank's disk is its own: the pre-flight does not compare them). Bitwise the plan
+    without offload over 5 steps (the same element-wise update on the same values)."""
+    for rank in (0, 1):
+        os.mkdir(tmp_path / f"disk{rank}")
+    cases = [(0.0, False), (0.0, True), (0.9, False)]
+    results = run_ranks(_sgd_rank, 2, str(tmp_path), cases, timeout=300)
+    for rank, out in enumerate(results):
+        for case, r in out.items():
+            assert r["same"], (rank, case)
+            assert r["dir"] == str(tmp_path / f"disk{rank}"), (rank, r["dir"])
+            offloaded = r["held"]["offloaded"]
+            if case == (0.0, False):
+                assert offloaded == 0 and any("nothing is offloaded" in s for s in r["said"]), (rank, r)
+            else:  # fp32: the parameter shard (offload_params) or the momentum buffer, 4 bytes per local element
+                assert offloaded == 4 * r["local"] and not r["said"], (rank, case, r["held"])
+                assert r["held"]["optimizer"] == 0, (rank, case, r["held"])
+    assert sorted(os.listdir(tmp_path)) == ["disk0", "disk1"]  # the scratch files are gone with their jobs

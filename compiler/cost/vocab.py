@@ -1,0 +1,139 @@
+"""Plan.vocab_parallel decided by the cost model: Megatron's default (the token embedding's rows and the LM head's
+columns split over tp, the loss a vocabulary-parallel cross-entropy) wherever tp > 1, unless predicted slower.
+
+    True / False   the user's choice;
+    None           on where tp > 1, the model has a token embedding indexed by its input whose vocabulary divides
+                   over tp, and the time it saves is more than the time it adds:
+
+saved (per step, this rank): the head's matmuls, forward and backward (6·N·h·V·(1 - 1/tp) FLOPs for N tokens),
+the softmax over the vocabulary (about six passes over N·V·(1 - 1/tp) fp32 values), the embedding's and head's
+gradients and optimizer update over (1 - 1/tp) of their V·h elements;
+added: the embedding's lookup becomes a partial sum, all-reduced (N·h values), the head's input gradient is
+all-reduced (N·h), and the loss is three all-reduces of N fp32 values (max, sum of exponentials, target logit)
+where a plain cross-entropy reads the logits inside the graph; where the logits leave the graph instead (job(x),
+a loss computed outside), they are all-gathered (N·V/tp values from each rank).
+
+It also holds (1 - 1/tp) fewer bytes of the embedding's and head's parameters, gradients, optimizer states and
+logits, which the decision does not count: memory never argues against it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from meshc.compiler.cost.hardware import Hardware
+from meshc.compiler.ir.logits import LOGIT_VIEWS, logits_end
+from meshc.compiler.ir.plan import Decision
+from meshc.compiler.ir.program import Program
+
+aten = torch.ops.aten
+_MATMULS = {aten.linear.default, aten.mm.default, aten.matmul.default}
+
+
+@dataclass(frozen=True)
+class VocabShape:
+    """What the decision needs: tokens on this rank, width, vocabulary, the heads' count, whether the head is the
+    embedding (tied), where the logits go ("loss": a plain cross-entropy in the graph; "output": returned)."""
+
+    tokens: int
+    hidden: int
+    vocab: int
+    heads: int
+    tied: bool
+    logits: str
+    itemsize: int = 4
+
+
+def predicted(hw: Hardware, tp: int, s: VocabShape) -> tuple[float, float]:
+    """(seconds saved, seconds added) per step on this rank by vocabulary parallelism (module docstring)."""
+    cut = 1 - 1 / tp
+    flops = 6.0 * s.tokens * s.hidden * s.vocab * cut * s.heads
+    softmax = 6.0 * s.tokens * s.vocab * cut * 4 * s.heads
+    elements = s.vocab * s.hidden * cut * (1 if s.tied else 1 + s.heads)
+    saved = flops / hw.flops * hw.compute_scale + softmax / hw.mem_bandwidth + hw.adam_time(elements) \
+        + 2 * elements * 4 / hw.mem_bandwidth  # gradients: zeroed and accumulated
+    link = hw.link(1, tp)
+    act = s.tokens * s.hidden * s.itemsize
+    added = link.time("all_reduce", tp, act) * (1 + s.heads) + 8 * hw.op_overhead
+    if s.logits == "loss":
+        added += 3 * link.time("all_reduce", tp, s.tokens * 4)
+    else:
+        added += link.time("all_gather", tp, s.tokens * s.vocab / tp * s.itemsize) * s.heads
+    return saved, added
+
+
+def decide_vocab_parallel(program: Program, hw: Hardware) -> Decision:
+    """Decision for Plan.vocab_parallel (module docstring)."""
+    plan, tp = program.plan, program.mesh.size("tp")
+    if plan.vocab_parallel is not None:
+        return Decision(bool(plan.vocab_parallel), f"Plan.vocab_parallel={plan.vocab_parallel}")
+    if tp == 1:
+        return Decision(False, "tp = 1: nothing to split")
+    found = vocab_shape(program)
+    if isinstance(found, str):
+        return Decision(False, found)
+    if found.vocab % tp:
+        return Decision(False, f"the vocabulary of {found.vocab} does not divide over tp={tp} (pad it to a multiple "
+                               f"of {tp}, as Megatron does, to shard it)")
+    saved, added = predicted(hw, tp, found)
+    where = "the loss vocabulary-parallel" if found.logits == "loss" else "the logits all-gathered at the output"
+    verdict = f"saves {saved * 1e3:.3g} ms, adds {added * 1e3:.3g} ms of collectives ({where})"
+    return Decision(saved > added, f"{hw.name} profile: sharding the vocabulary of {found.vocab} over tp={tp} "
+                                   f"{verdict}")
+
+
+def decide_from_shape(hw: Hardware, tp: int, tokens: int, hidden: int, vocab: int, tied: bool) -> bool:
+    """The same choice from a model's sizes alone (the formulas' plans; the loss inside the step)."""
+    if tp == 1 or vocab % tp:
+        return False
+    saved, added = predicted(hw, tp, VocabShape(tokens, hidden, vocab, 1, tied, "loss"))
+    return saved > added
+
+
+def vocab_shape(program: Program) -> VocabShape | str:
+    """The token embedding and the LM heads of the traced graph (matmuls over a (V, h) weight whose logits reach
+    the output or a cross-entropy), or why vocabulary parallelism has nothing to split."""
+    nodes = program.param_nodes()
+    params = set(nodes.values())
+    embedding = next((n for n in program.gm.graph.nodes if n.op == "call_function" and n.target == aten.embedding.default
+                      and n.args[0] in params and _from_input(n.args[1])), None)
+    if embedding is None:
+        return "no token embedding indexed by a model input"
+    weight = embedding.args[0]
+    vocab, hidden = (int(d) for d in weight.meta["val"].shape)
+    tokens = int(embedding.args[1].meta["val"].numel())
+    heads, ends = [], set()
+    for param in params:
+        val = param.meta.get("val")
+        if not isinstance(val, torch.Tensor) or tuple(val.shape) not in ((vocab, hidden), (hidden, vocab)):
+            continue
+        for matmul in _matmuls_of(param):
+            end = logits_end(matmul)
+            if end is not None and int(matmul.meta["val"].shape[-1]) == vocab:
+                heads.append(param)
+                ends.add(end)
+    if not heads:
+        return f"no LM head: no matmul over the embedding's vocabulary of {vocab} whose logits reach the output or " \
+               "a cross-entropy"
+    itemsize = weight.meta["val"].element_size()
+    return VocabShape(tokens, hidden, vocab, len(heads), any(h is weight for h in heads),
+                      "output" if "output" in ends else "loss", itemsize)
+
+
+def _from_input(node) -> bool:
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in LOGIT_VIEWS:
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.op == "placeholder" and node.meta.get("meshc.role") == "input"
+
+
+def _matmuls_of(param: fx.Node) -> list[fx.Node]:
+    """The matmuls that read `param` as their weight (through a transpose)."""
+    out = []
+    for user in param.users:
+        if user.target in (aten.t.default, aten.permute.default):
+            out += [u for u in user.users if u.target in _MATMULS and len(u.args) > 1 and u.args[1] is user]
+        elif user.target in _MATMULS and len(user.args) > 1 and user.args[1] is param:
+            out.append(user)
+    return out
