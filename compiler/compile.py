@@ -49,6 +49,8 @@ def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, 
         traced = traced.replace(fixed_placements=fixed)
     if hardware is not None:
         traced = traced.replace(hardware=hardware)
+    if mesh.spec.size("pp") == 1 and plan.microbatches == 1:  # job.step runs the loss in the step's own graph
+        traced = traced.replace(step_loss=True)
     if traced.mesh.size("pp") > 1:  # the stages are balanced in time on this device (pipeline_split)
         from meshc.compiler.cost.hardware import detect
 

@@ -166,3 +166,4 @@ def encoder_lm_with_batch(layers: int = 2) -> tuple[nn.Module, tuple[torch.Tenso
     """A factory as `meshc explain --model tests.plain_models:encoder_lm_with_batch` takes it: the model and one
     global batch of 8 sequences of SEQ tokens."""
     return encoder_lm(layers=layers), (torch.randint(0, VOCAB, (8, SEQ)),)
+

@@ -10,14 +10,16 @@ the softmax over the vocabulary (about six passes over N·V·(1 - 1/tp) fp32 val
 gradients and optimizer update over (1 - 1/tp) of their V·h elements;
 added: the embedding's lookup becomes a partial sum, all-reduced (N·h values), the head's input gradient is
 all-reduced (N·h), and the loss is three all-reduces of N fp32 values (max, sum of exponentials, target logit)
-where a plain cross-entropy reads the logits inside the graph; where the logits leave the graph instead (job(x),
-a loss computed outside), they are all-gathered (N·V/tp values from each rank).
+where a plain cross-entropy reads the logits inside the graph (as job.step's graph does for a meshc.compile job of
+one stage, whose forward graph returns them); where the logits leave the graph instead (torch.compile's door, a
+pipeline's last stage), they are all-gathered (N·V/tp values from each rank).
 
 It also holds (1 - 1/tp) fewer bytes of the embedding's and head's parameters, gradients, optimizer states and
 logits, which the decision does not count: memory never argues against it.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,8 @@ from meshc.compiler.ir.plan import Decision
 from meshc.compiler.ir.program import Program
 
 aten = torch.ops.aten
+LOSS_PASSES = 11.0  # passes over its local logits of runtime/ops/tp_ops.py's vocabulary-parallel cross-entropy
+EXTRA_OPS = 30  # ops vocabulary parallelism adds, forward and backward (the lookup's mask, the loss's reductions)
 _MATMULS = {aten.linear.default, aten.mm.default, aten.matmul.default}
 
 
@@ -50,13 +54,16 @@ def predicted(hw: Hardware, tp: int, s: VocabShape) -> tuple[float, float]:
     """(seconds saved, seconds added) per step on this rank by vocabulary parallelism (module docstring)."""
     cut = 1 - 1 / tp
     flops = 6.0 * s.tokens * s.hidden * s.vocab * cut * s.heads
-    softmax = 6.0 * s.tokens * s.vocab * cut * 4 * s.heads
+    # the fused cross-entropy reads and writes the whole logits ~6 times (log-softmax and its gradient); the
+    # vocabulary-parallel one ~11 times its 1/tp (max, shift, exp, sum, pick; softmax, one-hot, scale, casts)
+    passes = 6.0 - (LOSS_PASSES / tp if s.logits == "loss" else 6.0 / tp)
+    softmax = passes * s.tokens * s.vocab * 4 * s.heads
     elements = s.vocab * s.hidden * cut * (1 if s.tied else 1 + s.heads)
     saved = flops / hw.flops * hw.compute_scale + softmax / hw.mem_bandwidth + hw.adam_time(elements) \
         + 2 * elements * 4 / hw.mem_bandwidth  # gradients: zeroed and accumulated
     link = hw.link(1, tp)
     act = s.tokens * s.hidden * s.itemsize
-    added = link.time("all_reduce", tp, act) * (1 + s.heads) + 8 * hw.op_overhead
+    added = link.time("all_reduce", tp, act) * (1 + s.heads) + EXTRA_OPS * hw.op_overhead
     if s.logits == "loss":
         added += 3 * link.time("all_reduce", tp, s.tokens * 4)
     else:
@@ -77,8 +84,12 @@ def decide_vocab_parallel(program: Program, hw: Hardware) -> Decision:
     if found.vocab % tp:
         return Decision(False, f"the vocabulary of {found.vocab} does not divide over tp={tp} (pad it to a multiple "
                                f"of {tp}, as Megatron does, to shard it)")
+    if found.logits == "output" and program.step_loss:  # job.step reads them in its own graph: loss-parallel
+        found = dataclasses.replace(found, logits="loss")
+        where = "job.step's loss vocabulary-parallel; job(x) gathers the logits"
+    else:
+        where = "the loss vocabulary-parallel" if found.logits == "loss" else "the logits all-gathered at the output"
     saved, added = predicted(hw, tp, found)
-    where = "the loss vocabulary-parallel" if found.logits == "loss" else "the logits all-gathered at the output"
     verdict = f"saves {saved * 1e3:.3g} ms, adds {added * 1e3:.3g} ms of collectives ({where})"
     return Decision(saved > added, f"{hw.name} profile: sharding the vocabulary of {found.vocab} over tp={tp} "
                                    f"{verdict}")

@@ -113,6 +113,8 @@ class Program:
     step_comms: list = field(default_factory=list)  # CommRecords of the optimizer step (ZeRO-1/2)
     stage_info: list = field(default_factory=list)  # pipeline_split's description of the stages
     stage_rates: tuple | None = None  # (FLOP/s, pp send bytes/s) pipeline_split balances stages by; None: FLOPs only
+    step_loss: bool = False  # a job's step puts the loss inside its own program (meshc.compile, one stage): the
+    #                          logits this graph returns are read there, not gathered (the vocabulary decision)
     fusion: dict = field(default_factory=dict)  # fuse_comm: kernel -> FusionResult (fused, eligible, left)
     hardware: Any = None  # compiler/cost/hardware.Hardware the decisions are made for; None: this device's
     decisions: dict = field(default_factory=dict)  # plan.Decision per choice left to the cost model (driver)
