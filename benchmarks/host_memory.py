@@ -20,7 +20,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import arg_parser, launch, report, rss_mib, run_worker, table  # noqa: E402
-from meta_memory import _batch, _build, _loss  # noqa: E402
+from meta_memory import _batch, _build, _loss, fsdp2_model  # noqa: E402
 
 
 def _meshc_step(cfg: dict):
@@ -45,20 +45,9 @@ def _meshc_step(cfg: dict):
 def _fsdp2_step(cfg: dict):
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
-    model = _build(cfg["layers"], meta=True)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.apply(model._init_weights)
-        for m in model.modules():
-            if isinstance(m, torch.nn.LayerNorm):
-                m.reset_parameters()
+    model = fsdp2_model(cfg["layers"])
     x, y = _batch(50257, dist.get_rank())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 

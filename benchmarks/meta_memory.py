@@ -88,21 +88,10 @@ def _meshc(cfg: dict, base: float) -> tuple[list, float, int]:
 def _fsdp2(cfg: dict, base: float) -> tuple[list, float, int]:
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
-    model = _build(cfg["layers"], meta=True)
+    model = fsdp2_model(cfg["layers"])
     params = sum(p.numel() for p in model.parameters())
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for m in model.modules():
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
-        model.apply(model._init_weights)
     ready = (rss_mib() - base, rss_mib("VmHWM") - base)  # held, and peak so far, once weights are ready
     x, y = _batch(50257, dist.get_rank())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -114,6 +103,25 @@ def _fsdp2(cfg: dict, base: float) -> tuple[list, float, int]:
         opt.zero_grad()
         losses.append(loss.item())
     return losses, ready, params, _held(model.parameters(), opt), rss_mib() - base
+
+
+def fsdp2_model(layers: int):
+    """The model built on the meta device, fully_shard per block and root, materialized and initialized sharded."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    model = _build(layers, meta=True)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        model.apply(model._init_weights)
+    return model
 
 
 def _deepspeed(cfg: dict, base: float) -> tuple[list, float, int]:
