@@ -156,9 +156,8 @@ class Job:
         return self._average(loss.detach(), "dp")
 
     def _vocab_parallel(self) -> bool:
-        """Whether the job's plan shards the vocabulary (Plan.vocab_parallel, or the cost model's choice)."""
-        if self.plan.vocab_parallel is not None:
-            return self.plan.vocab_parallel
+        """Whether the job's plan shards the vocabulary: the decision holds Plan.vocab_parallel where it is set, the
+        cost model's choice where it is None (compiler/cost/vocab.py)."""
         decision = self.program.decisions.get("vocab_parallel")
         return bool(decision is not None and decision.value)
 

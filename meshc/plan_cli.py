@@ -113,23 +113,19 @@ def _plan_compiled(args: argparse.Namespace, batch: int, hw, memory, search):
     """Every mesh scored on the real graph of its rank 0 (on fake tensors); a factory's example inputs, when it
     returns them, set the global batch."""
     if factory.is_factory(args.model):
-        built = factory.build(args.model)
-        if built.inputs is not None:
-            batch = int(built.inputs[0].shape[0])
-
-            def inputs(dp: int) -> tuple:
-                return factory.local_inputs(built.inputs, dp, 1)
-        else:
-            seq = args.seq or factory.SEQ
-
-            def inputs(dp: int) -> tuple:
-                return (torch.zeros(batch // dp, seq, dtype=torch.long),)
-        return plan_compiled(lambda: built.module, inputs, args.gpus, hw, memory, search), batch
-    seq = args.seq or models.seq_len(args.model)
+        built, seq = factory.build(args.model), args.seq or factory.SEQ
+        build, given = (lambda: built.module), built.inputs
+    else:
+        seq = args.seq or models.seq_len(args.model)
+        build, given = (lambda: models.build(args.model, seq_len=seq)), None
+    if given is not None:
+        batch = int(given[0].shape[0])
 
     def inputs(dp: int) -> tuple:
+        if given is not None:
+            return factory.local_inputs(given, dp, 1)
         return (torch.zeros(batch // dp, seq, dtype=torch.long),)
-    return plan_compiled(lambda: models.build(args.model, seq_len=seq), inputs, args.gpus, hw, memory, search), batch
+    return plan_compiled(build, inputs, args.gpus, hw, memory, search), batch
 
 
 def _offload_trade(best, shape, gpus: int, batch: int, hw, memory, search) -> str:

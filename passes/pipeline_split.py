@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.ir.fx_ops import is_grouped_mm, op_name
+from meshc.compiler.ir.fx_ops import is_grouped_mm, op_name, val_nbytes
 from meshc.compiler.ir.program import Program
 
 from meshc.runtime.ops.experts import combine
@@ -158,19 +158,13 @@ def _crossing_bytes(order: list[fx.Node], acts: set[fx.Node]) -> list[int]:
     diff = [0] * (len(order) + 1)
     for i, node in enumerate(order):
         if last_use[node] > i:
-            diff[i] += _nbytes(node)
-            diff[last_use[node]] -= _nbytes(node)
+            diff[i] += val_nbytes(node)
+            diff[last_use[node]] -= val_nbytes(node)
     running, out = 0, []
     for i in range(len(order)):
         running += diff[i]
         out.append(running)
     return out
-
-
-def _nbytes(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (tuple, list)) else (val,)
-    return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
 
 
 def _chosen_cuts(program: Program, order, cost, crossing, stages: int, memory: StageMemory) -> list[int]:

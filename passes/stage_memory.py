@@ -20,10 +20,9 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-import torch
 import torch.fx as fx
 
-from meshc.compiler.ir.fx_ops import is_view
+from meshc.compiler.ir.fx_ops import is_view, val_nbytes
 from meshc.compiler.ir.named_schedule import unchecked
 from meshc.compiler.ir.program import Program
 from meshc.compiler.ir.schedule_sim import simulate
@@ -66,7 +65,7 @@ class StageMemory:
             self.state[i + 1] += self.state[i]
         acts = [0.0] * (len(order) + 1)
         for i, node in enumerate(order):
-            saved = _nbytes(node) if not is_view(node.target) else 0
+            saved = val_nbytes(node) if not is_view(node.target) else 0
             if plan.remat == "full":  # only the residual stream between blocks is kept
                 saved = crossing[i] if i + 1 < len(order) and block_of(order[i + 1]) != block_of(node) else 0
             elif plan.remat == "selective":
@@ -90,9 +89,3 @@ class StageMemory:
     def limit(self, stage: int, total: float) -> float:
         """The share of a rank's budget `total` one of its stages may hold."""
         return total / self.per_rank[stage]
-
-
-def _nbytes(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (tuple, list)) else (val,)
-    return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))

@@ -33,7 +33,7 @@ import torch.fx as fx
 from meshc.compiler.ir.coverage import block_weights, coverage
 from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
 from meshc.compiler.ir.logits import logits_end
-from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_reshape, op_name
+from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_model_input, op_name
 from meshc.compiler.ir.placement import Partial, Replicate, Shard, in_parts
 from meshc.compiler.ir.program import Program
 
@@ -252,16 +252,9 @@ def _swaps_2d(node: fx.Node) -> bool:
     return node.target == aten.permute.default and [d % 2 for d in node.args[1]] == [1, 0]
 
 
-def _from_input(node: fx.Node | None) -> bool:
-    """Is `node` a model input, maybe reshaped?"""
-    while is_reshape(node):
-        node = node.args[0]
-    return isinstance(node, fx.Node) and node.op == "placeholder" and node.meta.get("meshc.role") == "input"
-
-
 def _vocab_styles(program: Program, weights: dict[str, Weight]) -> dict[str, str]:
     """The token embedding (indexed by a model input) and every matmul weight with that many output rows."""
-    tokens = [w for w in weights.values() if w.kind == "embedding" and _from_input(w.act)]
+    tokens = [w for w in weights.values() if w.kind == "embedding" and is_model_input(w.act)]
     if not tokens:
         raise MeshcValueError("Plan.vocab_parallel: expected a token embedding indexed by a model input, got none")
     vocab = program.params[tokens[0].fqn].shape[0]

@@ -36,7 +36,7 @@ from torch.utils.flop_counter import flop_registry
 
 from meshc.compiler.cost.formulas import Estimate
 from meshc.compiler.cost.hardware import Hardware
-from meshc.compiler.ir.fx_ops import VIEW_NAMES, is_view, op_short_name
+from meshc.compiler.ir.fx_ops import VIEW_NAMES, is_view, op_short_name, val_nbytes
 from meshc.compiler.ir.placement import FlatShard
 
 aten = torch.ops.aten
@@ -56,10 +56,6 @@ def _vals(node: fx.Node) -> list[torch.Tensor]:
     val = node.meta.get("val")
     vals = val if isinstance(val, (tuple, list)) else (val,)
     return [x for x in vals if isinstance(x, torch.Tensor)]
-
-
-def _nbytes(node: fx.Node) -> int:
-    return sum(x.numel() * x.element_size() for x in _vals(node))
 
 
 def _arg_val(x):
@@ -163,10 +159,10 @@ def graph_cost(gm: fx.GraphModule) -> GraphCost:
             continue
         _add_node(node, cost)
         for base in _saved_by(node, acts, grads):
-            saved[base] = _nbytes(base)
+            saved[base] = val_nbytes(base)
         if node in grads and node.op == "call_function" and node.kwargs.get("method") == "all_gather" and \
                 op_short_name(node.target) in COMPUTE_WITH_COMM:  # the gathered K and V, saved for backward
-            cost.saved += (int(node.kwargs.get("size", 1)) - 1) * sum(_nbytes(x) for x in node.args[1:3])
+            cost.saved += (int(node.kwargs.get("size", 1)) - 1) * sum(val_nbytes(x) for x in node.args[1:3])
         _add_comms(cost, node, [r for r in node.meta.get("meshc.comm", ()) if not _skipped_regather(node, r, grads)])
     cost.saved += float(sum(saved.values()))
     closure = _from_received(gm.graph, grads)
@@ -176,7 +172,7 @@ def graph_cost(gm: fx.GraphModule) -> GraphCost:
     for n in weight_ops:
         if not _splits_backward(n):
             cost.unsplit_flops += node_flops(n)
-            cost.unsplit_bytes += sum(_nbytes(a) for a in n.all_input_nodes) + _nbytes(n)
+            cost.unsplit_bytes += sum(val_nbytes(a) for a in n.all_input_nodes) + val_nbytes(n)
             cost.unsplit_ops += 1
     return cost
 
@@ -245,7 +241,7 @@ def _add_node(node: fx.Node, cost: GraphCost) -> None:
     if not _is_compute(node):
         return
     cost.flops += node_flops(node)
-    cost.bytes += sum(_nbytes(a) for a in node.all_input_nodes) + _nbytes(node)
+    cost.bytes += sum(val_nbytes(a) for a in node.all_input_nodes) + val_nbytes(node)
     cost.ops += 1
 
 
@@ -320,17 +316,17 @@ def _remat_block(gm: fx.GraphModule, node: fx.Node, acts: set[fx.Node], cost: Gr
     policy = getattr(module, "policy", "full")
     for a in node.all_input_nodes:
         if a in acts:
-            saved[_base(a)] = _nbytes(_base(a))
+            saved[_base(a)] = val_nbytes(_base(a))
     for inner in block.graph.nodes:
         _add_node(inner, cost)
         records = inner.meta.get("meshc.comm", ())
         tp_comm = any(r.axis not in DATA_AXES for r in records)
         kept = policy == "selective" and (op_short_name(inner.target) in MATMULS or tp_comm)
         if kept:
-            saved[inner] = _nbytes(inner)
+            saved[inner] = val_nbytes(inner)
         elif _is_compute(inner):
             cost.recompute_flops += node_flops(inner)
-            cost.recompute_bytes += sum(_nbytes(a) for a in inner.all_input_nodes) + _nbytes(inner)
+            cost.recompute_bytes += sum(val_nbytes(a) for a in inner.all_input_nodes) + val_nbytes(inner)
             cost.recompute_ops += 1
         _add_comms(cost, inner, records, lambda r: policy == "full" and r.phase == "forward" and r.axis not in DATA_AXES)
 

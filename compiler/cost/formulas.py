@@ -432,12 +432,6 @@ def _simulated_terms(schedule: str, pp: int, m: int, virtual: int) -> tuple[floa
     return float(result.peak_in_flight[0]), float(result.peak_in_flight[-1]), float(result.bubble)
 
 
-def plan_indicators(plan) -> tuple[int, ...]:
-    """The 0/1 indicators of a meshc Plan's choices: z1, z2, z3, rs, rf, sp, vp."""
-    return (int(plan.zero == 1), int(plan.zero == 2), int(plan.zero == 3), int(plan.remat == "selective"),
-            int(plan.remat == "full"), int(plan.sequence_parallel), int(bool(plan.vocab_parallel)))
-
-
 def precision_of(plan) -> Precision:
     """meshc's bytes per element for a Plan: fp32 masters, or mixed precision with fp32 master shards."""
     return precision_for(plan.param_dtype, plan.reduce_dtype)

@@ -26,7 +26,8 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler.cost.hardware import Hardware
-from meshc.compiler.ir.logits import LOGIT_VIEWS, logits_end
+from meshc.compiler.ir.fx_ops import is_model_input
+from meshc.compiler.ir.logits import logits_end
 from meshc.compiler.ir.plan import Decision
 from meshc.compiler.ir.program import Program
 
@@ -109,7 +110,7 @@ def vocab_shape(program: Program) -> VocabShape | str:
     nodes = program.param_nodes()
     params = set(nodes.values())
     embedding = next((n for n in program.gm.graph.nodes if n.op == "call_function" and n.target == aten.embedding.default
-                      and n.args[0] in params and _from_input(n.args[1])), None)
+                      and n.args[0] in params and is_model_input(n.args[1])), None)
     if embedding is None:
         return "no token embedding indexed by a model input"
     weight = embedding.args[0]
@@ -131,12 +132,6 @@ def vocab_shape(program: Program) -> VocabShape | str:
     itemsize = weight.meta["val"].element_size()
     return VocabShape(tokens, hidden, vocab, len(heads), any(h is weight for h in heads),
                       "output" if "output" in ends else "loss", itemsize)
-
-
-def _from_input(node) -> bool:
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in LOGIT_VIEWS:
-        node = node.args[0]
-    return isinstance(node, fx.Node) and node.op == "placeholder" and node.meta.get("meshc.role") == "input"
 
 
 def _matmuls_of(param: fx.Node) -> list[fx.Node]:

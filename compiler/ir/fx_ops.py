@@ -83,6 +83,20 @@ def is_reshape(node: Any) -> bool:
     return is_call(node, *RESHAPE_OPS)
 
 
+def is_model_input(node: Any) -> bool:
+    """Is `node` a model input (a placeholder of role "input"), maybe reshaped?"""
+    while is_reshape(node):
+        node = node.args[0]
+    return isinstance(node, fx.Node) and node.op == "placeholder" and node.meta.get("meshc.role") == "input"
+
+
+def val_nbytes(node: fx.Node) -> int:
+    """Bytes of the tensor(s) a node's "val" metadata holds (a tuple's tensors summed; none: 0)."""
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+
+
 def is_view(target: Any) -> bool:
     """An op that runs no kernel of its own: a view of its input, or a metadata assertion (VIEW_NAMES)."""
     return op_short_name(target) in VIEW_NAMES
