@@ -7,7 +7,7 @@ side by side in the same run with torch's own torch.distributed.tensor.experimen
 Model: transformers' LlamaForCausalLM from a LlamaConfig (hidden 256, intermediate 512, 4 layers, 8 heads, 4 kv
 heads, vocabulary 1024, max_position_embeddings 2^17, attn_implementation "sdpa", no dropout), seed 0 on every
 rank; one sequence of S tokens (seed 1) per step, world = cp gloo ranks (one thread each), so there is one
-batch: meshc.mesh(dp=cp, cp=cp), mesh.shard_batch (zigzag: rank c holds chunks c and 2cp-1-c of 2cp).
+batch: meshc.mesh(dp=1, cp=cp), mesh.shard_batch (zigzag: rank c holds chunks c and 2cp-1-c of 2cp).
 
 Activation bytes (per rank, the largest over the ranks): as in remat_memory.py, the forward runs under a dispatch
 mode that keeps a weak reference to every storage an op creates (one none of its inputs has: views and in-place
@@ -191,7 +191,7 @@ def _meshc(cfg: dict) -> dict:
     import meshc
 
     cp = cfg["cp"]
-    mesh = meshc.mesh(dp=cp, cp=cp, timeout_s=600)
+    mesh = meshc.mesh(dp=1, cp=cp, timeout_s=600)
     model = _model()
     plan = meshc.Plan(cp_attention=cfg["method"])
 

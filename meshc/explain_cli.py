@@ -29,7 +29,7 @@ from meshc.compiler.cost.hardware import load as load_hardware
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.report.html import write_report
 from meshc.compiler.ir.show import format_graph
-from meshc.compiler.ir.mesh_spec import MeshSpec, parse_sizes
+from meshc.compiler.ir.mesh_spec import MeshSpec, parse_sizes, spec_sizes
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,7 +57,8 @@ def simulate(model: str, mesh: dict[str, int], *, rank: int = 0, plan: meshc.Pla
     `overrides` change the model's config (e.g. layers=8).
     """
     plan = plan or meshc.Plan(trace="non-strict")
-    sizes = {axis: int(mesh.get(axis, 1)) for axis in ("dp", "ep", "cp", "tp", "pp")}
+    # the mesh as a user writes it (world = dp × cp × tp × pp); `sizes` as MeshSpec and the formulas count: dp × cp
+    sizes = spec_sizes(**{axis: int(mesh.get(axis, 1)) for axis in ("dp", "ep", "cp", "tp", "pp")})
     world = sizes["dp"] * sizes["tp"] * sizes["pp"]
     if not 0 <= rank < world:
         raise MeshcValueError(f"explain: expected a rank in [0, {world}), got {rank}")
@@ -75,7 +76,7 @@ def simulate(model: str, mesh: dict[str, int], *, rank: int = 0, plan: meshc.Pla
             batch = int(built.inputs[0].shape[0])
         batch = batch or (8 if 8 % (dp * mb) == 0 else dp * mb)
         if batch % (dp * mb):
-            raise MeshcValueError(f"explain: expected the batch divisible by dp/cp × microbatches = {dp * mb}, got "
+            raise MeshcValueError(f"explain: expected the batch divisible by dp × microbatches = {dp * mb}, got "
                                   f"{batch}")
         if built is not None and built.inputs is not None:
             net, inputs = built.module, factory.local_inputs(built.inputs, dp, sizes["cp"])

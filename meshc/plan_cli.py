@@ -100,7 +100,7 @@ def run_plan(args: argparse.Namespace) -> int:
     ep = f", ep={c.ep}" if c.ep > 1 else ""
     ep += f", cp={c.cp}" if c.cp > 1 else ""
     cp = f", cp_attention={p.cp_attention!r}" if c.cp > 1 else ""
-    print(f"\nbest: meshc.mesh(dp={c.dp}{ep}, tp={c.tp}, pp={c.pp}) with "
+    print(f"\nbest: meshc.mesh(dp={c.axes['dp']}{ep}, tp={c.tp}, pp={c.pp}) with "
           f"meshc.Plan(zero={p.zero}, microbatches={p.microbatches}, schedule={p.schedule!r}, virtual={p.virtual}, "
           f"remat={p.remat!r}, sequence_parallel={p.sequence_parallel}, vocab_parallel={p.vocab_parallel}{cp}"
           + (f", param_dtype=torch.{str(dtype).split('.')[-1]}" if dtype is not None else "") + offload + ")")

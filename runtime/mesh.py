@@ -8,7 +8,6 @@ weak reference, which mesh `meshc.mesh()` built last, for the torch.compile door
 """
 from __future__ import annotations
 
-import math
 import os
 import weakref
 from datetime import timedelta
@@ -19,7 +18,7 @@ import torch.distributed as dist
 
 from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.ir.mesh_spec import AXES, MeshSpec, label
+from meshc.compiler.ir.mesh_spec import AXES, MeshSpec, label, spec_sizes
 
 from meshc.runtime.monitor.failures import elastic_store
 from meshc.runtime.host_malloc import tune as host_malloc_tune
@@ -136,7 +135,7 @@ class Mesh:
         """This rank's slice of a global batch (any pytree of tensors), moved to the mesh's device.
 
         Every tp and pp rank of one dp group gets the same slice, as DDP and FSDP expect. With context
-        parallelism (cp > 1) the cp ranks of a group share one batch slice (dim `dim` split over dp/cp) and
+        parallelism (cp > 1) the cp ranks of a group share one batch slice (dim `dim` split over dp) and
         split its sequences: dim 1 of every tensor of two or more dims is cut into 2·cp chunks and rank c of
         the cp group takes chunks c and 2·cp−1−c (so that under causal attention every rank does the same
         work); `unshard_sequence` puts such shards back in order.
@@ -148,7 +147,7 @@ class Mesh:
             if not isinstance(t, torch.Tensor):
                 return t
             if t.shape[dim] % n:
-                over = f"dp={n}" if cp == 1 else f"dp/cp = {n} (dp={self.sizes['dp']} ranks in groups of cp={cp})"
+                over = f"dp={n}" + (f" (each batch slice shared by cp={cp} ranks)" if cp > 1 else "")
                 raise MeshcValueError(f"shard_batch: expected dim {dim} divisible by {over}, got a tensor of shape "
                                       f"{tuple(t.shape)}; make the global batch a multiple of {n}")
             out = t.chunk(n, dim)[i]
@@ -165,6 +164,11 @@ class Mesh:
         if len(shards) != cp:
             raise MeshcValueError(f"unshard_sequence: expected {cp} shards (one per cp rank), got {len(shards)}")
         return sequence_unshard(shards, dim)
+
+    @property
+    def axes(self) -> dict[str, int]:
+        """The sizes as meshc.mesh(...) takes them (world = dp × cp × tp × pp), cp and ep only when > 1."""
+        return self.spec.axes
 
     def describe(self) -> str:
         return self.spec.describe()
@@ -199,14 +203,15 @@ def _members(group: dist.ProcessGroup) -> tuple[int, ...]:
 def mesh(*, dp: int | None = None, ep: int = 1, cp: int = 1, tp: int = 1, pp: int = 1, timeout_s: float = 300.0,
          host_malloc: bool = False, **unknown_axes: int) -> Mesh:
     """The mesh of this process's world: `meshc.mesh(dp=2, tp=2, pp=2)`, `meshc.mesh(dp=4, ep=2)` or
-    `meshc.mesh(dp=4, cp=2)`.
+    `meshc.mesh(dp=2, cp=2)`. The world is dp × cp × tp × pp, as Megatron-Core and torchtitan count it.
 
     Reads torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...) and initializes torch.distributed
     if nothing has yet: NCCL when CUDA is available, else gloo. Without torchrun the world is this one
-    process. `dp` left unset takes what tp × pp leave of the world. `ep` (expert parallelism) is a
-    sub-group of dp, not a factor of the world: experts are sharded over ep consecutive dp ranks
-    (MeshSpec). `cp` (context parallelism) is one too: cp consecutive dp ranks share a batch and split its
-    sequences, dp/cp different batches are trained at once. `timeout_s` bounds every collective (gloo's own default is 30 minutes).
+    process. `dp` left unset takes what cp × tp × pp leave of the world. `cp` (context parallelism): cp ranks
+    share each batch and split its sequences; the gradients are reduced and the ZeRO shards spread over all
+    dp × cp ranks (the mesh's "dp" group; `mesh.size("dp")` is its size, `mesh.axes` the sizes given here).
+    `ep` (expert parallelism) is a sub-group of those ranks, not a factor of the world: experts are sharded
+    over ep consecutive ones (MeshSpec). `timeout_s` bounds every collective (gloo's own default is 30 minutes).
     On a CPU world, `host_malloc=True` keeps a training step's large blocks on this process's heap
     (runtime/host_malloc.py: without it each step page-faults its gradients and activations in afresh, up to 10-15%
     of a small model's step on the 2-core machine) at the price of resident memory: the heap keeps what a step
@@ -222,20 +227,8 @@ def mesh(*, dp: int | None = None, ep: int = 1, cp: int = 1, tp: int = 1, pp: in
             raise MeshcValueError(f"mesh: expected {name} to be a positive int, got {value!r}")
     timeout = timedelta(seconds=timeout_s)
     device = _init_world(timeout)
-    world = dist.get_world_size()
-    if dp is None:
-        if world % (tp * pp):
-            raise MeshcValueError(
-                f"mesh: tp×pp = {tp}×{pp} = {tp * pp} does not divide the world of {world} ranks; "
-                f"choose tp and pp whose product divides {world}"
-            )
-        dp = world // (tp * pp)
-    if dp * tp * pp != world:
-        raise MeshcValueError(
-            f"mesh: expected dp×tp×pp to equal the world size {world}, got {dp}×{tp}×{pp} = "
-            f"{math.prod((dp, tp, pp))}; choose sizes whose product is {world}, or leave dp unset"
-        )
-    built = Mesh({"dp": dp, "ep": ep, "cp": cp, "tp": tp, "pp": pp}, device=device, timeout=timeout)
+    dp = world_axes(dist.get_world_size(), dp=dp, cp=cp, tp=tp, pp=pp)
+    built = Mesh(spec_sizes(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep), device=device, timeout=timeout)
     built.host_malloc = host_malloc and device.type == "cpu" and host_malloc_tune()
     _LAST.clear()
     _LAST.append(weakref.ref(built))
@@ -243,6 +236,26 @@ def mesh(*, dp: int | None = None, ep: int = 1, cp: int = 1, tp: int = 1, pp: in
 
 
 _LAST: list = []  # the mesh meshc.mesh() built last in this process (a weak reference), for meshc.backend()
+
+
+def world_axes(world: int, *, dp: int | None, cp: int, tp: int, pp: int) -> int:
+    """dp of a mesh over `world` ranks (what cp × tp × pp leave when None), checked: world = dp × cp × tp × pp. A
+    mesh written the old way (dp counting the cp ranks too) gets an error that says what to write."""
+    if dp is None:
+        if world % (cp * tp * pp):
+            raise MeshcValueError(
+                f"mesh: cp×tp×pp = {cp}×{tp}×{pp} = {cp * tp * pp} does not divide the world of {world} ranks; "
+                f"choose cp, tp and pp whose product divides {world}"
+            )
+        return world // (cp * tp * pp)
+    if dp * cp * tp * pp != world:
+        old = (f"; cp is an axis of its own, as in Megatron-Core and torchtitan: dp no longer counts the cp ranks, "
+               f"write dp={dp // cp}, cp={cp}") if cp > 1 and dp % cp == 0 and dp * tp * pp == world else ""
+        raise MeshcValueError(
+            f"mesh: expected dp×cp×tp×pp to equal the world size {world}, got {dp}×{cp}×{tp}×{pp} = "
+            f"{dp * cp * tp * pp}{old or f'; choose sizes whose product is {world}, or leave dp unset'}"
+        )
+    return dp
 
 
 def last_mesh() -> Mesh | None:
@@ -273,13 +286,12 @@ def simulated_mesh(*, dp: int = 1, ep: int = 1, cp: int = 1, tp: int = 1, pp: in
     Nothing is sent: collectives return garbage, so use it to inspect plans and graphs, never to train.
     It initializes torch.distributed in this process; call `dist.destroy_process_group()` when done.
     """
-    world = dp * tp * pp
+    world = dp * cp * tp * pp
     if dist.is_initialized():
         raise MeshcValueError("simulated_mesh: expected no initialized torch.distributed world in this process, "
                               "got one; destroy it first (torch.distributed.destroy_process_group())")
     dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=world)
-    return Mesh({"dp": dp, "ep": ep, "cp": cp, "tp": tp, "pp": pp}, device=torch.device("cpu"),
-                timeout=timedelta(minutes=5))
+    return Mesh(spec_sizes(dp=dp, cp=cp, tp=tp, pp=pp, ep=ep), device=torch.device("cpu"), timeout=timedelta(minutes=5))
 
 
 def sequence_shard(t: torch.Tensor, index: int, cp: int, dim: int = 1) -> torch.Tensor:

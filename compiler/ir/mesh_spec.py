@@ -1,15 +1,19 @@
 """MeshSpec: the topology of a device mesh, with no process group.
 
 Named axes pp × dp × tp over `world_size` ranks, tp innermost (consecutive ranks share a tp group, as
-Megatron-LM places tensor parallelism inside a node), then dp, then pp outermost. Expert parallelism folds
-into dp (Megatron's convention): `ep` divides dp, and a rank's dp index d is split as d = edp·ep + e, so
-the `ep` group of a rank is ep consecutive dp indices (experts are sharded over it, tokens exchanged by
-all-to-all) and the `edp` group ("expert data parallel", dp/ep ranks) holds the same experts (their
-gradients are reduced over it). Context parallelism folds into dp the same way: `cp` divides dp, d = b·cp + c,
-and the cp group (cp consecutive dp indices) shares one batch and splits its sequences (the batch index b
-has no group: nothing is reduced over it alone); dp as a whole still reduces the gradients and holds the
-ZeRO shards, so cp ranks share both. The sub-axes exist only when ep > 1 (or cp > 1): a mesh without
-them has exactly the axes pp, dp, tp. What the compiler needs
+Megatron-LM places tensor parallelism inside a node), then dp, then pp outermost. Here `dp` is the data-parallel
+group of the gradients and the ZeRO shards: every rank that trains on a different slice of the data, dp × cp ranks
+of a user's mesh (Megatron-Core's dp-cp group). A user writes the axes as Megatron-Core and torchtitan count them,
+world = dp × cp × tp × pp (`meshc.mesh(dp=2, cp=2)`); `spec_sizes` turns those into a MeshSpec's sizes and
+`MeshSpec.axes` gives them back, for everything a user reads (describe, explain, plans, checkpoints).
+Expert parallelism folds into this dp (Megatron's convention): `ep` divides dp, and a rank's dp index d is split
+as d = edp·ep + e, so the `ep` group of a rank is ep consecutive dp indices (experts are sharded over it, tokens
+exchanged by all-to-all) and the `edp` group ("expert data parallel", dp/ep ranks) holds the same experts (their
+gradients are reduced over it). Context parallelism is the same kind of part: d = b·cp + c, and the cp group (cp
+consecutive dp indices) shares one batch and splits its sequences (the batch index b, the user's dp, has no group:
+nothing is reduced over it alone); dp as a whole reduces the gradients and holds the ZeRO shards, so cp ranks
+share both. The sub-axes exist only when ep > 1 (or cp > 1): a mesh without them has exactly the axes pp, dp, tp.
+What the compiler needs
 of a mesh is here: axis sizes, each rank's coordinates, the ranks of every group and the name each group
 is registered under (what torch's functional collectives take). The runtime's Mesh (runtime/mesh.py)
 builds one from the process groups it creates, with their registered names; the planner and
@@ -60,7 +64,8 @@ class MeshSpec:
             if sizes["dp"] % cp:
                 raise MeshcValueError(f"mesh: expected cp to divide dp (context parallelism splits each sequence over a "
                                       f"sub-group of the data-parallel ranks), got dp={sizes['dp']}, cp={cp}; "
-                                      f"choose dp a multiple of cp (dp counts every rank that shares the gradients)")
+                                      f"a MeshSpec's dp counts every rank that shares the gradients, dp × cp of a user's mesh: "
+                                      f"build the sizes with spec_sizes(dp=, cp=, ...)")
             sizes["cp"] = cp
         object.__setattr__(self, "sizes", sizes)
 
@@ -139,14 +144,27 @@ class MeshSpec:
         members = self.group_ranks(axis, rank)
         return self.group_names.get((axis, members)) or label(axis, members)
 
-    def describe(self) -> str:
-        dp = f"dp={self.sizes['dp']}" + (f" (ep={self.sizes['ep']} × edp={self.sizes['edp']})" if "ep" in self.sizes else "")
-        if "cp" in self.sizes:
-            dp += f" (cp={self.sizes['cp']} × {self.sizes['dp'] // self.sizes['cp']} batch)"
-        axes = " × ".join([dp] + [f"{a}={self.sizes[a]}" for a in ("tp", "pp")])
-        where = f", {self.backend} on {self.device_type}" if self.backend != "none" else ", no process group"
-        return f"{axes} ({self.world_size} ranks{where})"
+    @property
+    def axes(self) -> dict[str, int]:
+        """The mesh as a user writes it (meshc.mesh's arguments, world = dp × cp × tp × pp): dp counts the data's
+        replicas, without the cp ranks that share each; cp and ep only when > 1."""
+        cp = self.sizes.get("cp", 1)
+        out = {"dp": self.sizes["dp"] // cp, **({"cp": cp} if cp > 1 else {}), "tp": self.sizes["tp"],
+               "pp": self.sizes["pp"]}
+        return {**out, "ep": self.sizes["ep"]} if "ep" in self.sizes else out
 
+    def describe(self) -> str:
+        axes = self.axes
+        dp = f"dp={axes['dp']}" + (f" (ep={self.sizes['ep']} × edp={self.sizes['edp']})" if "ep" in self.sizes else "")
+        text = " × ".join([dp] + [f"{a}={axes[a]}" for a in ("cp", "tp", "pp") if a in axes])
+        where = f", {self.backend} on {self.device_type}" if self.backend != "none" else ", no process group"
+        return f"{text} ({self.world_size} ranks{where})"
+
+
+def spec_sizes(*, dp: int = 1, cp: int = 1, tp: int = 1, pp: int = 1, ep: int = 1) -> dict[str, int]:
+    """A MeshSpec's sizes from the axes as a user writes them (world = dp × cp × tp × pp; ep a sub-group of dp × cp):
+    MeshSpec's dp is the gradient group, dp × cp ranks."""
+    return {"dp": dp * cp, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
 
 def label(axis: str, members: tuple[int, ...]) -> str:
     """The readable name of a group that no process registered (a simulated compile's)."""

@@ -11,7 +11,9 @@ two live in compiler/planner/compiled.py.
 Nothing here encodes a rule such as "tensor parallelism inside a node": a tp group that spans nodes is
 slow because the cost model gives it the inter-node link's bandwidth, so plans with it rank lower.
 
-Context parallelism (cp ranks of dp split each sequence) leaves every rank's tokens, FLOPs and memory what dp
+Internally (as MeshSpec counts, compiler/ir/mesh_spec.py) a candidate's dp is the gradient group, every rank
+that trains on its own slice of data or of a sequence: dp × cp of the mesh as a user writes it (Candidate.axes,
+what the planner prints). Context parallelism (cp ranks of that group split each sequence) leaves every rank's tokens, FLOPs and memory what dp
 alone gives them on the same mesh (b = B/(N·m)) and adds attention traffic; what it buys is the freedom to
 have fewer sequences than dp × m: the batch need only divide by dp/cp × m. So for each mesh and micro-batch
 count the planner offers only the smallest cp that allows it (cp = 1 where the batch divides by dp × m; a
@@ -36,6 +38,7 @@ from typing import Any, Iterator
 
 from meshc.compiler.cost.formulas import Estimate, ModelShape, formula_estimate, formula_functions, formula_values, precision_for
 from meshc.compiler.cost.hardware import Hardware
+from meshc.compiler.ir.mesh_spec import MeshSpec
 from meshc.compiler.cost.offload import KINDS, with_offload
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.ir.plan import SPLIT_BACKWARD, V_SHAPED, Plan
@@ -63,13 +66,20 @@ class Candidate:
 
     @property
     def sizes(self) -> dict[str, int]:
+        """MeshSpec's sizes (its dp: the gradient group, `dp` here)."""
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, **({"ep": self.ep} if self.ep > 1 else {}),
                 **({"cp": self.cp} if self.cp > 1 else {})}
 
+    @property
+    def axes(self) -> dict[str, int]:
+        """The mesh as meshc.mesh(...) takes it: world = dp × cp × tp × pp, dp without the cp ranks."""
+        return MeshSpec(self.sizes).axes
+
     def describe_mesh(self) -> str:
+        axes = self.axes
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         ep += f" cp={self.cp}({self.plan.cp_attention})" if self.cp > 1 else ""
-        return f"dp={self.dp}{ep} tp={self.tp} pp={self.pp}"
+        return f"dp={axes['dp']}{ep} tp={self.tp} pp={self.pp}"
 
     def describe(self) -> str:
         p = self.plan

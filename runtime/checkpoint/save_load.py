@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from meshc.compiler.ir.errors import MeshcRuntimeError, MeshcValueError
 from meshc.compiler.ir.placement import FlatShard, Replicate
+from meshc.compiler.ir.mesh_spec import MeshSpec, spec_sizes
 
 from meshc.runtime.monitor import failures
 
@@ -148,7 +149,7 @@ def _publish(job, tmp: str, path: str, step: int, extra: dict, gathered: list) -
             optims[i]["state"].update(doc["state"])
     files = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp)) if name != PARTIAL_MARK}
     manifest = {"format": FORMAT, "version": VERSION, "step": int(step), "extra": extra,
-                "world_size": job.mesh.world_size, "mesh": dict(job.mesh.sizes), "plan": job.plan.describe(),
+                "world_size": job.mesh.world_size, "mesh": job.mesh.axes, "plan": job.plan.describe(),
                 "tensors": tensors, "state_dict_keys": job.state_dict_keys, "optimizers": optims, "files": files}
     write_json(os.path.join(tmp, MANIFEST), manifest)
     os.remove(os.path.join(tmp, PARTIAL_MARK))  # the manifest now says whose folder this is
@@ -284,11 +285,11 @@ def _rank_record(mesh) -> dict:
 
 
 def _restore_rng(path: str, manifest: dict, mesh) -> None:
-    same = manifest["world_size"] == mesh.world_size and manifest["mesh"] == dict(mesh.sizes)
-    if same:
+    # the manifest's mesh as meshc.mesh takes it (world = dp × cp × tp × pp); MeshSpec's dp is the gradient group
+    saved = spec_sizes(**{a: n for a, n in manifest["mesh"].items() if a in ("dp", "cp", "tp", "pp", "ep")})
+    if manifest["world_size"] == mesh.world_size and MeshSpec(saved).sizes == mesh.sizes:
         rank = mesh.rank
     else:
-        saved = manifest["mesh"]
         rank = mesh.coord("dp") % saved["dp"] * saved["tp"]  # dp coordinate kept, tp = pp = 0
     rng = read_json(os.path.join(path, f"rank_{rank:05d}.json"))["rng"]
     torch.set_rng_state(_unb64(rng["cpu"]))

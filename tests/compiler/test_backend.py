@@ -162,7 +162,7 @@ def test_pipeline_stages_are_refused(fake_mesh):
 
 
 def test_context_parallelism_is_refused(fake_mesh):
-    mesh = fake_mesh(dp=2, cp=2)
+    mesh = fake_mesh(cp=2)
     compiled = torch.compile(zoo.build("reference"), backend=meshc.backend(mesh))
     with pytest.raises(Exception, match=r"context parallelism \(cp=2\).*use meshc.compile"):
         compiled(zoo.batches(1, 2)[0][0])

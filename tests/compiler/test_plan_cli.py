@@ -30,8 +30,8 @@ def test_plan_splits_one_long_sequence_over_cp(capsys):
     assert cli.main(["plan", "--model", "llama-8b", "--gpus", "8", "--batch", "1", "--seq", "131072", "--memory",
                      "80GB", "--top", "3"]) == 0
     text = capsys.readouterr().out
-    assert re.search(r"\n\s+1\s+dp=8 cp=8\(ring\) tp=1 pp=1 ", text), text
-    assert "best: meshc.mesh(dp=8, cp=8, tp=1, pp=1)" in text and "cp_attention='ring'" in text
+    assert re.search(r"\n\s+1\s+dp=1 cp=8\(ring\) tp=1 pp=1 ", text), text
+    assert "best: meshc.mesh(dp=1, cp=8, tp=1, pp=1)" in text and "cp_attention='ring'" in text
 
 
 def test_plan_reads_a_calibrated_profile(tmp_path, capsys):

@@ -48,7 +48,7 @@ def _per_layer() -> dict:
     split in two): the same global shape per rank but half the tokens, so half the activations."""
     out = {}
     for cp, batch in ((1, 2), (2, 1)):
-        mesh = meshc.mesh(dp=2, cp=cp, timeout_s=90)
+        mesh = meshc.mesh(dp=2 // cp, cp=cp, timeout_s=90)
         x = mesh.shard_batch(zoo.batches(1, batch, seq=SEQ)[0][0])
         alive, kv = {}, []
         for layers in (1, 2):

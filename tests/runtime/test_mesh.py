@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 import meshc
-from meshc.compiler.ir.mesh_spec import MeshSpec, parse_sizes
+from meshc.compiler.ir.mesh_spec import MeshSpec, parse_sizes, spec_sizes
+from meshc.runtime.mesh import world_axes
 from tests.harness import run_ranks
 
 
@@ -18,16 +19,28 @@ def test_world_of_one_without_torchrun(single_mesh):
 
 
 def test_sizes_must_multiply_to_world(single_mesh):
-    with pytest.raises(ValueError, match=r"expected dp×tp×pp to equal the world size 1, got 2×1×1"):
+    with pytest.raises(ValueError, match=r"expected dp×cp×tp×pp to equal the world size 1, got 2×1×1×1"):
         meshc.mesh(dp=2)
-    with pytest.raises(ValueError, match="tp×pp = 2×1 = 2 does not divide the world of 1"):
+    with pytest.raises(ValueError, match="cp×tp×pp = 1×2×1 = 2 does not divide the world of 1"):
         meshc.mesh(tp=2)
+
+
+def test_cp_is_a_factor_of_the_world_and_the_old_spelling_is_told_what_to_write():
+    """world = dp × cp × tp × pp, as Megatron-Core and torchtitan count; MeshSpec's dp is the gradient group."""
+    assert world_axes(8, dp=None, cp=2, tp=2, pp=1) == 2
+    with pytest.raises(ValueError, match=r"dp×cp×tp×pp to equal the world size 4, got 4×2×1×1 = 8; cp is an axis of "
+                                         r"its own.*write dp=2, cp=2"):
+        world_axes(4, dp=4, cp=2, tp=1, pp=1)  # the old meaning: dp counted the cp ranks
+    spec = MeshSpec(spec_sizes(dp=2, cp=2, tp=2))
+    assert spec.world_size == 8 and spec.size("dp") == 4 and spec.group_ranks("dp", 0) == (0, 2, 4, 6)
+    assert spec.group_ranks("cp", 0) == (0, 2) and spec.axes == {"dp": 2, "cp": 2, "tp": 2, "pp": 1}
+    assert spec.describe().startswith("dp=2 × cp=2 × tp=2 × pp=1 (8 ranks")
 
 
 def test_unknown_axis_and_bad_sizes(single_mesh):
     with pytest.raises(ValueError, match="unknown axis 'sp': expected axes among dp, ep, cp, tp, pp"):
         meshc.mesh(sp=2)
-    with pytest.raises(ValueError, match="expected cp to divide dp"):
+    with pytest.raises(ValueError, match=r"cp×tp×pp = 2×1×1 = 2 does not divide the world of 1 ranks"):
         meshc.mesh(cp=2)  # a world of one
     with pytest.raises(ValueError, match="expected tp to be a positive int, got 0"):
         meshc.mesh(tp=0)
