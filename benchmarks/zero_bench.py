@@ -1,7 +1,10 @@
 """ZeRO: meshc stages 0-3 side by side with DDP and FSDP2 (`fully_shard`) on the same model, ranks and
 batch, in one run: median step time, bytes each rank sends, model-state bytes and peak RSS per rank.
 
-    python benchmarks/zero_bench.py [--dp 2] [--steps 10]
+    python benchmarks/zero_bench.py [--dp 2] [--steps 10] [--replicas R]
+
+With --replicas R (R divides dp): also hybrid sharding, FSDP2's (fully_shard on a (replicate, shard) = (R, dp/R)
+DeviceMesh) and meshc's (Plan(zero=3, replicas=R)), the shards within groups of dp/R consecutive ranks.
 
 Model: torch's reference Transformer (4 layers, dim 256, vocab 1024, tied head; 3.4M parameters),
 batch 8 x 128 tokens (global), fp32, AdamW; gloo on loopback, one thread per rank. Bytes: meshc's are
@@ -30,18 +33,20 @@ class _CountC10d:
         self.dist, self.calls, self.saved = dist, {}, {}
 
     def __enter__(self):
-        for name, kind in (("all_reduce", "all_reduce"), ("all_gather_into_tensor", "all_gather"),
-                           ("reduce_scatter_tensor", "reduce_scatter"), ("all_gather_single", "all_gather"),
-                           ("reduce_scatter_single", "reduce_scatter")):
+        for name, kind, at in (("all_reduce", "all_reduce", 2), ("all_gather_into_tensor", "all_gather", 2),
+                               ("reduce_scatter_tensor", "reduce_scatter", 3), ("all_gather_single", "all_gather", 2),
+                               ("reduce_scatter_single", "reduce_scatter", 3)):
             original = getattr(self.dist, name)
             self.saved[name] = original
 
-            def wrapped(*args, _original=original, _kind=kind, **kwargs):
+            def wrapped(*args, _original=original, _kind=kind, _at=at, **kwargs):
                 tensor = kwargs.get("input_tensor", kwargs.get("input", kwargs.get("tensor")))  # the payload
                 if tensor is None:
                     tensor = args[1] if _kind != "all_reduce" else args[0]
-                calls, nbytes = self.calls.get((_kind, "dp"), (0, 0))
-                self.calls[(_kind, "dp")] = (calls + 1, nbytes + tensor.numel() * tensor.element_size())
+                group = kwargs.get("group", args[_at] if len(args) > _at else None)
+                key = (_kind, f"group{self.dist.get_world_size(group)}")  # wire bytes by the group's size
+                calls, nbytes = self.calls.get(key, (0, 0))
+                self.calls[key] = (calls + 1, nbytes + tensor.numel() * tensor.element_size())
                 return _original(*args, **kwargs)
             setattr(self.dist, name, wrapped)
         return self
@@ -62,7 +67,7 @@ def _state_bytes(tensors) -> int:
     return total
 
 
-def _torch_peer(impl: str, mesh, x, y):
+def _torch_peer(impl: str, mesh, x, y, replicas: int = 1):
     import torch
 
     model = _model()
@@ -83,6 +88,11 @@ def _torch_peer(impl: str, mesh, x, y):
         from torch.distributed.fsdp import fully_shard
 
         dm = mesh.device_mesh["dp"]
+        if replicas > 1:  # HSDP: a 2-D (replicate, shard) mesh, shard groups of consecutive ranks
+            from torch.distributed.device_mesh import init_device_mesh
+
+            dp = mesh.size("dp")
+            dm = init_device_mesh("cpu", (replicas, dp // replicas), mesh_dim_names=("replicate", "shard"))
         for layer in model.layers:
             fully_shard(layer, mesh=dm)
         fully_shard(model, mesh=dm)
@@ -117,7 +127,8 @@ def worker(config: dict) -> None:
     x, y = (mesh.shard_batch(t) for t in _data())
     impl = config["impl"]
     if impl == "meshc":
-        job = meshc.compile(_model(), mesh, example_inputs=(x,), plan=meshc.Plan(zero=config["zero"]))
+        job = meshc.compile(_model(), mesh, example_inputs=(x,),
+                            plan=meshc.Plan(zero=config["zero"], replicas=config.get("replicas", 1)))
         opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
 
         def step():
@@ -130,18 +141,18 @@ def worker(config: dict) -> None:
             held = sum(job.held_bytes().values())
             opt.zero_grad()
             return held
-        counter = CommCensus(mesh)
+        counter, sizes = CommCensus(job.mesh), job.mesh.sizes
     else:
-        step, state, ddp_bytes = _torch_peer(impl, mesh, x, y)
-        counter = _CountC10d()
+        step, state, ddp_bytes = _torch_peer(impl, mesh, x, y, config.get("replicas", 1))
+        counter, sizes = _CountC10d(), {**mesh.sizes, **{f"group{n}": n for n in range(1, mesh.world_size + 1)}}
     seconds = median_step(step, steps=config["steps"], barrier=dist.barrier)
     if impl == "ddp":
         ddp_bytes.clear()
     with counter:
         step()
     counts = counter.by_kind() if hasattr(counter, "by_kind") else {**counter.calls, **ddp_bytes}
-    counts = {k: v for k, v in counts.items() if k[1] == "dp" and v[1] > 64}  # the loss average is not model traffic
-    report({"impl": impl, "step_s": seconds, "wire_bytes": wire_bytes(counts, mesh.sizes), "state_bytes": state(),
+    counts = {k: v for k, v in counts.items() if k[1] not in ("tp", "pp") and v[1] > 64}  # not the loss average
+    report({"impl": impl, "step_s": seconds, "wire_bytes": wire_bytes(counts, sizes), "state_bytes": state(),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     dist.barrier()
 
@@ -150,12 +161,16 @@ def main() -> None:
     p = arg_parser()
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--replicas", type=int, default=1, help="also hybrid sharding with this many replica groups")
     args = p.parse_args()
     if run_worker(args, worker):
         return
     script = os.path.abspath(__file__)
     configs = [("DDP", {"impl": "ddp"}), ("FSDP2", {"impl": "fsdp2"})] + [
         (f"meshc ZeRO-{z}" if z else "meshc DP", {"impl": "meshc", "zero": z}) for z in (0, 1, 2, 3)]
+    if args.replicas > 1:
+        configs += [(f"FSDP2 HSDP {args.replicas}x{args.dp // args.replicas}", {"impl": "fsdp2", "replicas": args.replicas}),
+                    (f"meshc ZeRO-3 replicas={args.replicas}", {"impl": "meshc", "zero": 3, "replicas": args.replicas})]
     rows = []
     for name, config in configs:
         result = launch(script, args.dp, {**config, "steps": args.steps})

@@ -97,6 +97,8 @@ class MeshcBackend:
             from meshc.runtime.mesh import mesh as make_mesh
 
             self._mesh = last_mesh() or make_mesh()
+        if self._mesh.size("dpr") != self.plan.replicas:  # hybrid sharding's groups, created on every rank
+            self._mesh = self._mesh.hybrid(self.plan.replicas)
         if self._mesh.size("pp") > 1:
             raise MeshcValueError("meshc.backend: pipeline stages need the whole model in one graph, and torch.compile "
                                   "hands over regions of it; use meshc.compile(model, mesh, ...) instead")

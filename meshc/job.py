@@ -44,6 +44,7 @@ from meshc.runtime.zero.context import ZeroContext, ZeroStats
 
 class Job:
     def __init__(self, model: torch.nn.Module, mesh, plan, example_args: tuple, example_kwargs: dict):
+        mesh = mesh.hybrid(plan.replicas)  # hybrid sharding's groups (Plan.replicas > 1), created on every rank
         self.mesh = mesh
         self.plan = plan
         self._traced: dict[Any, Program] = {}

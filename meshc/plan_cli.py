@@ -22,6 +22,7 @@ import torch
 
 from meshc import factory, models
 from meshc.compiler.ir import torch_compat as compat
+from meshc.compiler.cost.formulas import formula_estimate
 from meshc.compiler.cost.hardware import default_cpu_path, load
 from meshc.compiler.ir.errors import MeshcValueError
 from meshc.compiler.planner.search import Search, plan_model
@@ -100,13 +101,33 @@ def run_plan(args: argparse.Namespace) -> int:
     ep = f", ep={c.ep}" if c.ep > 1 else ""
     ep += f", cp={c.cp}" if c.cp > 1 else ""
     cp = f", cp_attention={p.cp_attention!r}" if c.cp > 1 else ""
+    replicas = f", replicas={p.replicas}" if p.replicas > 1 else ""
     print(f"\nbest: meshc.mesh(dp={c.axes['dp']}{ep}, tp={c.tp}, pp={c.pp}) with "
-          f"meshc.Plan(zero={p.zero}, microbatches={p.microbatches}, schedule={p.schedule!r}, virtual={p.virtual}, "
+          f"meshc.Plan(zero={p.zero}{replicas}, microbatches={p.microbatches}, schedule={p.schedule!r}, virtual={p.virtual}, "
           f"remat={p.remat!r}, sequence_parallel={p.sequence_parallel}, vocab_parallel={p.vocab_parallel}{cp}"
           + (f", param_dtype=torch.{str(dtype).split('.')[-1]}" if dtype is not None else "") + offload + ")")
     if p.offload and not compiled:
         print(_offload_trade(best, shape, args.gpus, batch, hw, memory, search))
+    if p.replicas > 1 and not compiled:
+        print(_hybrid_trade(best, shape, batch, hw))
     return 0
+
+
+def _hybrid_trade(best, shape, batch: int, hw) -> str:
+    """Why the best plan shards ZeRO within nodes: its data-parallel time and memory against the same plan sharded
+    over all of dp (replicas=1)."""
+    import dataclasses
+
+    c, p = best.candidate, best.candidate.plan
+    flat = formula_estimate(shape, c.sizes, dataclasses.replace(p, replicas=1), batch, hw)
+    mine = best.estimate
+    dps = c.dp // p.replicas
+    ms = lambda e: (e.time["dp"] + e.time["step"]) * 1e3
+    return (f"why replicas={p.replicas}: ZeRO shards within each node (dp × cp split into {p.replicas} groups of "
+            f"{dps}, tp={c.tp}: {dps * c.tp} ranks on the node's fast link), gradient shards all-reduced across the "
+            f"groups; against sharding over all {c.dp}: step {mine.step_time:.3g} s vs {flat.step_time:.3g} s "
+            f"(data-parallel time not hidden behind compute {ms(mine):.1f} ms vs {ms(flat):.1f} ms), per-rank "
+            f"memory {mine.total_memory / 2**30:.1f} GiB vs {flat.total_memory / 2**30:.1f} GiB")
 
 
 def _plan_compiled(args: argparse.Namespace, batch: int, hw, memory, search):

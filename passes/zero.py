@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler.ir import torch_compat as compat
-from meshc.compiler.ir.placement import FlatShard, data_axis
+from meshc.compiler.ir.placement import FlatShard, Replicate, data_axis
 from meshc.compiler.ir.program import VALUE_META, CommRecord, Program
 from meshc.runtime.ops.zero import shard_size, zero_gather, zero_gather_start, zero_reduce
 
@@ -46,6 +46,7 @@ from meshc.passes.blocks import block_of, stages_using
 
 AXIS = "dp"
 EXPERT_AXIS = "edp"  # expert parameters' ZeRO axis: the ranks holding the same experts
+SHARD_AXIS, REPLICA_AXIS = "dps", "dpr"  # hybrid sharding (Plan.replicas): shards within dps, copies across dpr
 
 
 def zero_pass(program: Program) -> Program:
@@ -53,9 +54,16 @@ def zero_pass(program: Program) -> Program:
     if stage == 0:
         return program.unchanged("zero = 0: parameters, gradients and optimizer states replicated on dp")
     program = program.copy()
+    hybrid = program.mesh.size(REPLICA_AXIS) > 1
     for spec in program.params.values():
-        spec.placements[axis_of(spec)] = FlatShard()
+        axis = axis_of(spec)
+        if hybrid and axis == AXIS:  # hybrid sharding: one copy of the shards per replica group
+            axis, spec.placements[REPLICA_AXIS] = SHARD_AXIS, Replicate()
+        spec.placements[axis] = FlatShard()
         spec.zero = stage
+    if hybrid:
+        program.notes.append(f"hybrid sharding: shards over dps={program.mesh.size(SHARD_AXIS)} ranks in each of "
+                             f"{program.mesh.size(REPLICA_AXIS)} replica groups; gradient shards all-reduced over dpr")
     experts = [fqn for fqn, spec in program.params.items() if axis_of(spec) == EXPERT_AXIS]
     if experts:
         program.notes.append(f"{len(experts)} expert parameter(s) ZeRO-sharded over edp={program.mesh.size(EXPERT_AXIS)}"
@@ -66,7 +74,8 @@ def zero_pass(program: Program) -> Program:
     order = {n: i for i, n in enumerate(program.gm.graph.nodes)}
     if stage == 3:
         _gather_buckets(program, buckets, order)
-        program.local_axes = program.local_axes | {AXIS} | ({EXPERT_AXIS} if experts else set())
+        program.local_axes = program.local_axes | {AXIS} | ({EXPERT_AXIS} if experts else set()) | \
+            ({SHARD_AXIS} if hybrid else set())
     elif stage == 2:
         for index, bucket in enumerate(buckets):
             _reduce_bucket(program, index, bucket, order)
@@ -76,7 +85,8 @@ def zero_pass(program: Program) -> Program:
 
 
 def axis_of(spec) -> str:
-    """The axis a parameter's ZeRO shards go over: dp, or edp for an expert's (sharded over ep, a part of dp)."""
+    """The axis a parameter's ZeRO shards go over: dp, edp for an expert's (sharded over ep, a part of dp), dps
+    under hybrid sharding (once this pass has placed them)."""
     return data_axis(spec.placements)
 
 
@@ -85,6 +95,19 @@ def _group(program: Program, fqn: str) -> tuple[str, int, str, int]:
     parameter's ZeRO bucket."""
     axis, mesh = axis_of(program.params[fqn]), program.mesh
     return axis, mesh.size(axis), mesh.group_name(axis, program.rank), mesh.size(AXIS) if axis != AXIS else 0
+
+
+def _replicas(program: Program, axis: str) -> str | None:
+    """The dpr group a bucket's reduce-scattered gradient shard is all-reduced over (hybrid sharding), or None."""
+    return program.mesh.group_name(REPLICA_AXIS, program.rank) if axis == SHARD_AXIS else None
+
+
+def _replica_record(program: Program, axis: str, shard_bytes: int, phase: str, why: str, k: int) -> list[CommRecord]:
+    if axis != SHARD_AXIS:
+        return []
+    return [CommRecord("all_reduce", REPLICA_AXIS, shard_bytes, phase,
+                       f"{why}: gradient shards summed over the {program.mesh.size(REPLICA_AXIS)} replica groups",
+                       tensors=k)]
 
 
 def _compute_dtype(program: Program, fqn: str) -> torch.dtype:
@@ -138,14 +161,16 @@ def _gather_buckets(program: Program, buckets, order) -> None:
         with graph.inserting_before(first_user):
             wait = graph.call_function(zero_gather, (None, *nodes), {
                 "bucket": index, "shapes": shapes, "group": group, "size": n, "dtype": dtype,
-                "partial": partial, "reduce_dtype": reduce_dtype, "keep": index == kept, "average": average})
+                "partial": partial, "reduce_dtype": reduce_dtype, "keep": index == kept, "average": average,
+                "replicas": _replicas(program, axis)})
         wait.meta["meshc.why"] = f"{why}: wait for the gathered parameters, copy them out; backward " \
                                  f"reduce-scatters their gradients"
         k = len(bucket)
         wait.meta["meshc.comm"] = [
             CommRecord("all_gather", axis, gather_bytes, "backward", f"{why}: gathered again for backward", tensors=k),
             CommRecord("reduce_scatter", axis, scatter_bytes, "backward", f"{why}: gradients averaged over dp",
-                       tensors=k)]
+                       tensors=k),
+            *_replica_record(program, axis, shard_elems * reduce_dtype.itemsize, "backward", why, k)]
         if index == kept:  # used last in forward, first in backward: kept, not gathered again
             wait.meta["meshc.comm"] = wait.meta["meshc.comm"][1:]
         wait.meta["meshc.bucket"] = fqns
@@ -202,10 +227,13 @@ def _reduce_bucket(program: Program, index: int, bucket, order) -> None:
     with graph.inserting_before(first_user):
         node = graph.call_function(zero_reduce, tuple(nodes), {
             "bucket": index, "fqns": fqns, "group": group, "size": n,
-            "partial": partial, "reduce_dtype": reduce_dtype, "average": average})
+            "partial": partial, "reduce_dtype": reduce_dtype, "average": average,
+            "replicas": _replicas(program, axis)})
     node.meta["meshc.why"] = why
     node.meta["meshc.comm"] = [CommRecord("reduce_scatter", axis, elems * n * reduce_dtype.itemsize, "backward", why,
-                                          tensors=len(bucket))]
+                                          tensors=len(bucket)),
+                               *_replica_record(program, axis, elems * reduce_dtype.itemsize, "backward", why,
+                                                len(bucket))]
     node.meta["meshc.bucket"] = list(fqns)
     _route(graph, node, bucket, mesh)
     program.notes.append(f"bucket {index}: {block_of(first_user) or 'model'}, {len(bucket)} params")
@@ -217,17 +245,19 @@ def _step_comms(program: Program, stage: int) -> list[CommRecord]:
         return []
     mesh = program.mesh
     out = []
-    for axis in (AXIS, EXPERT_AXIS):
+    for axis in (AXIS, EXPERT_AXIS, SHARD_AXIS):
         trainable = [program.params[f] for f in program.zero_step_params(axis)]
         if not trainable:
             continue
         n = mesh.size(axis)
+        shard_elems = sum(s.local_shape(mesh.sizes)[0] for s in trainable)
+        reduce_bytes = (program.plan.reduce_dtype or program.plan.param_dtype or torch.float32).itemsize
+        if stage == 1:
+            out += _replica_record(program, axis, shard_elems * reduce_bytes, "step", "ZeRO-1", len(trainable))
         if n == 1:  # one rank on the axis: the step packs, reduces and gathers nothing (runtime/zero/param_store.py)
             continue
-        shard_elems = sum(s.local_shape(mesh.sizes)[0] for s in trainable)
         if stage == 1:
-            nbytes = shard_elems * n * (program.plan.reduce_dtype or program.plan.param_dtype or torch.float32).itemsize
-            out.append(CommRecord("reduce_scatter", axis, nbytes, "step",
+            out.append(CommRecord("reduce_scatter", axis, shard_elems * n * reduce_bytes, "step",
                                   "ZeRO-1: gradients reduce-scattered at the step", tensors=len(trainable)))
         dtype = program.plan.param_dtype or torch.float32
         out.append(CommRecord("all_gather", axis, shard_elems * dtype.itemsize, "step",

@@ -62,6 +62,30 @@ class Mesh:
         self.spec = MeshSpec(self.sizes, self._exchange_group_names(shape), device_type=device.type,
                              backend=self.backend)
         self._device_mesh = None
+        self._hybrids: dict[int, Mesh] = {1: self}  # by Plan.replicas, shared by the meshes hybrid() returns
+
+    def hybrid(self, replicas: int) -> "Mesh":
+        """This mesh with hybrid sharding's groups (Plan.replicas; MeshSpec.hybrid): dps, the ranks that hold one
+        copy of ZeRO's shards, and dpr, one rank of each replica group. Collective on the first call for a given
+        `replicas` (every rank creates every group, in the same order: meshc.compile calls it on every rank);
+        the mesh returned shares this one's groups and process group."""
+        if replicas not in self._hybrids:
+            import copy
+
+            shape = self.spec.hybrid(replicas)
+            out = copy.copy(self)
+            out._groups = {a: g for a, g in self._groups.items() if a not in ("dps", "dpr")}
+            for axis in ("dps", "dpr"):
+                for row in shape.all_groups(axis):
+                    group = dist.new_group(list(row), timeout=self.timeout)
+                    if self.rank in row:
+                        out._groups[axis] = group
+            out.sizes = dict(shape.sizes)
+            out.spec = MeshSpec(out.sizes, out._exchange_group_names(shape), device_type=self.device.type,
+                                backend=self.backend)
+            out._device_mesh, out._hybrids = None, self._hybrids
+            self._hybrids[replicas] = out
+        return self._hybrids[replicas]
 
     # ----------------------------------------------------------------------------- coordinates
     def size(self, axis: str) -> int:

@@ -48,7 +48,8 @@ SAVES_NOTHING = VIEW_NAMES | {"add", "sub", "neg", "cat", "stack", "clone", "con
                               "cos", "index_put_", "index_put"}
 SAVES_OUTPUT = {"softmax", "_softmax", "log_softmax", "_log_softmax", "tanh", "sigmoid", "exp", "rsqrt", "relu"}
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul"}
-DATA_AXES = ("dp", "edp")  # gradient reductions, overlappable with backward; ep's all-to-all blocks like tp's
+DATA_AXES = ("dp", "edp", "dps", "dpr")  # gradient reductions, overlappable with backward; ep's all-to-all blocks
+# like tp's (dps, dpr: hybrid sharding's shard and replica groups)
 COMPUTE_WITH_COMM = {"context_attention"}  # ops that compute and communicate (their traffic in "meshc.comm")
 
 
@@ -337,8 +338,8 @@ def model_state_bytes(specs, sizes: dict[str, int], plan) -> dict[str, float]:
     runtime stores them (runtime/zero/param_store.py): ZeRO-1/2 keep whole compute copies in one padded buffer
     (fp32) or beside fp32 master shards (mixed precision); ZeRO-3 keeps only the shards."""
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0}
-    n = sizes.get("dp", 1)
     for spec in specs:
+        n = next((sizes.get(a, 1) for a, pl in spec.placements.items() if isinstance(pl, FlatShard)), 1)
         floating = spec.dtype.is_floating_point
         item = spec.dtype.itemsize
         compute = (plan.param_dtype.itemsize if plan.param_dtype is not None and floating else item)
@@ -361,7 +362,8 @@ def model_state_bytes(specs, sizes: dict[str, int], plan) -> dict[str, float]:
 def comm_time(record, sizes: dict[str, int], hw: Hardware) -> float:
     """Seconds of one CommRecord (all its calls) on the link its axis uses."""
     tp, ep = sizes.get("tp", 1), sizes.get("ep", 1)  # ep, cp: consecutive dp ranks; edp: every ep-th of them
-    stride = {"tp": 1, "dp": tp, "ep": tp, "cp": tp, "edp": tp * ep, "pp": tp * sizes.get("dp", 1)}.get(record.axis, 1)
+    stride = {"tp": 1, "dp": tp, "ep": tp, "cp": tp, "edp": tp * ep, "dps": tp, "dpr": tp * sizes.get("dps", 1),
+              "pp": tp * sizes.get("dp", 1)}.get(record.axis, 1)
     n = sizes.get(record.axis, 1)
     if record.kind == "ring":  # `count` hops to the next rank of the group, all ranks at once: the slowest link's
         return record.count * hw.link(stride, n).time("send", 2, record.bytes) if n > 1 else 0.0

@@ -57,7 +57,9 @@ Formulas:
       memory-bound part under selective), FLOPs per layer 2·s·b·(matmul weights) + 4·s²·b·h/t;
       T_tp: 4 collectives of s·b·h per layer and micro-batch (6 with full recompute: Megatron's f/g);
       T_dp: meshc reduces per micro-batch (DP all-reduce, ZeRO-2 reduce-scatter, ZeRO-3 2 all-gathers +
-      a reduce-scatter) and at the step (ZeRO-1/2 all-gather, ZeRO-1 reduce-scatter);
+      a reduce-scatter) and at the step (ZeRO-1/2 all-gather, ZeRO-1 reduce-scatter); under hybrid sharding
+      (Plan.replicas = R) those run over S = N/R ranks (the shard group, x_s where it spans nodes), ZeRO's states
+      are divided by S, and each reduced gradient shard is all-reduced over the R replica groups (x_r);
       T_pp: (2(p−1) + 2(m−1)(1 − overlap)) sends of the boundary activation, twice that under a V (w: 2p − 2
       rank boundaries each way, 2m messages per rank and direction).
   collectives: hardware.Link's α-β model; a group uses the inter-node link once it spans nodes (tp
@@ -81,9 +83,10 @@ from meshc.compiler.ir.schedule import V_SHAPED
 OPS_PER_LAYER = 30  # compute ops per transformer block in a traced graph (views excluded): τ's multiplier
 
 SYMBOLS = sympy.symbols("L h a k f V s E K P_pos B N t p m v I_f I_l beta z1 z2 z3 rs rf sp vp pb gb ko cb "
-                        "o u_t u_n u_p q c_kv x_t x_n x_p e x_e u_e w", positive=True)
+                        "o u_t u_n u_p q c_kv x_t x_n x_p e x_e u_e R x_s x_r u_r w", positive=True)
 (L, h, a, k, f, V, s, E, K, P_pos, B, N, t, p, m, v, I_f, I_l, beta,
- z1, z2, z3, rs, rf, sp, vp, pb, gb, ko, cb, o, u_t, u_n, u_p, q, c_kv, x_t, x_n, x_p, e, x_e, u_e, w) = SYMBOLS
+ z1, z2, z3, rs, rf, sp, vp, pb, gb, ko, cb, o, u_t, u_n, u_p, q, c_kv, x_t, x_n, x_p, e, x_e, u_e,
+ R, x_s, x_r, u_r, w) = SYMBOLS
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers")
 TIME_KEYS = ("compute", "recompute", "bubble", "tp", "ep", "cp", "pp", "dp", "step", "optimizer", "overhead")
 
@@ -316,7 +319,8 @@ def formulas(hw: Hardware, flags, inline: bool = True) -> dict[str, sympy.Expr]:
     zz = z1 + z2 + z3
     logits = s * b * V / v_div * (cb + 4)
     experts = u_e * L / p * _expert_params(flags)  # sharded over ep > 1: ZeRO divides them over N/e only
-    sf, sl = (_plus(_states(x - experts, z1, z2, z3, N, pb, gb, ko), _states(experts, z1, z2, z3, N / e, pb, gb, ko))
+    S = N / R  # ZeRO's shard group: all of dp, or one of R replica groups under hybrid sharding
+    sf, sl = (_plus(_states(x - experts, z1, z2, z3, S, pb, gb, ko), _states(experts, z1, z2, z3, N / e, pb, gb, ko))
               for x in (first, last))
     psi = Max(first, last, evaluate=False) - experts
     boundary = s * b * h * cb / t_sp
@@ -337,14 +341,18 @@ def formulas(hw: Hardware, flags, inline: bool = True) -> dict[str, sympy.Expr]:
     tp_one = ((1 - sp) * _coll(hw, "all_reduce", t, act_payload, x_t)
               + sp * (_coll(hw, "reduce_scatter", t, act_payload, x_t) + _coll(hw, "all_gather", t, act_payload / t, x_t)))
     tp_time = m * (L / p * (4 + 2 * rf) * tp_one + vp * _coll(hw, "all_reduce", t, act_payload, x_t))
-    grads, shard = psi * gb, psi * pb / N
+    grads, shard = psi * gb, psi * pb / S
 
-    def data_parallel(grads, shard, n):  # the backward's reductions of `grads` over n ranks, and the step's
-        bwd = m * ((1 - zz) * _coll(hw, "all_reduce", n, grads, x_n) + z2 * _coll(hw, "reduce_scatter", n, grads, x_n)
-                   + z3 * (2 * _coll(hw, "all_gather", n, shard, x_n) + _coll(hw, "reduce_scatter", n, grads, x_n)))
-        step = (z1 + z2) * _coll(hw, "all_gather", n, shard, x_n) + z1 * _coll(hw, "reduce_scatter", n, grads, x_n)
+    def data_parallel(grads, shard, n, x=x_n):  # the backward's reductions of `grads` over n ranks, and the step's
+        bwd = m * ((1 - zz) * _coll(hw, "all_reduce", n, grads, x) + z2 * _coll(hw, "reduce_scatter", n, grads, x)
+                   + z3 * (2 * _coll(hw, "all_gather", n, shard, x) + _coll(hw, "reduce_scatter", n, grads, x)))
+        step = (z1 + z2) * _coll(hw, "all_gather", n, shard, x) + z1 * _coll(hw, "reduce_scatter", n, grads, x)
         return bwd, step
-    dp_bwd, dp_step = data_parallel(grads, shard, N)
+    dp_bwd, dp_step = data_parallel(grads, shard, S, x_s)
+    # hybrid sharding: each reduce-scattered gradient shard all-reduced over the R replica groups (in backward under
+    # ZeRO-2/3, once per micro-batch; at the step under ZeRO-1); nothing where R = 1
+    replica = _coll(hw, "all_reduce", R, grads / S, x_r)
+    dp_bwd, dp_step = dp_bwd + m * (z2 + z3) * replica, dp_step + z1 * replica
     if flags[4]:  # experts sharded over ep: their replicas are the N/e ranks of an edp group
         ex_bwd, ex_step = data_parallel(experts * gb, experts * pb * e / N, N / e)
         dp_bwd, dp_step = dp_bwd + u_e * ex_bwd, dp_step + u_e * ex_step
@@ -364,10 +372,11 @@ def formulas(hw: Hardware, flags, inline: bool = True) -> dict[str, sympy.Expr]:
         "compute": m * t_mb, "recompute": m * recompute, "bubble": beta * compute, "tp": tp_time, "ep": ep_time,
         "cp": m * L / p * cp_layer, "cp_bytes": m * L / p * cp_bytes, "pp": pp_time,
         "dp": Max(0, dp_bwd - hw.overlap * compute, evaluate=False), "step": dp_step,
-        "optimizer_time": hw.adam_time(psi * (1 - zz + zz / N) + experts * (1 - zz + zz * e / N)),
+        "optimizer_time": hw.adam_time(psi * (1 - zz + zz / S) + experts * (1 - zz + zz * e / N)),
         "overhead": hw.step_overhead + q * 2 * m * hw.action_overhead,
         "flops": 3 * m * (L / p * layer_flops + head_flops) + rf * m * L / p * layer_flops,
-        "dp_bytes": m * ((1 - zz) * grads + z2 * grads + z3 * (2 * shard + grads)) + (z1 + z2) * shard + z1 * grads,
+        "dp_bytes": m * ((1 - zz) * grads + z2 * grads + z3 * (2 * shard + grads)) + (z1 + z2) * shard + z1 * grads
+        + u_r * (m * (z2 + z3) + z1) * grads / S,
         "tp_bytes": m * L / p * (4 + 2 * rf) * act_payload * u_t,
         "edp_bytes": m * experts * gb, "ep_bytes": u_e * m * L / p * (4 + 2 * rf) * a2a_payload,
     }
@@ -378,7 +387,7 @@ def _plus(x: dict, y: dict) -> dict:
 
 
 ARGS = (L, h, a, k, f, V, s, E, K, P_pos, B, N, t, p, m, v, I_f, I_l, beta, z1, z2, z3, rs, rf, sp, vp, pb, gb, ko, cb,
-        o, u_t, u_n, u_p, q, c_kv, x_t, x_n, x_p, e, x_e, u_e, w) + CP_TERMS
+        o, u_t, u_n, u_p, q, c_kv, x_t, x_n, x_p, e, x_e, u_e, R, x_s, x_r, u_r, w) + CP_TERMS
 PARTS = ("params", "grads", "optimizer", "activations")
 OUT_KEYS = tuple(f"{x}_{r}" for r in ("first", "last") for x in PARTS) + (
     "buffers", "compute", "recompute", "bubble", "tp", "ep", "cp", "pp", "dp", "step", "optimizer_time", "overhead",
@@ -454,6 +463,10 @@ def formula_values(shape: ModelShape, sizes: tuple, choice: tuple, batch: int, h
     n, tp, pp = sizes[0], sizes[1], sizes[2]
     ep, cp = sizes[3] if len(sizes) > 3 else 1, sizes[4] if len(sizes) > 4 else 1
     mb, schedule, virtual, zero, remat, sp_, vp_ = choice[:7]
+    replicas = choice[8] if len(choice) > 8 else 1
+    if replicas > 1 and (n % replicas or ep > 1 or zero == 0):
+        raise MeshcValueError(f"cost: expected replicas dividing dp × cp, with ZeRO and without ep, got dp={n}, "
+                              f"replicas={replicas}, ep={ep}, zero={zero}")
     if vp_ is None:  # Plan(vocab_parallel=None): the cost model's choice, as the compiled graph's decision makes it
         vp_ = decide_from_shape(hw, tp, batch * shape.seq // (n * mb), shape.hidden, shape.vocab, shape.tied)
     if cp > 1 and (n % cp or ep > 1):
@@ -466,11 +479,13 @@ def formula_values(shape: ModelShape, sizes: tuple, choice: tuple, batch: int, h
                                                shape.seq * batch / (n * mb), tp, kv_split, precision.activation, remat)
     i_f, i_l, bub = schedule_terms(schedule, pp, mb, virtual)
     head, mesh = _fixed_values(shape, batch, n, tp, pp, ep, hw)
+    hybrid = (replicas, int(hw.spans_nodes(tp, n // replicas)), int(hw.spans_nodes(tp * n // replicas, replicas)),
+              int(replicas > 1))
     return (head + (mb, virtual, i_f, i_l, bub,
             int(zero == 1), int(zero == 2), int(zero == 3), int(remat == "selective"), int(remat == "full"),
             int(sp_), int(vp_), precision.param, precision.grad, precision.optimizer, precision.activation,
             int(pp == 1), int(tp > 1), int(n > 1), int(pp > 1), int(pp > 1 or mb > 1))
-            + mesh + (int(schedule in V_SHAPED and pp > 1),) + cps)
+            + mesh + hybrid + (int(schedule in V_SHAPED and pp > 1),) + cps)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -487,7 +502,7 @@ def _fixed_values(shape: ModelShape, batch: int, n: int, tp: int, pp: int, ep: i
 def plan_choice(plan) -> tuple:
     """The fields of a Plan that formula_values reads, in its order."""
     return (plan.microbatches, plan.schedule, plan.virtual, plan.zero, plan.remat, plan.sequence_parallel,
-            plan.vocab_parallel, plan.cp_attention)
+            plan.vocab_parallel, plan.cp_attention, plan.replicas)
 
 
 def _pick_rank(out) -> list[float]:

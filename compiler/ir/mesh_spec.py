@@ -12,7 +12,10 @@ exchanged by all-to-all) and the `edp` group ("expert data parallel", dp/ep rank
 gradients are reduced over it). Context parallelism is the same kind of part: d = b·cp + c, and the cp group (cp
 consecutive dp indices) shares one batch and splits its sequences (the batch index b, the user's dp, has no group:
 nothing is reduced over it alone); dp as a whole reduces the gradients and holds the ZeRO shards, so cp ranks
-share both. The sub-axes exist only when ep > 1 (or cp > 1): a mesh without them has exactly the axes pp, dp, tp.
+share both. Hybrid sharding (Plan.replicas = R, `hybrid`) splits dp a third way, d = r·S + s with S = dp/R: the
+`dps` group (S consecutive dp indices, a node's) holds ZeRO's shards and reduce-scatters the gradients, the `dpr`
+group (R ranks, one per replica group) all-reduces those shards. The sub-axes exist only when ep > 1 (or cp > 1,
+or replicas > 1): a mesh without them has exactly the axes pp, dp, tp.
 What the compiler needs
 of a mesh is here: axis sizes, each rank's coordinates, the ranks of every group and the name each group
 is registered under (what torch's functional collectives take). The runtime's Mesh (runtime/mesh.py)
@@ -27,7 +30,8 @@ from typing import Mapping
 from meshc.compiler.ir.errors import MeshcTypeError, MeshcValueError
 
 AXES = ("pp", "dp", "tp")  # outermost first: the axes whose product is the world
-SUB_AXES = ("ep", "edp", "cp")  # dp split as edp × ep or as batches × cp (innermost); in `sizes` only when > 1
+SUB_AXES = ("ep", "edp", "cp", "dps", "dpr")  # dp split as edp × ep, as batches × cp (innermost), or as ZeRO's
+# hybrid sharding dpr × dps (Plan.replicas; MeshSpec.hybrid); in `sizes` only when > 1
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,18 @@ class MeshSpec:
                                       f"sub-group of the data-parallel ranks), got dp={sizes['dp']}, ep={ep}; "
                                       f"choose dp a multiple of ep")
             sizes.update(ep=ep, edp=sizes["dp"] // ep)
+        replicas = int(self.sizes.get("dpr", 1))
+        if replicas > 1:
+            if ep > 1:
+                raise MeshcValueError(f"mesh: hybrid sharding (Plan.replicas={replicas}) with expert parallelism "
+                                      f"(ep={ep}) is not supported yet; choose one of them")
+            if sizes["dp"] % replicas:
+                raise MeshcValueError(f"Plan.replicas={replicas}: expected it to divide the data-parallel ranks "
+                                      f"dp × cp = {sizes['dp']} (each replica group holds one copy of the shards)")
+            if "dps" in self.sizes and int(self.sizes["dps"]) * replicas != sizes["dp"]:
+                raise MeshcValueError(f"mesh: expected dps = dp/dpr = {sizes['dp'] // replicas}, got "
+                                      f"dps={self.sizes['dps']}; give dpr (dps follows)")
+            sizes.update(dps=sizes["dp"] // replicas, dpr=replicas)
         if cp > 1:
             if ep > 1:
                 raise MeshcValueError(f"mesh: expert parallelism (ep={ep}) with context parallelism (cp={cp}) is not "
@@ -101,6 +117,8 @@ class MeshSpec:
             out["edp"], out["ep"] = divmod(out["dp"], self.sizes["ep"])
         if "cp" in self.sizes:
             out["cp"] = out["dp"] % self.sizes["cp"]
+        if "dps" in self.sizes:
+            out["dpr"], out["dps"] = divmod(out["dp"], self.sizes["dps"])
         return {axis: out[axis] for axis in self.sizes}
 
     def coord(self, axis: str, rank: int) -> int:
@@ -111,6 +129,8 @@ class MeshSpec:
         """The rank at the given index along every axis (pp, dp, tp; or pp, edp, ep, tp; or pp, dp, cp, tp:
         then cp replaces dp's innermost part)."""
         coords = dict(coords)
+        if "dps" in self.sizes and "dps" in coords:
+            coords["dp"] = coords["dpr"] * self.sizes["dps"] + coords["dps"]
         if "ep" in self.sizes and "ep" in coords:
             coords["dp"] = coords["edp"] * self.sizes["ep"] + coords["ep"]
         if "cp" in self.sizes and "cp" in coords:
@@ -126,9 +146,9 @@ class MeshSpec:
         c = self.coords(rank)
         if axis in SUB_AXES and axis not in self.sizes:
             return (rank,)
-        if axis == "dp":  # dp moves both of its parts
-            for part in ("ep", "edp", "cp"):
-                c.pop(part, None)
+        moved = {"dp": ("ep", "edp", "cp", "dps", "dpr"), "cp": ("dps", "dpr"), "dps": ("cp",), "dpr": ("cp",)}
+        for part in moved.get(axis, ()):  # the parts of dp that moving along `axis` moves too: recomputed from it
+            c.pop(part, None)
         return tuple(self.rank_at({**c, axis: i}) for i in range(self.sizes[axis]))
 
     def all_groups(self, axis: str) -> list[tuple[int, ...]]:
@@ -153,9 +173,17 @@ class MeshSpec:
                "pp": self.sizes["pp"]}
         return {**out, "ep": self.sizes["ep"]} if "ep" in self.sizes else out
 
+    def hybrid(self, replicas: int) -> "MeshSpec":
+        """This mesh with hybrid sharding's sub-axes (dps, dpr) for `replicas` groups (1: without them)."""
+        sizes = {a: n for a, n in self.sizes.items() if a not in ("dps", "dpr")}
+        return MeshSpec({**sizes, **({"dpr": replicas} if replicas > 1 else {})}, self.group_names,
+                        self.device_type, self.backend)
+
     def describe(self) -> str:
         axes = self.axes
         dp = f"dp={axes['dp']}" + (f" (ep={self.sizes['ep']} × edp={self.sizes['edp']})" if "ep" in self.sizes else "")
+        if "dps" in self.sizes:
+            dp += f" (ZeRO in {self.sizes['dpr']} replica groups of {self.sizes['dps']})"
         text = " × ".join([dp] + [f"{a}={axes[a]}" for a in ("cp", "tp", "pp") if a in axes])
         where = f", {self.backend} on {self.device_type}" if self.backend != "none" else ", no process group"
         return f"{text} ({self.world_size} ranks{where})"

@@ -114,9 +114,12 @@ def blocks_placement(dim: int, blocks):
 
 
 def data_axis(placements: dict) -> str:
-    """The axis a tensor's data-parallel replicas lie on: dp, or edp for an expert's (sharded over ep, the other
-    part of dp; compiler/ir/mesh_spec.py)."""
-    return "edp" if isinstance(placements.get("ep"), Shard) else "dp"
+    """The axis a tensor's data-parallel replicas (or ZeRO shards) lie on: dp, edp for an expert's (sharded over ep,
+    the other part of dp; compiler/ir/mesh_spec.py), or dps for a ZeRO shard under hybrid sharding (its copies on
+    dpr)."""
+    if isinstance(placements.get("ep"), Shard):
+        return "edp"
+    return "dps" if isinstance(placements.get("dps"), FlatShard) else "dp"
 
 
 def in_parts(p) -> bool:

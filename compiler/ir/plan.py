@@ -71,6 +71,10 @@ class Plan:
             the parameters, gradients reduce-scattered and updated slices all-gathered at the step);
             2: gradients too (reduce-scattered in backward as buckets complete); 3: parameters too
             (stored as flat shards, all-gathered before use, freed after, gathered again for backward).
+        replicas: hybrid sharding (HSDP; DeepSpeed's hpZ/MiCS): the data-parallel ranks (dp × cp) split into this
+            many replica groups of consecutive ranks (a node, where tp × dp/replicas ranks fill one); ZeRO shards
+            states (and for zero=3 parameters) within a group, gradients are reduce-scattered within it and the
+            shards all-reduced across the groups. 1 (default): shard over all of them. Needs zero >= 1.
         zero_bucket_mb: ZeRO-3 gathers parameters in buckets of about this many MiB, grouped by block.
         zero_keep_last: ZeRO-3 keeps the bucket used last in forward gathered for backward, which needs it
             first (as FSDP2 keeps its root module's parameters): one all-gather of it fewer per step.
@@ -152,6 +156,7 @@ class Plan:
     vocab_parallel: bool | None = None
     cp_attention: str = "ring"
     zero: int = 0
+    replicas: int = 1
     zero_bucket_mb: float = 25.0
     zero_keep_last: bool = True
     param_dtype: Any = None
@@ -198,6 +203,13 @@ class Plan:
                                   f"{self.cp_attention!r}")
         if self.zero not in (0, 1, 2, 3):
             raise MeshcValueError(f"Plan.zero: expected a ZeRO stage 0, 1, 2 or 3, got {self.zero!r}")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise MeshcValueError(f"Plan.replicas: expected a positive int (replica groups of ZeRO's hybrid sharding), "
+                                  f"got {self.replicas!r}")
+        if self.replicas > 1 and self.zero == 0:
+            raise MeshcValueError(f"Plan.replicas={self.replicas}: hybrid sharding shards ZeRO's states within replica "
+                                  f"groups; expected zero=1, 2 or 3 with it, got zero=0 (plain data parallelism "
+                                  f"replicates everything already)")
         if not isinstance(self.zero_bucket_mb, (int, float)) or self.zero_bucket_mb <= 0:
             raise MeshcValueError("Plan.zero_bucket_mb: expected a positive number of MiB, got "
                                   f"{self.zero_bucket_mb!r}")

@@ -83,7 +83,8 @@ class Candidate:
 
     def describe(self) -> str:
         p = self.plan
-        parts = [self.describe_mesh(), f"zero={p.zero}", f"m={p.microbatches}"]
+        parts = [self.describe_mesh(), f"zero={p.zero}" + (f" replicas={p.replicas}" if p.replicas > 1 else ""),
+                 f"m={p.microbatches}"]
         if self.pp > 1:
             parts.append(p.schedule + (f"x{p.virtual}" if p.virtual > 1 else ""))
         parts.append(f"remat={p.remat}")
@@ -131,6 +132,10 @@ class Search:
     cp_attention: tuple[str, ...] = ("ring", "all_to_all")  # the faster of ring and all_to_all is kept; all_gather
     # (more memory: the whole K, V saved) is scored as a plan of its own when listed
     virtual: int = 2
+    # hybrid sharding (Plan.replicas) offered with ZeRO where dp spans nodes: one replica group per node_ranks ranks
+    # (tp × dp/replicas = a node's); node_ranks 0: not offered (plan_model sets it from the hardware profile)
+    hybrid: bool = True
+    node_ranks: int = 0
     param_dtype: Any = None
     base: Plan = field(default_factory=lambda: Plan(trace="non-strict"))
     offload: bool = True  # when no plan fits, try them again with Plan.offload (compiler/cost/offload.py)
@@ -274,19 +279,32 @@ def choices_for(sizes: tuple[int, ...], batch: int, search: Search, layers: int 
     zeros = [z for z in search.zero if dp > 1 or z == 0] or [min(search.zero)]
     sps = search.sequence_parallel if tp > 1 else (False,)
     vps = search.vocab_parallel if tp > 1 else (False,)
-    for m, zero, remat, sp, vp, method in itertools.product(ms, zeros, search.remat, sps, vps, methods):
+    ep = sizes[3] if len(sizes) > 3 else 1
+    for m, zero, remat, sp, vp, method, r in itertools.product(ms, zeros, search.remat, sps, vps, methods,
+                                                               _replica_counts(dp, tp, ep, search)):
+        if r > 1 and zero == 0:
+            continue
         for schedule, virtual in _schedules(pp, m, search, layers):
             if remat == "selective" and schedule in SPLIT_BACKWARD:  # Plan refuses it: two backward halves per block
                 continue
-            yield (m, schedule, virtual, zero, remat, sp, vp, method)
+            yield (m, schedule, virtual, zero, remat, sp, vp, method) + ((r,) if r > 1 else ())
+
+
+def _replica_counts(dp: int, tp: int, ep: int, search: Search) -> tuple[int, ...]:
+    """1, and the hybrid sharding whose replica groups are one node each where dp (dp × cp) spans nodes."""
+    n = search.node_ranks
+    if not search.hybrid or not n or ep > 1 or dp * tp <= n or n % tp or (dp * tp) % n:
+        return (1,)
+    r = dp * tp // n
+    return (1, r) if r > 1 and dp % r == 0 else (1,)
 
 
 def plan_of(choice: tuple, search: Search) -> Plan:
     """The Plan of one of choices_for's tuples."""
-    m, schedule, virtual, zero, remat, sp, vp, method = choice
+    m, schedule, virtual, zero, remat, sp, vp, method, *rest = choice
     return dataclasses.replace(search.base, zero=zero, microbatches=m, schedule=schedule, virtual=virtual,
                                remat=remat, sequence_parallel=sp, vocab_parallel=vp, param_dtype=search.param_dtype,
-                               cp_attention=method)
+                               cp_attention=method, replicas=rest[0] if rest else 1)
 
 
 def _schedules(pp: int, m: int, search: Search, layers: int | None) -> list[tuple[str, int]]:
@@ -375,6 +393,8 @@ def plan_model(shape: ModelShape, world: int, batch: int, hardware: Hardware, me
     fitting without being scored, unless it may be the leanest that did not fit (which the table names).
     """
     memory = usable_memory(hardware, memory)
+    if search.hybrid and not search.node_ranks:  # replica groups of one node each, where dp spans nodes
+        search = dataclasses.replace(search, node_ranks=hardware.ranks_per_node)
     precision = precision_for(search.param_dtype, search.base.reduce_dtype)
     estimate_of = formula_functions(hardware, shape.flags())[1]
     plans: dict[tuple, Plan] = {}  # one Plan per choice, shared by the meshes (building one is not free)
@@ -442,7 +462,7 @@ def _enumerate(shape: ModelShape, world: int, batch: int, hw: Hardware, search: 
     fitted: set[tuple] = set()  # (dp, tp, zero, remat, sp, vp) of pp = 1 plans that fit, any m
     for sizes in all_meshes:
         for choice in choices_for(sizes, batch, search, shape.layers, shape):
-            rest = (sizes[:2], *choice[3:7]) if sizes[2] == 1 else None
+            rest = (sizes[:2], *choice[3:7], *choice[8:]) if sizes[2] == 1 else None
             if not faster(sizes, choice) or (sizes[4] > 1 and rest in fitted):
                 continue
             values = formula_values(shape, sizes, choice, batch, hw, precision)
@@ -471,7 +491,8 @@ def _attention_picker(shape: ModelShape, batch: int, hw: Hardware, precision, se
         if key not in best:
             allowed = [x for x in timed if x != "all_to_all" or (shape.heads // sizes[1]) % sizes[4] == 0]
             cand = {x: formula_estimate(shape, _candidate(sizes, plan_of(choice, search)).sizes,
-                                        plan_of(choice[:7] + (x,), search), batch, hw, precision).time["cp"]
+                                        plan_of(choice[:7] + (x,) + choice[8:], search), batch, hw,
+                                        precision).time["cp"]
                     for x in allowed}
             best[key] = min(allowed, key=lambda x: (cand[x], allowed.index(x)))
         return best[key] == method

@@ -70,6 +70,8 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, me
         if rank is None:
             raise MeshcValueError("trace: expected a rank to compile for with a MeshSpec, got none; pass rank=")
     device = getattr(mesh, "device", None)
+    if as_spec(mesh).size("dpr") != plan.replicas:  # hybrid sharding's sub-axes (a runtime Mesh: its groups)
+        mesh = mesh.hybrid(plan.replicas)
     mesh = as_spec(mesh)
     device = device or torch.device(mesh.device_type)
     kwargs = dict(kwargs or {})

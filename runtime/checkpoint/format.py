@@ -156,7 +156,7 @@ def writes(key: str, placements: dict, sizes: dict, coords: dict, pp_owner: int)
     elements (the replicas along axes without a shard), one chosen by a hash of the key."""
     if coords.get("pp", 0) != pp_owner:
         return False
-    replicated = [a for a in (data_axis(placements), "tp")  # experts' replicas: edp (dp = edp × ep)
+    replicated = [a for a in (data_axis(placements), "dpr", "tp")  # experts' replicas: edp; hybrid ZeRO's: dpr
                   if sizes.get(a, 1) > 1 and not isinstance(placements.get(a), (Shard, FlatShard))]
     choice = zlib.crc32(key.encode()) % max(1, math.prod(sizes[a] for a in replicated))
     for a in reversed(replicated):

@@ -110,6 +110,13 @@ def _reduce_scatter_start(grads, meta) -> torch.Tensor:
     return compat.reduce_scatter_start(flat, meta.n, meta.group)  # (sum(sizes),) once waited
 
 
+def reduced(raw: torch.Tensor, meta) -> torch.Tensor:
+    """A bucket's reduce-scatter waited; under hybrid sharding (meta.replicas: the dpr group) its shard summed over
+    the replica groups too, so every copy of the shard ends with the gradient of all dp ranks."""
+    local = compat.wait(raw)
+    return compat.all_reduce_sum(local, meta.replicas) if meta.replicas else local
+
+
 class PendingGrads:
     """One backward's reduce-scatters in flight: backward goes on computing while they run. At most
     IN_FLIGHT are: issuing one more first completes the oldest (each holds its bucket's whole packed
@@ -123,13 +130,13 @@ class PendingGrads:
         self.items: list[tuple[torch.Tensor, tuple, list]] = []
         self.queued = False
 
-    def add(self, raw: torch.Tensor, targets: tuple, sizes: list) -> None:
+    def add(self, raw: torch.Tensor, targets: tuple, meta: "BucketMeta") -> None:
         if not self.queued:
             compat.queue_backward_callback(self.finish)
             self.queued = True
         while len(self.items) >= self.IN_FLIGHT:
             self._complete(*self.items.pop(0))
-        self.items.append((raw, targets, sizes))
+        self.items.append((raw, targets, meta))
 
     def finish(self) -> None:
         items, self.items, self.queued = self.items, [], False
@@ -137,8 +144,8 @@ class PendingGrads:
             self._complete(*item)
 
     @staticmethod
-    def _complete(raw: torch.Tensor, targets: tuple, sizes: list) -> None:
-        for shard, g in zip(targets, compat.wait(raw).split(sizes)):
+    def _complete(raw: torch.Tensor, targets: tuple, meta: "BucketMeta") -> None:
+        for shard, g in zip(targets, reduced(raw, meta).split(meta.sizes)):
             if not shard.requires_grad:
                 continue
             g = g.to(shard.dtype)
@@ -169,9 +176,9 @@ class _Gather(torch.autograd.Function):
         m = ctx.meta
         raw = _reduce_scatter_start(grads, m)
         if ctx.pending is not None:  # overlapped: added to the shards' .grad when backward ends
-            ctx.pending.add(raw, ctx.shards, m.sizes)
+            ctx.pending.add(raw, ctx.shards, m)
             return (None, None, None, *[None for _ in ctx.shards])
-        return (None, None, None, *[g.to(m.master_dtype) for g in compat.wait(raw).split(m.sizes)])
+        return (None, None, None, *[g.to(m.master_dtype) for g in reduced(raw, m).split(m.sizes)])
 
 
 @dataclass(frozen=True)
@@ -188,18 +195,20 @@ class BucketMeta:
     dtype: torch.dtype  # the compute dtype the bucket is gathered in
     fused: bool = False  # copy-in, copy-out and the gradient prologue run as meshc kernels
     average: int = 0  # what the summed gradients are divided by: dp (0: n, the group is dp itself)
+    replicas: str | None = None  # hybrid sharding: the dpr group the reduce-scattered shard is all-reduced over
 
 
 def zero_gather(raw: torch.Tensor, *shards: torch.Tensor, bucket: int, shapes: tuple, group: str, size: int,
                 dtype: torch.dtype, partial: tuple = (), reduce_dtype: torch.dtype = torch.float32,
-                keep: bool = False, fused: bool = False, average: int = 0) -> tuple[torch.Tensor, ...]:
+                keep: bool = False, fused: bool = False, average: int = 0,
+                replicas: str | None = None) -> tuple[torch.Tensor, ...]:
     """The bucket's full parameters from its gathered buffer; backward reduce-scatters their gradients.
 
     With `keep`, autograd keeps them for backward (the bucket used last in forward) instead of a re-gather.
     """
     numels = [math.prod(s) for s in shapes]
     meta = BucketMeta(bucket, [shard_size(k, size) for k in numels], numels, [tuple(s) for s in shapes], size,
-                      group, tuple(partial), reduce_dtype, shards[0].dtype, dtype, fused, average)
+                      group, tuple(partial), reduce_dtype, shards[0].dtype, dtype, fused, average, replicas)
     context = active_context()
     full = _Gather.apply(raw, meta, context.pending if context is not None else None, *shards)
     if context is not None:
@@ -216,13 +225,13 @@ class _Reduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.pending.add(_reduce_scatter_start(grads, ctx.meta), ctx.masters, ctx.meta.sizes)
+        ctx.pending.add(_reduce_scatter_start(grads, ctx.meta), ctx.masters, ctx.meta)
         return (None, None, None, *[None for _ in grads])
 
 
 def zero_reduce(*params: torch.Tensor, bucket: int, fqns: tuple, group: str, size: int, partial: tuple = (),
                 reduce_dtype: torch.dtype = torch.float32, fused: bool = False,
-                average: int = 0) -> tuple[torch.Tensor, ...]:
+                average: int = 0, replicas: str | None = None) -> tuple[torch.Tensor, ...]:
     """Identity; backward reduce-scatters the bucket's gradients into its master shards' .grad (ZeRO-2)."""
     context = active_context()
     if context is None:
@@ -231,5 +240,5 @@ def zero_reduce(*params: torch.Tensor, bucket: int, fqns: tuple, group: str, siz
         raise MeshcRuntimeError("zero_reduce: expected to run inside a meshc job (its master shards receive the gradients)")
     numels = [p.numel() for p in params]
     meta = BucketMeta(bucket, [shard_size(k, size) for k in numels], numels, [tuple(p.shape) for p in params], size,
-                      group, tuple(partial), reduce_dtype, torch.float32, params[0].dtype, fused, average)
+                      group, tuple(partial), reduce_dtype, torch.float32, params[0].dtype, fused, average, replicas)
     return _Reduce.apply(meta, tuple(context.masters[f] for f in fqns), context.pending, *params)

@@ -110,7 +110,7 @@ class ParamStore:
                 continue
             sizes = [shard_size(g.numel(), n) for g in grads]
             flat = pack(grads, sizes, dtype, n).div_(self.mesh.size(DP))
-            local = compat.reduce_scatter_sum(flat, n, self.mesh.group_name(axis)) if n > 1 else flat
+            local = self._over_replicas(compat.reduce_scatter_sum(flat, n, self.mesh.group_name(axis)), axis)
             for f, g in zip(fqns, local.split(sizes)):
                 master = self.masters[f]
                 master.grad = g.to(master.dtype) if master.grad is None else master.grad.add_(g.to(master.dtype))
@@ -123,10 +123,16 @@ class ParamStore:
         for f in fqns:
             master, compute = self.masters[f], self.compute[f]
             g = compute.grad.reshape(-1)
-            g = g / dp if dp > 1 else g
+            g = self._over_replicas(g / dp, flat_axis(self.specs[f])) if dp > 1 else g
             g = g.to(master.dtype)
             master.grad = g if master.grad is None else master.grad.add_(g)
             compute.grad = None
+
+    def _over_replicas(self, shard: torch.Tensor, axis: str) -> torch.Tensor:
+        """Hybrid sharding: a gradient shard reduced within its replica group, summed over the groups (dpr)."""
+        if axis != "dps" or self.mesh.size("dpr") == 1:
+            return shard
+        return compat.all_reduce_sum(shard, self.mesh.group_name("dpr"))
 
     @torch.no_grad()
     def gather_updated(self) -> None:

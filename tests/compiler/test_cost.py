@@ -3,6 +3,7 @@ measurements on gloo (bytes exact, model state within 5%) and a real step's ATen
 measurement is a benchmark (benchmarks/cost_speed.py)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -13,7 +14,7 @@ import meshc
 from meshc import models
 from meshc.compiler.cost import formulas as cost
 from meshc.compiler.cost import hardware
-from meshc.compiler.cost.formulas import MIXED, formula_estimate, model_state_bytes
+from meshc.compiler.cost.formulas import FP32, MIXED, formula_estimate, model_state_bytes
 from meshc.compiler.cost.compiled import comm_bytes, estimate_compiled, graph_cost, node_flops
 from meshc.compiler.planner.compiled import plan_compiled
 from tests.compiler import cost_runs
@@ -119,16 +120,25 @@ def test_megatron_tensor_parallel_volume(fake_mesh):
     assert est.comm_bytes["tp"] == megatron
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_compiled_and_formula_model_state_agree(fake_mesh, zero):
+@pytest.mark.parametrize("zero,replicas", [(0, 1), (1, 1), (2, 1), (3, 1), (1, 2), (3, 2), (2, 4)])
+def test_compiled_and_formula_model_state_agree(fake_mesh, zero, replicas):
+    """Also under hybrid sharding (replicas > 1): ZeRO's states divided by dp/replicas, not dp."""
     mesh = fake_mesh(dp=4)
     shape = models.shape("gpt-tiny")
-    plan = meshc.Plan(trace="non-strict", zero=zero)
+    plan = meshc.Plan(trace="non-strict", zero=zero, replicas=replicas)
     job = meshc.compile(models.build("gpt-tiny"), mesh, example_inputs=(torch.zeros(2, 64, dtype=torch.long),),
                         plan=plan)
     compiled = estimate_compiled(job.compiled, "h100")
     formula = formula_estimate(shape, mesh.sizes, plan, 8, hardware.load("h100"))
     assert compiled.model_state == pytest.approx(formula.model_state, rel=0.02)
+    if replicas > 1:  # the states of plain ZeRO over dp/replicas ranks, plus the all-reduce across the groups
+        psi = shape.params()
+        assert formula.model_state == pytest.approx(sum(model_state_bytes(psi, 4 // replicas, zero, FP32).values()),
+                                                    rel=0.02)
+        plain = formula_estimate(shape, {"dp": 4 // replicas}, dataclasses.replace(plan, replicas=1), 8 // replicas,
+                                 hardware.load("h100"))
+        assert formula.comm_bytes["dp"] > plain.comm_bytes["dp"]
+        assert job.compiled.program.mesh.size("dps") == 4 // replicas
 
 
 TINY = {"llama": {"model_type": "llama", "num_key_value_heads": 2},

@@ -228,6 +228,23 @@ def test_one_long_sequence_gets_context_parallelism():
     assert plan_model(shape, 8, 1, H100, 90e9, lean).best.candidate.cp == 8
 
 
+def test_hybrid_sharding_is_offered_across_nodes_and_wins_over_sharding_everything():
+    """Llama-8B on 64 H100s (8 nodes of 8): ZeRO-3 over all 64 ranks gathers every parameter over InfiniBand twice
+    per step; hybrid sharding (replicas=8) gathers within the node and all-reduces 1/8 of the gradients across
+    nodes: the planner offers it (one replica group per node) and ranks it first; on one node it is not offered."""
+    shape = models.shape("llama-8b", seq=4096)
+    lean = dataclasses.replace(BF16, remat=("none",), schedules=("1f1b",), sequence_parallel=(False,),
+                               vocab_parallel=(False,), context=False, offload=False)
+    result = plan_model(shape, 64, 64, H100, 80e9, lean)
+    best = result.best
+    assert best.candidate.plan.replicas == best.candidate.dp * best.candidate.tp // H100.ranks_per_node > 1
+    flat = plan_model(shape, 64, 64, H100, 80e9, dataclasses.replace(lean, hybrid=False))
+    assert {r.candidate.plan.replicas for r in flat.ranked} == {1}
+    assert best.estimate.step_time < flat.best.estimate.step_time
+    assert f"replicas={best.candidate.plan.replicas}" in result.table(1)
+    assert {r.candidate.plan.replicas for r in plan_model(shape, 8, 8, H100, 80e9, lean).ranked} == {1}
+
+
 def test_context_parallelism_only_where_it_can_run():
     """cp is offered only with 2·cp dividing the sequence (8,008 tokens: cp 1, 2 or 4 of 16 ranks), only as the
     smallest cp that lets dp/cp × m divide the batch, and never to a model with experts (ep and cp together are

@@ -67,11 +67,19 @@ def test_census_of_fused_projection_families(fake_mesh, name, forward, f, kv):
     program = _program(fake_mesh(tp=2), zoo.build(name))
     census = _census_by_block(program)
     assert len(census) == 2
+    # multi-query k and v: transformers < 5.25 fed them whole to attention (their gradients all-reduced, f);
+    # >= 5.25 repeats them to every query head first (repeat_kv), of which each rank takes its own heads' copies
+    # (no forward traffic; backward, an all-gather of those copies' gradients, heads/tp of them per rank)
+    repeated = any(r.kind == "all_gather" for _, r in program.comm_records())
+    kv_kind = "all_gather" if repeated else "all_reduce"
     for block, counts in census.items():
-        assert counts == Counter({("all_reduce", "forward"): forward, ("all_reduce", "backward"): f + kv}), block
+        want = Counter({("all_reduce", "forward"): forward, ("all_reduce", "backward"): f})
+        want[(kv_kind, "backward")] += kv
+        assert counts == want, block
     head_dim = H // 4  # the zoo's 4 query heads
+    kv_bytes = B * T * head_dim * 4 * (4 // 2 if repeated else 1)
     sizes = Counter(r.bytes for node, r in program.comm_records() if _block(node) and r.phase == "backward")
-    assert sizes == Counter({B * T * H * 4: 2 * f, **({B * T * head_dim * 4: 2 * kv} if kv else {})})
+    assert sizes == Counter({B * T * H * 4: 2 * f, **({kv_bytes: 2 * kv} if kv else {})})
 
 
 @pytest.mark.parametrize("name", ["reference", "gpt2", "llama"])
