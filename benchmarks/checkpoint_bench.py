@@ -2,6 +2,7 @@
 FSDP2 (`fully_shard` + `get_state_dict`) on the same model and ranks, in one run.
 
     python benchmarks/checkpoint_bench.py [--nproc 4]
+    python benchmarks/checkpoint_bench.py --async-save [--nproc 4]   # job.save(async_=True): the time a step is held
 
 Model: torch's reference Transformer (4 layers, dim 256, vocab 1024, tied head; 3.4M parameters) after one
 AdamW step, fp32: parameters + exp_avg + exp_avg_sq = 3 x 13.1 MiB. Each row saves under one plan and loads
@@ -31,6 +32,7 @@ ROWS = [  # (name, save mesh, save plan, load mesh, load plan)
     ("dp2xtp2 -> pp2xdp2", {"dp": 2, "tp": 2}, {}, {"pp": 2, "dp": 2}, {"microbatches": 2}),
     ("dp4 ZeRO-3 -> dp2xtp2", {"dp": 4}, {"zero": 3}, {"dp": 2, "tp": 2}, {}),
 ]
+ASYNC_ROUNDS = 5  # --async-save: saves of each kind, alternating
 
 
 def _model(seed: int):
@@ -79,6 +81,35 @@ def _meshc_worker(cfg: dict) -> dict:
             **_sizes(folder)}
 
 
+def _async_worker(cfg: dict) -> dict:
+    """A synchronous save against an async one of the same state (dp2 x tp2), ROUNDS times each, alternating: the
+    seconds the caller is held (slowest rank, median), and the async save's background write (median)."""
+    import statistics
+
+    import torch
+
+    import meshc
+
+    x, y = _data()
+    mesh = meshc.mesh(timeout_s=300, dp=2, tp=cfg["nproc"] // 2)
+    job = meshc.compile(_model(0), mesh, example_inputs=(mesh.shard_batch(x),),
+                        plan=meshc.Plan(trace="non-strict"))
+    opt = job.optimizer(torch.optim.AdamW, lr=1e-3)
+    job.step(mesh.shard_batch(x), mesh.shard_batch(y), lm_loss)
+    opt.step()
+    sync, blocked, written = [], [], []
+    for i in range(ASYNC_ROUNDS):
+        t0 = time.perf_counter()
+        job.save(os.path.join(cfg["folder"], f"sync_{i}"), step=i)
+        sync.append(_slowest(time.perf_counter() - t0))
+        handle = job.save(os.path.join(cfg["folder"], f"async_{i}"), step=i, async_=True)
+        blocked.append(_slowest(handle.blocked_s))
+        handle.wait()
+        written.append(_slowest(handle.write_s))
+    return {"sync_save_s": statistics.median(sync), "async_blocked_s": statistics.median(blocked),
+            "async_write_s": statistics.median(written), "staged_mib": handle.staged_bytes / 2**20}
+
+
 def _fsdp_worker(cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -121,13 +152,21 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--worker", default=None)
+    p.add_argument("--async-save", action="store_true", help="time job.save(async_=True) against a synchronous save")
     args = p.parse_args()
     if args.worker:
         import torch
 
         torch.set_num_threads(1)
         cfg = json.loads(args.worker)
-        report(_fsdp_worker(cfg) if cfg["kind"] == "fsdp" else _meshc_worker(cfg))
+        workers = {"fsdp": _fsdp_worker, "meshc": _meshc_worker, "async": _async_worker}
+        report(workers[cfg["kind"]](cfg))
+        return
+    if args.async_save:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = launch(__file__, args.nproc, {"kind": "async", "folder": tmp, "nproc": args.nproc})
+        print(table([{"run": f"meshc dp2xtp{args.nproc // 2}, median of {ASYNC_ROUNDS}", **result}],
+                    ["run", "sync_save_s", "async_blocked_s", "async_write_s", "staged_mib"]))
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,7 +2,7 @@
 
     meshc demo [--nproc 2] [--steps 300] [--mesh dp=2]      train a small GPT over local processes
     meshc explain --model gpt2-small --mesh dp=2            the plan for one rank, without launching processes
-    meshc checkpoint export PATH --to hf|torch              one full state dict from a sharded checkpoint
+    meshc checkpoint export PATH --to hf|torch              the full state dict (hf: safetensors shards)
     meshc plan --model llama-70b --gpus 1024 --memory 80GB  the best plans by predicted step time
     meshc calibrate                                         measure this CPU over gloo for the cost model
 """

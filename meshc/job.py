@@ -333,21 +333,40 @@ class Job:
         full.update(self.whole_tensors(self._buffers, list(program.buffers)))
         return {key: full[fqn] for key, fqn in self._state_keys.items()}
 
-    def save(self, path, *, step: int = 0, extra: dict | None = None, optimizers=None) -> str:
+    def save(self, path, *, step: int = 0, extra: dict | None = None, optimizers=None, async_: bool = False):
         """Write parameters, optimizer states (of the job's live optimizers, or `optimizers`), RNG states and
-        `step`/`extra` (JSON) to the folder `path`, each rank its own shards (a collective). See runtime/checkpoint/save_load.py."""
-        from meshc.runtime.checkpoint.save_load import save  # torch.distributed.checkpoint takes ~1 s to import: only when used
+        `step`/`extra` (JSON) to the folder `path`, each rank its own shards (a collective). Returns the path. See
+        runtime/checkpoint/save_load.py.
 
-        return save(self, path, step=step, extra=extra, optimizers=optimizers)
+        `async_=True` returns a SaveHandle once this rank's state is copied to host memory, and writes the files in
+        the background while training goes on (runtime/checkpoint/async_save.py): `handle.wait()` returns the path,
+        `handle.blocked_s` is how long the step was held. Any save or load first waits for the one in flight."""
+        return self._saver().save(self, path, step=step, extra=extra, optimizers=optimizers, async_=async_)
+
+    def wait_for_save(self):
+        """Wait for this job's async save in flight, if any, and return its SaveHandle (None if none); raises
+        its error, naming the rank and path. Not a collective."""
+        saver = self.__dict__.get("_checkpoint_saver")
+        return saver.wait() if saver is not None else None
 
     def load(self, path, *, optimizers=None) -> tuple[int, dict]:
         """Read a checkpoint saved under any plan (a collective); returns (step, extra) as saved."""
         from meshc.runtime.checkpoint.save_load import load
 
+        self.wait_for_save()
         out = load(self, path, optimizers=optimizers)
         self._store.pending.clear()  # a checkpoint holds every parameter and buffer (load is strict)
         self._pending_buffers.clear()
         return out
+
+    def _saver(self):
+        """The job's checkpoint saver (made at the first save): the async save in flight and its process group."""
+        # torch.distributed.checkpoint takes ~1 s to import: only when used
+        from meshc.runtime.checkpoint.async_save import Saver
+
+        if "_checkpoint_saver" not in self.__dict__:
+            self._checkpoint_saver = Saver(self.mesh)
+        return self._checkpoint_saver
 
     def whole_tensors(self, local: dict[str, torch.Tensor], fqns: list[str]) -> dict[str, torch.Tensor]:
         """Whole tensors from this rank's shards (gathered over dp and tp); with pipeline stages, each is

@@ -77,7 +77,7 @@ def test_a_factory_that_cannot_be_used_is_named(capsys):
     assert cli.main(["explain", "--model", "tests.plain_models:encoder_lm_with_batch", "--batch", "4"]) == 2
     assert "the factory's example inputs hold a batch of 8" in capsys.readouterr().err
     assert cli.main(["explain", "--model", "tests.zoo:gpt2", "--layers", "1", "--batch", "3", "--mesh", "dp=2"]) == 2
-    assert "divisible by dp/cp" in capsys.readouterr().err
+    assert "divisible by dp × microbatches" in capsys.readouterr().err
 
 
 def test_plan_a_users_factory(capsys):

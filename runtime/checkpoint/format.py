@@ -34,7 +34,9 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
@@ -45,6 +47,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError
 from meshc.compiler.ir.placement import FlatShard, Shard, Whole, block_sizes, data_axis, local_blocks, local_length
+
+from meshc.runtime.monitor import failures
 
 FORMAT = "meshc-checkpoint"
 VERSION = 1
@@ -176,9 +180,9 @@ class PieceSavePlanner(DefaultSavePlanner):
     """Saves given pieces: `items[key] = (global shape, dtype, [Piece])`; DCP's global planning checks
     that the pieces of all ranks tile every tensor exactly (no gap, no overlap)."""
 
-    def __init__(self, items: dict[str, tuple[tuple, torch.dtype, list[Piece]]]):
+    def __init__(self, items: dict[str, tuple[tuple, torch.dtype, list[Piece]]], staged: bool = False):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.items = items
+        self.items, self.staged = items, staged
         self._data: dict[tuple[str, tuple], torch.Tensor] = {}
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
@@ -199,6 +203,8 @@ class PieceSavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         view = self._data[(write_item.index.fqn, tuple(write_item.index.offset))]
+        if self.staged:  # a private contiguous CPU copy already (async_save.stage)
+            return view
         return view.detach().to("cpu", copy=True).contiguous()  # its own storage: torch.save writes whole storages
 
 
@@ -282,6 +288,27 @@ class JsonReader(FileSystemReader):
             storage[MetadataIndex(key, torch.Size(offset))] = compat.dcp_storage_info(path, int(start), int(length))
         meta = StorageMeta(load_id=self.load_id)
         return Metadata(state_dict_metadata=tensors, storage_data=storage, storage_meta=meta)
+
+
+def read_pieces(path: str, manifest: dict, items: dict, no_dist: bool) -> None:
+    """DCP's load of a checkpoint folder into the pieces `items[key] = (global shape, [Piece])`; a file DCP cannot
+    read (torch.load(weights_only=True) refuses anything but tensors) becomes a ValueError naming the rank."""
+    try:
+        dcp.load({}, storage_reader=JsonReader(path, set(manifest["files"])), planner=PieceLoadPlanner(items),
+                 no_dist=no_dist)
+    except CheckpointException as e:
+        if failures.is_comm_failure(e):
+            raise
+        rank, error = next(iter(e.failures.items()))
+        error = error[0] if isinstance(error, tuple) else error  # DCP keeps (exception, stack)
+        first = str(error).strip().splitlines()[0][:400] if str(error).strip() else type(error).__name__
+        raise MeshcValueError(f"checkpoint {path}: expected readable tensors, got an error on rank {rank}: {first}; "
+                              "the checkpoint is corrupt or was edited") from None
+
+
+def model_key(fqn: str) -> str:
+    """The DCP key of a parameter or buffer."""
+    return f"model/{fqn}"
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -4,6 +4,10 @@
     step, extra = job.load("ckpt/step_100")                              # on any plan, any world size
     path = latest("ckpt")                                                # newest complete checkpoint or None
 
+A save is two halves: begin_save (the caller's thread, world group: checks, PATH.partial, this rank's pieces) and
+finish_save (DCP's write, then rank 0's manifest and rename); `job.save(..., async_=True)` runs the second half on
+staged copies in a background thread (async_save.py). Export to ordinary files: export.py.
+
 What is saved: the parameters as the optimizer sees them (the masters: fp32 flat shards under ZeRO), the
 persistent buffers, the state of the job's optimizers (every optimizer made by `job.optimizer(...)` and
 still alive, in creation order; pass `optimizers=[...]` to choose), their hyperparameters (learning
@@ -37,13 +41,12 @@ import base64
 import json
 import os
 import shutil
-import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from meshc.compiler.ir.errors import MeshcRuntimeError, MeshcValueError
 from meshc.compiler.ir.placement import FlatShard, Replicate
@@ -52,9 +55,10 @@ from meshc.compiler.ir.mesh_spec import MeshSpec, spec_sizes
 from meshc.runtime.monitor import failures
 
 from meshc.runtime.zero import offload
-from meshc.runtime.checkpoint.format import (FORMAT, MANIFEST, VERSION, JsonReader, JsonWriter, Piece, PieceLoadPlanner,
-                                PieceSavePlanner, check_folder, parse_dtype, pieces, read_json, scalar_writer,
-                                write_json, writes)
+from meshc.runtime.checkpoint.export import export
+from meshc.runtime.checkpoint.format import (FORMAT, MANIFEST, VERSION, JsonWriter, Piece, PieceSavePlanner,
+                                             check_folder, model_key, parse_dtype, pieces, read_json, read_pieces,
+                                             scalar_writer, write_json, writes)
 
 __all__ = ["save", "load", "latest", "export", "full_optimizer_state"]
 
@@ -64,21 +68,54 @@ def save(job, path: str | os.PathLike, *, step: int = 0, extra: dict | None = No
          optimizers: list[torch.optim.Optimizer] | None = None) -> str:
     """Write the job's sharded state to the folder `path` (a collective: call it on every rank, with the
     same arguments). Returns the folder's absolute path."""
+    with failures.watching(job.mesh, "job.save"):
+        return finish_save(begin_save(job, path, step=step, extra=extra, optimizers=optimizers))
+
+
+@dataclass
+class SaveWork:
+    """One save as its caller decided it: where it goes, what this rank writes (`items`: DCP key -> (shape,
+    dtype, pieces); views of the live tensors until staged), and what the manifest will say. finish_save
+    reads only this, never the job, so that it may run in another thread (async_save.py)."""
+
+    path: str
+    tmp: str
+    rank: int
+    world_size: int
+    items: dict
+    described: dict
+    record: dict
+    header: dict
+
+
+def begin_save(job, path: str | os.PathLike, *, step: int = 0, extra: dict | None = None,
+               optimizers: list[torch.optim.Optimizer] | None = None) -> SaveWork:
+    """A save's first half, collective over the world group: check the target, make PATH.partial afresh
+    (rank 0), and take this rank's pieces, RNG states and manifest fields."""
     path = os.path.abspath(os.fspath(path))
     extra = _json_extra(extra)
     opts = _optimizers(job, optimizers)
     mesh = job.mesh
-    tmp = path + ".partial"
-    with failures.watching(mesh, "job.save"):
-        _agreed(mesh, lambda: _check_target(path))
-        _on_rank0(lambda: _fresh_folder(tmp))
-        items, described = _save_items(job, opts)
-        write_json(os.path.join(tmp, f"rank_{mesh.rank:05d}.json"), _rank_record(mesh))
-        dcp.save({}, storage_writer=JsonWriter(tmp, sync_files=True), planner=PieceSavePlanner(items))
-        gathered = [None] * mesh.world_size if mesh.rank == 0 else None
-        dist.gather_object(described, gathered, dst=0)
-        _on_rank0(lambda: _publish(job, tmp, path, step, extra, gathered))
-    return path
+    _agreed(mesh, lambda: _check_target(path))
+    _on_rank0(lambda: _fresh_folder(path + ".partial"))
+    items, described = _save_items(job, opts)
+    header = {"format": FORMAT, "version": VERSION, "step": int(step), "extra": extra,
+              "world_size": mesh.world_size, "mesh": mesh.axes, "plan": job.plan.describe(),
+              "state_dict_keys": job.state_dict_keys}
+    return SaveWork(path, path + ".partial", mesh.rank, mesh.world_size, items, described, _rank_record(mesh), header)
+
+
+def finish_save(work: SaveWork, group: dist.ProcessGroup | None = None, staged: bool = False) -> str:
+    """A save's second half, collective over `group` (default: the world): every rank writes its files into
+    PATH.partial, then rank 0 writes the manifest and renames the folder to PATH. `staged`: the items are
+    private copies already (async_save.stage), written as they are."""
+    write_json(os.path.join(work.tmp, f"rank_{work.rank:05d}.json"), work.record)
+    dcp.save({}, storage_writer=JsonWriter(work.tmp, sync_files=True),
+             planner=PieceSavePlanner(work.items, staged=staged), process_group=group)
+    gathered = [None] * work.world_size if work.rank == 0 else None
+    dist.gather_object(work.described, gathered, dst=0, group=group)
+    _on_rank0(lambda: _publish(work, gathered), group=group)
+    return work.path
 
 
 def _save_items(job, opts: list) -> tuple[dict, dict]:
@@ -97,9 +134,9 @@ def _save_items(job, opts: list) -> tuple[dict, dict]:
             items[key] = (shape, t.dtype, pieces(t.detach(), shape, placements, sizes, coords, writer=True))
 
     for fqn, p in job.named_parameters():
-        add(_model_key(fqn), "param", p, job.program.params[fqn])
+        add(model_key(fqn), "param", p, job.program.params[fqn])
     for fqn, b in job.named_buffers():
-        add(_model_key(fqn), "buffer", b, job.program.buffers[fqn])
+        add(model_key(fqn), "buffer", b, job.program.buffers[fqn])
     optim_docs = []
     for i, opt in enumerate(opts):
         fqn_of = {id(p): f for f, p in job.named_parameters()}
@@ -135,8 +172,9 @@ def _describe_state(i: int, fqn: str, p: torch.Tensor, state: dict, job, add: Ca
     return out
 
 
-def _publish(job, tmp: str, path: str, step: int, extra: dict, gathered: list) -> None:
+def _publish(work: SaveWork, gathered: list) -> None:
     """Rank 0, after every rank has written: the manifest, then the rename that makes the save visible."""
+    tmp, path = work.tmp, work.path
     tensors, optims = {}, []
     for described in gathered:
         tensors.update(described["tensors"])
@@ -148,9 +186,7 @@ def _publish(job, tmp: str, path: str, step: int, extra: dict, gathered: list) -
                 merged["params"] += [f for f in group["params"] if f not in merged["params"]]
             optims[i]["state"].update(doc["state"])
     files = {name: os.path.getsize(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp)) if name != PARTIAL_MARK}
-    manifest = {"format": FORMAT, "version": VERSION, "step": int(step), "extra": extra,
-                "world_size": job.mesh.world_size, "mesh": job.mesh.axes, "plan": job.plan.describe(),
-                "tensors": tensors, "state_dict_keys": job.state_dict_keys, "optimizers": optims, "files": files}
+    manifest = dict(work.header, tensors=tensors, optimizers=optims, files=files)
     write_json(os.path.join(tmp, MANIFEST), manifest)
     os.remove(os.path.join(tmp, PARTIAL_MARK))  # the manifest now says whose folder this is
     old = path + ".old"
@@ -175,27 +211,11 @@ def load(job, path: str | os.PathLike, *, optimizers: list[torch.optim.Optimizer
         manifest = _agreed(mesh, lambda: check_folder(path))
         _check_optimizers(path, manifest, opts)
         items = _load_items(job, opts, manifest)
-        _read(path, manifest, items, no_dist=False)
+        read_pieces(path, manifest, items, no_dist=False)
         for opt, doc in zip(opts, manifest["optimizers"]):
             _restore_hyper(opt, doc)
         _restore_rng(path, manifest, mesh)
     return manifest["step"], manifest["extra"]
-
-
-def _read(path: str, manifest: dict, items: dict, no_dist: bool) -> None:
-    """DCP's load into the pieces; a file DCP cannot read (torch.load(weights_only=True) refuses anything
-    but tensors) becomes a ValueError naming the rank and the error."""
-    try:
-        dcp.load({}, storage_reader=JsonReader(path, set(manifest["files"])), planner=PieceLoadPlanner(items),
-                 no_dist=no_dist)
-    except CheckpointException as e:
-        if failures.is_comm_failure(e):
-            raise
-        rank, error = next(iter(e.failures.items()))
-        error = error[0] if isinstance(error, tuple) else error  # DCP keeps (exception, stack)
-        first = str(error).strip().splitlines()[0][:400] if str(error).strip() else type(error).__name__
-        raise MeshcValueError(f"checkpoint {path}: expected readable tensors, got an error on rank {rank}: {first}; "
-                              "the checkpoint is corrupt or was edited") from None
 
 
 def _load_items(job, opts: list, manifest: dict) -> dict[str, tuple]:
@@ -210,12 +230,12 @@ def _load_items(job, opts: list, manifest: dict) -> dict[str, tuple]:
     compute = job.compute_copies()
     for fqn, p in job.named_parameters():
         spec = job.program.params[fqn]
-        dest(_model_key(fqn), p, spec.shape, spec.placements)
+        dest(model_key(fqn), p, spec.shape, spec.placements)
         if fqn in compute:  # ZeRO-1/2: the whole tp-local copy the graph reads (no gather needed)
             whole = {a: Replicate() if isinstance(pl, FlatShard) else pl for a, pl in spec.placements.items()}
-            dest(_model_key(fqn), compute[fqn], spec.shape, whole)
+            dest(model_key(fqn), compute[fqn], spec.shape, whole)
     for fqn, b in job.named_buffers():
-        dest(_model_key(fqn), b, job.program.buffers[fqn].shape, job.program.buffers[fqn].placements)
+        dest(model_key(fqn), b, job.program.buffers[fqn].shape, job.program.buffers[fqn].placements)
     fqn_of = {id(p): f for f, p in job.named_parameters()}
     for i, (opt, doc) in enumerate(zip(opts, manifest["optimizers"])):
         for group in opt.param_groups:
@@ -327,35 +347,6 @@ def latest(root: str | os.PathLike) -> str | None:
     return best[1] if best else None
 
 
-def export(path: str | os.PathLike, to: str = "hf", out: str | os.PathLike | None = None) -> str:
-    """One ordinary full state dict from a checkpoint, under the model's own keys (tied ones included):
-    safetensors for `to="hf"`, torch.save for `to="torch"`; the original model loads it with
-    load_state_dict. One process, no torch.distributed; returns the file written."""
-    if to not in ("hf", "torch"):
-        raise MeshcValueError(f"checkpoint export: expected --to hf or torch, got {to!r}")
-    path = os.path.abspath(os.fspath(path))
-    manifest = check_folder(path)
-    model = {k: v for k, v in manifest["tensors"].items() if v["kind"] in ("param", "buffer")}
-    full = {k: torch.empty(v["shape"], dtype=parse_dtype(v["dtype"])) for k, v in model.items()}
-    items = {k: (tuple(t.shape), [Piece((0,) * t.dim(), tuple(t.shape), t)] if t.numel() else [])
-             for k, t in full.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that it runs without torch.distributed: that is the intent
-        _read(path, manifest, items, no_dist=True)
-    state = {key: full[_model_key(fqn)] for key, fqn in manifest["state_dict_keys"].items()}
-    out = os.fspath(out) if out is not None else path.rstrip("/") + (".safetensors" if to == "hf" else ".pt")
-    if to == "hf":
-        try:
-            from safetensors.torch import save_file
-        except ImportError:
-            raise MeshcValueError("checkpoint export --to hf: expected the safetensors package, got none installed; "
-                                  "pip install safetensors, or export with --to torch") from None
-        save_file({k: v.clone().contiguous() for k, v in state.items()}, out, metadata={"format": "pt"})
-    else:
-        torch.save(state, out)
-    return out
-
-
 def full_optimizer_state(job, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
     """{fqn: {state name: whole tensor or value}} gathered from every rank's shards (a collective)."""
     fqn_of = {id(p): f for f, p in job.named_parameters()}
@@ -393,10 +384,6 @@ def _optimizers(job, given) -> list:
 
 def _owner(job, fqn: str) -> int:
     return job.pp_owner(fqn)
-
-
-def _model_key(fqn: str) -> str:
-    return f"model/{fqn}"
 
 
 def _optim_key(i: int, fqn: str, name: str) -> str:
@@ -484,8 +471,9 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def _on_rank0(fn: Callable[[], None]) -> None:
-    """Run `fn` on rank 0 while the others wait; an error there is raised on every rank."""
+def _on_rank0(fn: Callable[[], None], group: dist.ProcessGroup | None = None) -> None:
+    """Run `fn` on rank 0 while the others wait (on `group`, default the world); an error there is raised on
+    every rank."""
     status = [None]
     if dist.get_rank() == 0:
         try:
@@ -493,7 +481,7 @@ def _on_rank0(fn: Callable[[], None]) -> None:
         except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
             status[0] = f"{type(e).__name__}: {e}"
             error = e
-    dist.broadcast_object_list(status, src=0)
+    dist.broadcast_object_list(status, src=0, group=group)
     if status[0] is not None:
         if dist.get_rank() == 0:
             raise error

@@ -234,6 +234,63 @@ def test_export_loads_into_the_original_model(matrix, tmp_path, to):
         assert torch.equal(model.state_dict()[key], value), key
 
 
+def test_hf_export_streams_shards_of_bounded_size(matrix, tmp_path, monkeypatch):
+    """--max-shard-size 20000 (the model holds ~110 kB): Hugging Face's shard files and index, each file at most
+    20000 bytes of tensors, each read of the checkpoint at most one shard's tensors (never the model), the values
+    those the job held, and transformers' from_pretrained loads the folder."""
+    import meshc.__main__ as cli
+    from safetensors import safe_open
+    from transformers import GPT2LMHeadModel
+
+    from meshc.runtime.checkpoint import export as export_module
+
+    folder, out = matrix
+    limit, reads = 20_000, []
+    read_whole = export_module.read_whole
+
+    def recording(path, manifest, fqns):
+        full = read_whole(path, manifest, fqns)
+        reads.append(sum(t.numel() * t.element_size() for t in full.values()))
+        return full
+    monkeypatch.setattr(export_module, "read_whole", recording)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    target = str(hf / "model.safetensors")
+    assert cli.main(["checkpoint", "export", folder, "--to", "hf", "--out", target, "--max-shard-size", str(limit)]) == 0
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) == len(reads) >= 4 and max(reads) <= limit, (files, reads)
+    assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    assert not os.path.exists(target)  # several shards: no single file
+    state, total = {}, 0
+    for name in files:
+        with safe_open(str(hf / name), framework="pt") as f:
+            shard = {k: f.get_tensor(k) for k in f.keys()}
+        data = sum(t.numel() * t.element_size() for t in shard.values())
+        assert data <= limit, (name, data)
+        assert all(index["weight_map"][k] == name for k in shard)
+        state.update(shard)
+        total += data
+    assert index["metadata"]["total_size"] == total
+    model = zoo.gpt2(seed=3)
+    model.load_state_dict(state)  # strict: every key, the tied lm_head.weight included
+    for key, value in out["saved"]["params"].items():
+        assert torch.equal(state[key], value), key
+    model.config.save_pretrained(str(hf))
+    loaded = GPT2LMHeadModel.from_pretrained(str(hf))
+    for key, value in out["saved"]["params"].items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_shard_sizes_are_read_as_hugging_face_writes_them():
+    from meshc.runtime.checkpoint.export import parse_size
+
+    assert [parse_size(s) for s in ("5GB", "500MB", "2GiB", "1.5KB", 123)] == [5 * 10**9, 5 * 10**8, 2 * 2**30, 1500, 123]
+    for bad in ("five", "0", "-1MB", "5XB"):
+        with pytest.raises(ValueError, match="shard size"):
+            parse_size(bad)
+
+
 # ---------------------------------------------------------------------------------------- safety
 class _Evil:
     """A pickle that, when loaded, creates the file `marker`."""
