@@ -1,5 +1,6 @@
 """Tensor-parallel coverage: the share of the blocks' weight bytes the automatic plan holds sharded at tp=2,
-over transformers families built from small configs, with the plan's reason for each replicated module.
+over transformers families built from small configs and models written in plain PyTorch (tests/plain_models.py:
+rows "plain: ..."), with the plan's reason for each replicated module.
 
     python benchmarks/tp_coverage.py [--tp 2] [--only falcon,phi3]
 
@@ -59,6 +60,24 @@ FAMILIES = {
 }
 
 
+# models written in plain PyTorch (tests/plain_models.py): name -> (builder, input kind)
+PLAIN = {"plain: llama3": ("llama3", "tokens"), "plain: nn.TransformerEncoder LM": ("encoder_lm", "tokens"),
+         "plain: nn.Transformer enc-dec": ("seq2seq", "tokens"), "plain: ViT (Conv2d patches)": ("vit", "images")}
+
+
+def _plain_model(family: str):
+    """(model, example input) of a PLAIN row."""
+    import torch
+
+    from tests import plain_models
+
+    builder, kind = PLAIN[family]
+    model = getattr(plain_models, builder)()
+    if kind == "images":
+        return model, torch.zeros(BATCH, 3, plain_models.IMAGE, plain_models.IMAGE)
+    return model, torch.zeros(BATCH, plain_models.SEQ, dtype=torch.long)
+
+
 def measure(family: str, tp: int = 2) -> tuple[float, list[tuple[str, str]]]:
     """(sharded fraction on tp, replicated (module, reason) pairs) for `family` at `tp`."""
     import torch
@@ -70,15 +89,17 @@ def measure(family: str, tp: int = 2) -> tuple[float, list[tuple[str, str]]]:
     from meshc.compiler.ir.mesh_spec import MeshSpec
     from meshc.compiler.ir.plan import Plan
 
-    cfg_cls, model_cls, kwargs, kind = FAMILIES[family]
-    config = getattr(transformers, cfg_cls)(**kwargs)
     plan = Plan(trace="non-strict", check_trace=False)
 
     def run():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = getattr(transformers, model_cls)(config)
-            x = (torch.zeros(BATCH, 3, 16, 16) if kind == "pixels" else torch.zeros(BATCH, SEQ, dtype=torch.long))
+            if family in PLAIN:
+                model, x = _plain_model(family)
+            else:
+                cfg_cls, model_cls, kwargs, kind = FAMILIES[family]
+                model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kwargs))
+                x = (torch.zeros(BATCH, 3, 16, 16) if kind == "pixels" else torch.zeros(BATCH, SEQ, dtype=torch.long))
             return compile_rank(model, (x,), {}, mesh=MeshSpec({"tp": tp}), plan=plan, rank=0)[0]
 
     try:
@@ -97,7 +118,7 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--only", default="", help="comma-separated families (default: all)")
     args = p.parse_args()
-    names = [n for n in args.only.split(",") if n] or list(FAMILIES)
+    names = [n for n in args.only.split(",") if n] or list(FAMILIES) + list(PLAIN)
     print(f"| family (small config) | sharded at tp={args.tp} | replicated modules: why |")
     print("|---|---|---|")
     for name in names:

@@ -88,15 +88,22 @@ def _blocks(parts: list[int], unit: int, n: int) -> int | tuple[int, ...]:
 
 
 def _packed_parts(u: fx.Node, width: int) -> int:
-    """k when `u` unflattens a last dim of `width` into (k, width / k) and the k parts are then taken apart
-    (select or unbind on that dim, after dims moved by unsqueeze/transpose/squeeze/permute/contiguous), else 0."""
-    if u.target is not aten.unflatten.int or len(u.args) < 3 or u.args[1] not in (-1, len(u.args[0].meta["meshc.shape"]) - 1):
+    """k when `u` splits a last dim of `width` into (k, width / k) or (k, heads, head dim) (an unflatten, or a view
+    that keeps the leading dims: nn.MultiheadAttention's packed projection, the reference ViTs' qkv) and the k parts
+    are then taken apart (select or unbind on that dim, after dims moved by unsqueeze/transpose/squeeze/permute/
+    contiguous), else 0."""
+    if u.target is not aten.unflatten.int and not is_reshape(u) or not isinstance(u.args[0], fx.Node):
         return 0
-    sizes = [int(s) for s in u.args[2]]
-    if len(sizes) != 2 or sizes[0] * sizes[1] != width or sizes[0] < 2:
+    src = [int(s) for s in u.args[0].meta["meshc.shape"]]
+    shape = [int(s) for s in u.meta.get("meshc.shape") or ()]
+    if u.target is aten.unflatten.int and (len(u.args) < 3 or u.args[1] not in (-1, len(src) - 1)):
         return 0
-    ndim = len(u.meta["meshc.shape"])
-    todo, seen = [(u, ndim - 2)], set()
+    cut = len(src) - 1
+    tail = shape[cut:]
+    if shape[:cut] != src[:cut] or len(tail) not in (2, 3) or tail[0] < 2 or _prod(tail) != width:
+        return 0
+    sizes = tail
+    todo, seen = [(u, cut)], set()
     while todo:
         cur, dim = todo.pop()
         for user in cur.users:
@@ -111,6 +118,13 @@ def _packed_parts(u: fx.Node, width: int) -> int:
                 return 0  # used as a whole somewhere: not parts
             todo.append((user, moved))
     return sizes[0] if seen else 0
+
+
+def _prod(xs: list[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
 
 
 def _moved_dim(node: fx.Node, dim: int, ndim: int) -> int | None:

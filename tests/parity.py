@@ -16,7 +16,7 @@ LR = 1e-3
 
 
 def _optimizer(name: str, params):
-    cls, kwargs = _optimizer_args(name)
+    cls, kwargs = optimizer_args(name)
     return cls(params, **kwargs)
 
 
@@ -26,7 +26,7 @@ def reference(model: str, steps: int, batch: int, optimizer: str = "adamw", seq:
     m = zoo.build(model)
     opt = _optimizer(optimizer, m.parameters())
     losses, grads0 = [], {}
-    for i, (x, y) in enumerate(zoo.batches(steps, batch, seq=seq)):
+    for i, (x, y) in enumerate(zoo.batches_for(model, steps, batch, seq=seq)):
         loss = zoo.lm_loss(m(x), y)
         loss.backward()
         if i == 0:
@@ -42,10 +42,10 @@ def meshc_rank(model: str, steps: int, batch: int, mesh_sizes: dict | None = Non
     """One rank of a parity run. `plan` may set trace="non-strict" to halve compile time in tests."""
     mesh = meshc.mesh(timeout_s=90, **(mesh_sizes or {}))
     m = zoo.build(model)
-    data = zoo.batches(steps, batch)
+    data = zoo.batches_for(model, steps, batch)
     job = meshc.compile(m, mesh, example_inputs=(mesh.shard_batch(data[0][0]),),
                         plan=meshc.Plan(verify=True, **(plan or {})))
-    cls, kwargs = _optimizer_args(optimizer)
+    cls, kwargs = optimizer_args(optimizer)
     opt = job.optimizer(cls, **kwargs)
     losses, grads0 = [], {}
     for i, (x, y) in enumerate(data):
@@ -60,7 +60,7 @@ def meshc_rank(model: str, steps: int, batch: int, mesh_sizes: dict | None = Non
             **effects.record(job, mesh)}  # what this rank holds and ran: local shapes, held bytes, actions, ...
 
 
-def _optimizer_args(name: str):
+def optimizer_args(name: str):
     if name == "sgd":
         return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}
     return torch.optim.AdamW, {"lr": LR}

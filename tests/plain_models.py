@@ -167,3 +167,90 @@ def encoder_lm_with_batch(layers: int = 2) -> tuple[nn.Module, tuple[torch.Tenso
     global batch of 8 sequences of SEQ tokens."""
     return encoder_lm(layers=layers), (torch.randint(0, VOCAB, (8, SEQ)),)
 
+
+
+class Seq2Seq(nn.Module):
+    """An encoder-decoder on torch's own nn.Transformer (pre-norm): the encoder reads the tokens, the decoder reads
+    them again under a causal mask and attends to the encoder's output (cross-attention: nn.MultiheadAttention with
+    query and key apart, its in_proj_weight split into q and k|v before two linears)."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.src_embed, self.tgt_embed = nn.Embedding(vocab, dim), nn.Embedding(vocab, dim)
+        self.transformer = nn.Transformer(dim, heads, layers, layers, 2 * dim, dropout=0.0, batch_first=True,
+                                          norm_first=True)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        h = self.transformer(self.src_embed(tokens), self.tgt_embed(tokens), tgt_mask=mask, tgt_is_causal=True)
+        return self.head(h)
+
+
+def seq2seq(seed: int = 0, layers: int = 2) -> nn.Module:
+    torch.manual_seed(seed)
+    return Seq2Seq(layers=layers)
+
+
+IMAGE, PATCH, CLASSES = 16, 4, 10  # 16x16 RGB images in 4x4 patches: 16 patches, 10 classes
+
+
+class ViTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        qkv = self.qkv(self.norm1(x)).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        attn = F.scaled_dot_product_attention(q, k, v)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, n, c))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class ViT(nn.Module):
+    """A vision transformer in the style of the common reference implementations: a Conv2d patch embedding, a class
+    token and learned positions, pre-norm blocks with a fused qkv projection (reshape, permute, unbind), SDPA, and a
+    linear classifier on the class token."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, dim, kernel_size=PATCH, stride=PATCH)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, (IMAGE // PATCH) ** 2 + 1, dim) * 0.02)
+        self.blocks = nn.ModuleList(ViTBlock(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, CLASSES)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(pixels).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)[:, 0])
+
+
+def vit(seed: int = 0, layers: int = 2) -> nn.Module:
+    torch.manual_seed(seed)
+    return ViT(layers=layers)
+
+
+def image_batches(steps: int, batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` global batches of (images, class labels) for ViT."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 3, IMAGE, IMAGE, generator=g), torch.randint(0, CLASSES, (batch,), generator=g))
+            for _ in range(steps)]
+
+
+def seq2seq_with_batch(layers: int = 2) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """A factory for `meshc explain --model tests.plain_models:seq2seq_with_batch`: the model and a global batch."""
+    return seq2seq(layers=layers), (torch.randint(0, VOCAB, (8, SEQ)),)
+
+
+def vit_with_batch(layers: int = 2) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """A factory for `meshc explain --model tests.plain_models:vit_with_batch`: the model and a global batch."""
+    return vit(layers=layers), (torch.randn(8, 3, IMAGE, IMAGE),)

@@ -383,6 +383,29 @@ def _encoder_lm(seed: int = 0, layers: int = 2, batch_first: bool = True) -> tor
     return encoder_lm(seed, layers, batch_first)
 
 
+def _plain(name: str):
+    def build(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+        from tests import plain_models
+
+        return getattr(plain_models, name)(seed, layers)
+    return build
+
+
+MODELS["seq2seq_plain"] = _plain("seq2seq")
+MODELS["vit_plain"] = _plain("vit")
+IMAGE_MODELS = {"vit_plain"}  # trained on (images, class labels): batches_for
+
+
+def batches_for(name: str, steps: int, batch: int, seq: int = SEQ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches model `name` trains on: (tokens, next tokens), or (images, labels) for an image model
+    (lm_loss is their cross-entropy either way)."""
+    if name in IMAGE_MODELS:
+        from tests.plain_models import image_batches
+
+        return image_batches(steps, batch)
+    return batches(steps, batch, seq=seq)
+
+
 MODELS["llama3_plain"] = _plain_llama3
 MODELS["encoder_lm"] = _encoder_lm
 MODELS["encoder_lm_seq_first"] = lambda seed=0: _encoder_lm(seed, batch_first=False)

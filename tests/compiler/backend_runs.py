@@ -123,7 +123,7 @@ def backend_rank(model: str, steps: int, batch: int, sizes: dict, plan: dict, gr
     return out
 
 
-def families_rank(models: list[str], steps: int, batch: int, sizes: dict) -> dict:
+def families_rank(models: list[str], steps: int, batch: int, sizes: dict, optimizers: dict | None = None) -> dict:
     """Each of `models` trained `steps` AdamW steps through the torch.compile door on one mesh, in one process
     per rank (one spawn for every family): {model: {"losses", "grads0", "params", "sharded", "error"}}. A model the
     backend refuses reports the refusal's message under "error" (the test decides whether that is allowed)."""
@@ -132,12 +132,13 @@ def families_rank(models: list[str], steps: int, batch: int, sizes: dict) -> dic
     for name in models:
         torch.compiler.reset()  # each family compiles afresh: no recompilation limit shared between them
         m = zoo.build(name)
-        opt = torch.optim.AdamW(m.parameters(), lr=parity.LR)
+        cls, kwargs = parity.optimizer_args((optimizers or {}).get(name, "adamw"))
+        opt = cls(m.parameters(), **kwargs)
         backend = meshc.backend(mesh, meshc.Plan(trace="non-strict"))
         compiled = torch.compile(m, backend=backend)
         losses, grads0 = [], {}
         try:
-            for i, (x, y) in enumerate(zoo.batches(steps, batch)):
+            for i, (x, y) in enumerate(zoo.batches_for(name, steps, batch)):
                 loss = zoo.lm_loss(compiled(mesh.shard_batch(x)), mesh.shard_batch(y))
                 loss.backward()
                 if i == 0:
