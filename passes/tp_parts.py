@@ -1,4 +1,5 @@
-"""Where a fused projection's output is cut into parts (q|k|v, gate|up): the chunks its weight is sharded in.
+"""Where a fused projection's output is cut into parts (q|k|v, gate|up): the chunks its weight is sharded in; and
+the pieces of a weight cut before its linears (`weight_pieces`).
 
 tp_placement shards a linear's weight on its output dim; when the output is several projections side by side
 (GPT-2's c_attn, Phi-3's qkv_proj, nn.MultiheadAttention's in_proj), each part must be split over the ranks on its
@@ -7,6 +8,8 @@ cut: split/chunk/slices on the last dim or on the heads, or an unflatten into (p
 is then taken apart (select/unbind after transposes), as nn.MultiheadAttention's packed projection is.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -144,3 +147,36 @@ def _moved_dim(node: fx.Node, dim: int, ndim: int) -> int | None:
     if node.target is aten.permute.default:
         return [p % ndim for p in args[1]].index(dim)
     return dim
+
+
+def weight_pieces(node: fx.Node) -> list[tuple[int, fx.Node]] | None:
+    """A 2-D weight cut on its output dim (dim 0) by a split before linear layers, each piece the weight of one
+    (nn.MultiheadAttention's cross-attention: in_proj_weight split into q and k|v, read by two linears with other
+    inputs): [(piece's rows, its linear)] in order, else None."""
+    uses = list(node.users)
+    if len(uses) != 1 or uses[0].target not in (aten.split.Tensor, aten.split_with_sizes.default):
+        return None
+    split = uses[0]
+    if (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % 2 != 0:
+        return None
+    sizes = [int(s[0]) for s in split.meta.get("meshc.shape") or ()]
+    items = {u.args[1]: u for u in split.users if u.target is operator.getitem}
+    if sorted(items) != list(range(len(sizes))) or len(sizes) < 2:
+        return None
+    out = []
+    for i, rows in enumerate(sizes):
+        linears = list(items[i].users)
+        if len(linears) != 1 or linears[0].target is not aten.linear.default or linears[0].args[1] is not items[i]:
+            return None
+        out.append((rows, linears[0]))
+    return out
+
+
+def piece_bias(linear: fx.Node) -> str | None:
+    """The FQN of the bias parameter a piece's linear reads through a getitem of its split, if any."""
+    b = linear.args[2] if len(linear.args) > 2 else None
+    if not isinstance(b, fx.Node) or b.target is not operator.getitem:
+        return None
+    split = b.args[0]
+    src = split.args[0] if isinstance(split, fx.Node) and split.args else None
+    return src.meta.get("meshc.fqn") if isinstance(src, fx.Node) and src.op == "placeholder" else None

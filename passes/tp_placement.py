@@ -34,12 +34,12 @@ from meshc.compiler.ir.coverage import block_weights, coverage
 from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
 from meshc.compiler.ir.logits import logits_end
 from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_model_input, op_name
-from meshc.compiler.ir.placement import Partial, Replicate, Shard, in_parts
+from meshc.compiler.ir.placement import Partial, Replicate, Shard, Whole, as_chunks, in_parts
 from meshc.compiler.ir.program import Program
 
 from meshc.passes.blocks import block_of
 from meshc.passes.shapes import shard_divides
-from meshc.passes.tp_parts import chunks_of
+from meshc.passes.tp_parts import chunks_of, piece_bias, weight_pieces
 from meshc.passes.tp_rules import RuleCtx
 from meshc.passes.tp_table import infer
 
@@ -56,6 +56,11 @@ class Weight:
     act: fx.Node | None  # the activation it multiplies
     bias: str | None
     chunks: int | tuple[int, ...]
+    key: str = ""  # the weights' and styles' key: the FQN, or "fqn[i]" for piece i of a weight cut before its linears
+    rows: int = 0  # a piece's rows of the weight (0: not a piece)
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.fqn
 
     @property
     def out_dim(self) -> int:
@@ -90,11 +95,13 @@ def tp_placement_pass(program: Program) -> Program:
             raise MeshcValueError(f"Plan.tp[{glob!r}]: expected the glob to match a module with a weight, got no "
                                   f"match; modules look like: {sample}")
         for w in matched:
-            styles[w.fqn] = style
-    for fqn, style in styles.items():
-        _apply(program, weights[fqn], style)
+            styles[w.key] = style
+    for key, style in styles.items():
+        if not weights[key].rows:
+            _apply(program, weights[key], style)
         if style == "replicate":
-            program.tp_why[weights[fqn].module] = "Plan.tp asks for it"
+            program.tp_why[weights[key].module] = "Plan.tp asks for it"
+    _apply_pieces(program, weights, styles)
     for fqn, placements in fixed.items():  # decided by an earlier graph (torch.compile's graph breaks)
         if fqn in program.params:
             program.params[fqn].placements = dict(placements)
@@ -116,7 +123,7 @@ def _untried_reasons(program: Program, weights: dict[str, Weight]) -> None:
         if module in program.tp_why or spec.fqn not in nodes:
             continue
         uses = sorted({op_name(u.target) for u in nodes[spec.fqn].users})
-        if spec.fqn not in weights:
+        if spec.fqn not in {w.fqn for w in weights.values()}:
             why = f"not the weight of a linear, matmul or embedding (used by {', '.join(uses) or 'nothing'})"
         elif not spec.requires_grad:
             why = "frozen (requires_grad=False)"
@@ -190,15 +197,44 @@ def _apply(program: Program, w: Weight, style: str) -> None:
         program.params[w.bias].placements[AXIS] = bias
 
 
+def _apply_pieces(program: Program, weights: dict[str, Weight], styles: dict[str, str]) -> None:
+    """A weight cut into pieces before its linears: one placement for the whole, each column-parallel piece's
+    blocks sharded and every other piece held whole by every rank (Whole blocks); its bias, cut alike, the same."""
+    by_fqn: dict[str, list[Weight]] = {}
+    for w in weights.values():
+        if w.rows:
+            by_fqn.setdefault(w.fqn, []).append(w)
+    for fqn, pieces in by_fqn.items():
+        blocks: list = []
+        for w in pieces:
+            if styles.get(w.key) == "colwise":
+                k = w.chunks if isinstance(w.chunks, tuple) else (w.rows // w.chunks,) * w.chunks
+                blocks += list(k)
+            else:
+                blocks.append(Whole(w.rows))
+        placement = Replicate() if all(isinstance(b, Whole) for b in blocks) else Shard(0, as_chunks(blocks))
+        program.params[fqn].placements[AXIS] = placement
+        bias = pieces[0].bias
+        if bias and all(w.bias == bias for w in pieces):
+            program.params[bias].placements[AXIS] = placement if isinstance(placement, Replicate) else \
+                Shard(0, placement.chunks)
+
+
 # ---------------------------------------------------------------------------------------- weights
 def _weights(program: Program) -> dict[str, Weight]:
     """Every 2-D trainable parameter used as a matmul weight or embedding table, and every stack of experts'
     weights (E, out, in) used by a grouped matmul, by FQN."""
     out: dict[str, Weight] = {}
+    n = program.mesh.size(AXIS)
     for fqn, node in program.param_nodes().items():
         spec = program.params[fqn]
         if len(spec.shape) != 2 and not (len(spec.shape) == 3 and any(_expert_use(u) for u in node.users)):
             continue
+        pieces = weight_pieces(node) if len(spec.shape) == 2 else None
+        for i, (rows, linear) in enumerate(pieces or ()):  # cut before its linears: one Weight per piece
+            w = Weight(fqn, fqn.rsplit(".", 1)[0], "linear", linear, linear.args[0], piece_bias(linear),
+                       chunks_of(linear, n), key=f"{fqn}[{i}]", rows=rows)
+            out[w.key] = w
         for use in node.users:
             w = _as_weight(program, fqn, node, use)
             if w and fqn not in out:
@@ -258,10 +294,11 @@ def _vocab_styles(program: Program, weights: dict[str, Weight]) -> dict[str, str
     if not tokens:
         raise MeshcValueError("Plan.vocab_parallel: expected a token embedding indexed by a model input, got none")
     vocab = program.params[tokens[0].fqn].shape[0]
-    out = {w.fqn: "vocab" for w in tokens}
+    out = {w.key: "vocab" for w in tokens}
     for w in weights.values():  # the LM heads: their logits go to the output or a cross-entropy
-        if w.kind != "embedding" and program.params[w.fqn].shape[w.out_dim] == vocab and logits_end(w.node):
-            out[w.fqn] = "vocab"
+        if w.kind != "embedding" and not w.rows and program.params[w.fqn].shape[w.out_dim] == vocab and \
+                logits_end(w.node):
+            out[w.key] = "vocab"
     return out
 
 
@@ -269,24 +306,24 @@ def _vocab_styles(program: Program, weights: dict[str, Weight]) -> dict[str, str
 def _megatron(program: Program, weights: dict[str, Weight], n: int) -> dict[str, str]:
     candidates = [w for w in weights.values() if w.kind != "embedding" and program.params[w.fqn].requires_grad
                   and len(program.param_nodes()[w.fqn].users) == 1]
-    groups: dict[fx.Node, list[Weight]] = {}
+    groups: dict[object, list[Weight]] = {}
     order = _order(program)
-    for w in sorted(candidates, key=lambda w: order[w.node]):
-        groups.setdefault(w.act, []).append(w)
+    for w in sorted(candidates, key=lambda w: order[w.node]):  # a weight's pieces tried together, whatever they read
+        groups.setdefault(w.fqn if w.rows else w.act, []).append(w)
     styles: dict[str, str] = {}
-    by_node = {w.node: w for w in weights.values() if w.kind != "embedding"}
+    by_node = {w.node: w for w in weights.values() if w.kind != "embedding" and not w.rows}  # rows: whole weights
     nodes = list(program.gm.graph.nodes)
     for members in groups.values():
-        members = [m for m in members if m.fqn not in styles]
+        members = [m for m in members if m.key not in styles]
         while members:
             result = _trial(nodes, order, by_node, members, styles, n)
             if result.rows:
-                styles.update({m.fqn: "colwise" for m in members})
-                styles.update({r.fqn: "rowwise" for r in result.rows})
+                styles.update({m.key: "colwise" for m in members})
+                styles.update({r.key: "rowwise" for r in result.rows})
                 program.notes.append(f"auto: {_names(members)} column-parallel -> {_names(result.rows)} row-parallel")
                 break
             _explain_failure(program, result, members, n)
-            members = [m for m in members if m.fqn not in result.blamed]
+            members = [m for m in members if m.key not in result.blamed]
             if not result.blamed:
                 break
     return styles
@@ -308,7 +345,7 @@ def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str],
     pending: set[fx.Node] = set()  # users of sharded values not visited yet: the walk ends when none is left
     for m in members:
         placements[m.node] = Shard(len(m.node.meta["meshc.shape"]) - 1, m.chunks)
-        blame[m.node] = {m.fqn}
+        blame[m.node] = {m.key}
         pending.update(m.node.users)
     ctx = RuleCtx(n, placements)
     rows: list[Weight] = []
@@ -325,7 +362,7 @@ def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str],
         if node.op == "output":
             return _Trial([], origin, f"reaches the graph output at {node.format_node()}")
         w = by_node.get(node)
-        if w is not None and w.fqn not in styles and w.act in inputs and _row_ok(w, placements[w.act], members):
+        if w is not None and w.key not in styles and w.act in inputs and _row_ok(w, placements[w.act], members):
             rows.append(w)
             continue
         dec = infer(node, ctx)
@@ -364,7 +401,7 @@ def _row_ok(w: Weight, act_placement, members) -> bool:
 
 
 def _explain_failure(program: Program, result: _Trial, members: list[Weight], n: int) -> None:
-    blamed = [m for m in members if m.fqn in result.blamed]
+    blamed = [m for m in members if m.key in result.blamed]
     if result.indivisible:
         what, size = result.indivisible
         if n % size == 0:  # fewer heads than ranks (MQA/GQA): replicate them, as Megatron does for kv
