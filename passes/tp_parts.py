@@ -172,11 +172,17 @@ def weight_pieces(node: fx.Node) -> list[tuple[int, fx.Node]] | None:
     return out
 
 
-def piece_bias(linear: fx.Node) -> str | None:
-    """The FQN of the bias parameter a piece's linear reads through a getitem of its split, if any."""
-    b = linear.args[2] if len(linear.args) > 2 else None
+def bias_piece(linear: fx.Node) -> tuple[str, int, int] | None:
+    """(FQN, index, size) when the bias `linear` adds is piece `index` of a bias parameter cut by split or chunk
+    (nn.MultiheadAttention's in_proj_bias, cut into q, k, v or q, k|v), else None."""
+    b = linear.args[2] if linear.target is aten.linear.default and len(linear.args) > 2 else None
     if not isinstance(b, fx.Node) or b.target is not operator.getitem:
         return None
     split = b.args[0]
-    src = split.args[0] if isinstance(split, fx.Node) and split.args else None
-    return src.meta.get("meshc.fqn") if isinstance(src, fx.Node) and src.op == "placeholder" else None
+    if not isinstance(split, fx.Node) or split.target not in (aten.split.Tensor, aten.split_with_sizes.default,
+                                                              aten.chunk.default):
+        return None
+    src = split.args[0]
+    if not isinstance(src, fx.Node) or src.op != "placeholder" or not src.meta.get("meshc.fqn"):
+        return None
+    return src.meta["meshc.fqn"], int(b.args[1]), int(b.meta["meshc.shape"][0])

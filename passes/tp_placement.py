@@ -39,7 +39,7 @@ from meshc.compiler.ir.program import Program
 
 from meshc.passes.blocks import block_of
 from meshc.passes.shapes import shard_divides
-from meshc.passes.tp_parts import chunks_of, piece_bias, weight_pieces
+from meshc.passes.tp_parts import bias_piece, chunks_of, weight_pieces
 from meshc.passes.tp_rules import RuleCtx
 from meshc.passes.tp_table import infer
 
@@ -120,7 +120,7 @@ def _untried_reasons(program: Program, weights: dict[str, Weight]) -> None:
     nodes = program.param_nodes()
     for spec in block_weights(program.params):
         module = spec.fqn.rsplit(".", 1)[0]
-        if module in program.tp_why or spec.fqn not in nodes:
+        if module in program.tp_why or spec.fqn not in nodes or isinstance(spec.placements.get(AXIS), Shard):
             continue
         uses = sorted({op_name(u.target) for u in nodes[spec.fqn].users})
         if spec.fqn not in {w.fqn for w in weights.values()}:
@@ -212,12 +212,36 @@ def _apply_pieces(program: Program, weights: dict[str, Weight], styles: dict[str
                 blocks += list(k)
             else:
                 blocks.append(Whole(w.rows))
-        placement = Replicate() if all(isinstance(b, Whole) for b in blocks) else Shard(0, as_chunks(blocks))
-        program.params[fqn].placements[AXIS] = placement
-        bias = pieces[0].bias
-        if bias and all(w.bias == bias for w in pieces):
-            program.params[bias].placements[AXIS] = placement if isinstance(placement, Replicate) else \
-                Shard(0, placement.chunks)
+        program.params[fqn].placements[AXIS] = _blocks_placement(blocks)
+    _apply_bias_pieces(program, weights, styles)
+
+
+def _blocks_placement(blocks: list):
+    return Replicate() if all(isinstance(b, Whole) for b in blocks) else Shard(0, as_chunks(blocks))
+
+
+def _apply_bias_pieces(program: Program, weights: dict[str, Weight], styles: dict[str, str]) -> None:
+    """A bias parameter cut into pieces, each added by one linear (nn.MultiheadAttention's in_proj_bias beside
+    separate q/k/v weights, or beside a weight cut alike): each piece's blocks as its linear's output is sharded,
+    held whole where that linear is replicated."""
+    parts: dict[str, dict[int, tuple[int, Weight]]] = {}
+    for w in weights.values():
+        found = bias_piece(w.node) if w.kind == "linear" else None
+        if found:
+            parts.setdefault(found[0], {})[found[1]] = (found[2], w)
+    for fqn, by_index in parts.items():
+        uses = program.param_nodes()[fqn].users
+        if sorted(by_index) != list(range(len(by_index))) or len(uses) != 1 or \
+                len([u for u in next(iter(uses)).users]) != len(by_index):
+            continue  # a piece read by anything but one linear: left as the rules place it
+        blocks: list = []
+        for i in sorted(by_index):
+            rows, w = by_index[i]
+            if styles.get(w.key) == "colwise":
+                blocks += list(w.chunks) if isinstance(w.chunks, tuple) else [rows // w.chunks] * w.chunks
+            else:
+                blocks.append(Whole(rows))
+        program.params[fqn].placements[AXIS] = _blocks_placement(blocks)
 
 
 # ---------------------------------------------------------------------------------------- weights
@@ -232,8 +256,8 @@ def _weights(program: Program) -> dict[str, Weight]:
             continue
         pieces = weight_pieces(node) if len(spec.shape) == 2 else None
         for i, (rows, linear) in enumerate(pieces or ()):  # cut before its linears: one Weight per piece
-            w = Weight(fqn, fqn.rsplit(".", 1)[0], "linear", linear, linear.args[0], piece_bias(linear),
-                       chunks_of(linear, n), key=f"{fqn}[{i}]", rows=rows)
+            w = Weight(fqn, fqn.rsplit(".", 1)[0], "linear", linear, linear.args[0], None, chunks_of(linear, n),
+                       key=f"{fqn}[{i}]", rows=rows)
             out[w.key] = w
         for use in node.users:
             w = _as_weight(program, fqn, node, use)
@@ -362,7 +386,8 @@ def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str],
         if node.op == "output":
             return _Trial([], origin, f"reaches the graph output at {node.format_node()}")
         w = by_node.get(node)
-        if w is not None and w.key not in styles and w.act in inputs and _row_ok(w, placements[w.act], members):
+        if w is not None and styles.get(w.key, "rowwise") == "rowwise" and w.act in inputs and \
+                _row_ok(w, placements[w.act], members):  # free, or the row layer of another column group
             rows.append(w)
             continue
         dec = infer(node, ctx)

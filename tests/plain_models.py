@@ -254,3 +254,39 @@ def seq2seq_with_batch(layers: int = 2) -> tuple[nn.Module, tuple[torch.Tensor]]
 def vit_with_batch(layers: int = 2) -> tuple[nn.Module, tuple[torch.Tensor]]:
     """A factory for `meshc explain --model tests.plain_models:vit_with_batch`: the model and a global batch."""
     return vit(layers=layers), (torch.randn(8, 3, IMAGE, IMAGE),)
+
+
+class MHAVariants(nn.Module):
+    """nn.MultiheadAttention in its other forms: self-attention with a boolean causal attn_mask, a key_padding_mask
+    (token 0 is padding) and need_weights=True (the head-averaged weights computed, as the module's default, and
+    added to the output so that they are used); and attention over a narrower side input with separate q/k/v weights
+    (kdim = vdim != embed_dim: q_proj_weight, k_proj_weight, v_proj_weight), batch first."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, side: int = 16, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.embed, self.side = nn.Embedding(vocab, dim), nn.Embedding(vocab, side)
+        self.self_attn = nn.ModuleList(nn.MultiheadAttention(dim, heads, batch_first=True) for _ in range(layers))
+        self.cross = nn.ModuleList(nn.MultiheadAttention(dim, heads, kdim=side, vdim=side, batch_first=True)
+                                   for _ in range(layers))
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(2 * layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h, side = self.embed(tokens), self.side(tokens)
+        s = tokens.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).triu(1)
+        padding = tokens == 0
+        padding = padding & ~padding[:, :1]  # the first key stays visible: no row is all padding
+        for i, (attn, cross) in enumerate(zip(self.self_attn, self.cross)):
+            x = self.norms[2 * i](h)
+            out, weights = attn(x, x, x, attn_mask=causal, key_padding_mask=padding)
+            h = h + out + weights.mean(-1, keepdim=True)
+            x = self.norms[2 * i + 1](h)
+            out, _ = cross(x, side, side, need_weights=False)
+            h = h + out
+        return self.head(h)
+
+
+def mha_variants(seed: int = 0, layers: int = 2) -> nn.Module:
+    torch.manual_seed(seed)
+    return MHAVariants(layers=layers)

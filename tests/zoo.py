@@ -393,6 +393,7 @@ def _plain(name: str):
 
 MODELS["seq2seq_plain"] = _plain("seq2seq")
 MODELS["vit_plain"] = _plain("vit")
+MODELS["mha_plain"] = _plain("mha_variants")
 IMAGE_MODELS = {"vit_plain"}  # trained on (images, class labels): batches_for
 
 

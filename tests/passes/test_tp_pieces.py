@@ -15,7 +15,8 @@ from tests import parity, plain_models
 
 MODELS = {"seq2seq": lambda: (plain_models.seq2seq(), torch.zeros(2, plain_models.SEQ, dtype=torch.long)),
           "encoder_lm": lambda: (plain_models.encoder_lm(), torch.zeros(2, plain_models.SEQ, dtype=torch.long)),
-          "vit": lambda: (plain_models.vit(), torch.zeros(2, 3, plain_models.IMAGE, plain_models.IMAGE))}
+          "vit": lambda: (plain_models.vit(), torch.zeros(2, 3, plain_models.IMAGE, plain_models.IMAGE)),
+          "mha_variants": lambda: (plain_models.mha_variants(), torch.ones(2, plain_models.SEQ, dtype=torch.long))}
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -34,3 +35,8 @@ def test_every_block_weight_is_sharded(name, tp):
             assert local[w.fqn] == (3 * 32 // tp, 32)
             out = program.params[f"transformer.decoder.layers.{i}.multihead_attn.out_proj.weight"]
             assert out.placements["tp"] == Shard(1)
+    if name == "mha_variants":  # separate q/k/v weights, their biases one in_proj_bias cut in three: q|k|v blocks
+        for i in range(2):
+            assert all(program.params[f"cross.{i}.{p}_proj_weight"].placements["tp"] == Shard(0) for p in "qkv")
+            assert program.params[f"cross.{i}.in_proj_bias"].placements["tp"] == Shard(0, 3)
+            assert program.params[f"self_attn.{i}.in_proj_weight"].placements["tp"] == Shard(0, 3)
