@@ -61,7 +61,8 @@ FAMILIES = {
 
 
 # models written in plain PyTorch (tests/plain_models.py): name -> (builder, input kind)
-PLAIN = {"plain: llama3": ("llama3", "tokens"), "plain: nn.TransformerEncoder LM": ("encoder_lm", "tokens"),
+PLAIN = {"plain: nanoGPT": ("nanogpt", "tokens"), "plain: MHA variants": ("mha_variants", "tokens"),
+         "plain: llama3": ("llama3", "tokens"), "plain: nn.TransformerEncoder LM": ("encoder_lm", "tokens"),
          "plain: nn.Transformer enc-dec": ("seq2seq", "tokens"), "plain: ViT (Conv2d patches)": ("vit", "images")}
 
 

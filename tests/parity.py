@@ -27,7 +27,7 @@ def reference(model: str, steps: int, batch: int, optimizer: str = "adamw", seq:
     opt = _optimizer(optimizer, m.parameters())
     losses, grads0 = [], {}
     for i, (x, y) in enumerate(zoo.batches_for(model, steps, batch, seq=seq)):
-        loss = zoo.lm_loss(m(x), y)
+        loss = zoo.model_loss(model, m, x, y)
         loss.backward()
         if i == 0:
             grads0 = {n: p.grad.clone() for n, p in m.named_parameters()}
@@ -43,13 +43,15 @@ def meshc_rank(model: str, steps: int, batch: int, mesh_sizes: dict | None = Non
     mesh = meshc.mesh(timeout_s=90, **(mesh_sizes or {}))
     m = zoo.build(model)
     data = zoo.batches_for(model, steps, batch)
-    job = meshc.compile(m, mesh, example_inputs=(mesh.shard_batch(data[0][0]),),
-                        plan=meshc.Plan(verify=True, **(plan or {})))
+    inside = model in zoo.LOSS_INSIDE  # forward(tokens, targets) -> (logits, loss): the model's own loss
+    example = (mesh.shard_batch(data[0][0]),) + ((mesh.shard_batch(data[0][1]),) if inside else ())
+    job = meshc.compile(m, mesh, example_inputs=example, plan=meshc.Plan(verify=True, **(plan or {})))
     cls, kwargs = optimizer_args(optimizer)
     opt = job.optimizer(cls, **kwargs)
     losses, grads0 = [], {}
     for i, (x, y) in enumerate(data):
-        loss = job.step(mesh.shard_batch(x), mesh.shard_batch(y), zoo.lm_loss)
+        x, y = mesh.shard_batch(x), mesh.shard_batch(y)
+        loss = job.step((x, y), None, lambda out, _: out[1]) if inside else job.step(x, y, zoo.lm_loss)
         if i == 0:  # whole gradients, gathered from the shards
             grads0 = job.grad_state_dict()
         opt.step()

@@ -290,3 +290,45 @@ class MHAVariants(nn.Module):
 def mha_variants(seed: int = 0, layers: int = 2) -> nn.Module:
     torch.manual_seed(seed)
     return MHAVariants(layers=layers)
+
+
+class NanoGPT(nn.Module):
+    """A GPT in nanoGPT's style: one fused c_attn split into q, k, v, views to heads, causal SDPA, a GELU MLP,
+    learned positions, the LM head tied to the token embedding, and the loss computed inside forward:
+    `logits, loss = model(idx, targets)` (loss None without targets)."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, heads: int = 4, layers: int = 2, block: int = SEQ):
+        super().__init__()
+        self.heads = heads
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(block, dim)
+        self.h = nn.ModuleList(nn.ModuleDict(dict(ln_1=nn.LayerNorm(dim), c_attn=nn.Linear(dim, 3 * dim),
+                                                  c_proj=nn.Linear(dim, dim), ln_2=nn.LayerNorm(dim),
+                                                  c_fc=nn.Linear(dim, 4 * dim), mlp_proj=nn.Linear(4 * dim, dim)))
+                               for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight  # weight tying
+
+    def _attn(self, block: nn.ModuleDict, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.size()
+        q, k, v = block["c_attn"](x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return block["c_proj"](y.transpose(1, 2).contiguous().view(b, t, c))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.h:
+            x = x + self._attn(block, block["ln_1"](x))
+            x = x + block["mlp_proj"](F.gelu(block["c_fc"](block["ln_2"](x))))
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+def nanogpt(seed: int = 0, layers: int = 2) -> nn.Module:
+    torch.manual_seed(seed)
+    return NanoGPT(layers=layers)

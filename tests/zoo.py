@@ -394,6 +394,16 @@ def _plain(name: str):
 MODELS["seq2seq_plain"] = _plain("seq2seq")
 MODELS["vit_plain"] = _plain("vit")
 MODELS["mha_plain"] = _plain("mha_variants")
+MODELS["nanogpt_plain"] = _plain("nanogpt")
+LOSS_INSIDE = {"nanogpt_plain"}  # forward(tokens, targets) -> (logits, loss): trained on that loss (model_loss)
+
+
+def model_loss(name: str, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A training step's loss for zoo model `name` called as a user calls it: its own loss where forward computes
+    one (LOSS_INSIDE), else lm_loss of its outputs."""
+    if name in LOSS_INSIDE:
+        return model(x, y)[1]
+    return lm_loss(model(x), y)
 IMAGE_MODELS = {"vit_plain"}  # trained on (images, class labels): batches_for
 
 

@@ -139,7 +139,7 @@ def families_rank(models: list[str], steps: int, batch: int, sizes: dict, optimi
         losses, grads0 = [], {}
         try:
             for i, (x, y) in enumerate(zoo.batches_for(name, steps, batch)):
-                loss = zoo.lm_loss(compiled(mesh.shard_batch(x)), mesh.shard_batch(y))
+                loss = zoo.model_loss(name, compiled, mesh.shard_batch(x), mesh.shard_batch(y))
                 loss.backward()
                 if i == 0:
                     grads0 = whole_grads(m, mesh)

@@ -1,7 +1,7 @@
 """Models written in plain PyTorch (tests/plain_models.py) against one process: same weights, same global batches,
 3 steps, on the meshes a Megatron or torchtitan user tries first; the shards asserted from each rank's local shapes.
 
-The models: a Llama 3 with complex rotary embeddings, its own init and a view valid only at the traced layout; a
+The models: a GPT in nanoGPT's style (tied head, the loss computed inside forward); a Llama 3 with complex rotary embeddings, its own init and a view valid only at the traced layout; a
 language model on torch's nn.TransformerEncoder; an encoder-decoder on nn.Transformer (cross-attention); a ViT with
 a Conv2d patch embedding and a timm-style packed qkv, trained on images; nn.MultiheadAttention's other forms (masks,
 need_weights, separate q/k/v weights over a narrower input). The torch.compile door trains them too
@@ -30,7 +30,7 @@ MESHES = [
     ({"dp": 2, "tp": 2}, {"zero": 3}),
     ({"tp": 2, "pp": 2}, {"microbatches": 2}),
 ]
-MODELS = ("llama3_plain", "encoder_lm", "seq2seq_plain", "vit_plain", "mha_plain")
+MODELS = ("nanogpt_plain", "llama3_plain", "encoder_lm", "seq2seq_plain", "vit_plain", "mha_plain")
 # The ViT's automatic split puts both blocks on stage 0 and the classifier alone on stage 1: at this size (0.002
 # GFLOP a block) sending the (b, 17, 32) residual is predicted to cost more than a block's compute, and
 # the pooled class token (b, 32) is the cheapest cut. The split the cost model makes for a real ViT is a block
