@@ -15,6 +15,7 @@ all-reduce or a wrong slice moves gradients by more than 1e-3.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -23,6 +24,7 @@ from tests.harness import run_ranks
 from tests.models.test_pp_parity import assert_pipelined
 
 STEPS, BATCH = 3, 8
+LAYERS = 2  # every zoo model here has two blocks
 MESHES = [
     ({"dp": 2}, {"zero": 3}),
     ({"tp": 2}, {}),  # Llama: q, k, v column-parallel through complex rotary; wo, w2 row-parallel
@@ -44,6 +46,9 @@ CASES = [(model, mesh, {**plan, **(SPLITS.get(model, {}) if "pp" in mesh else {}
     ("encoder_lm", {"tp": 2}, {"sequence_parallel": True}),
     ("llama3_plain", {"tp": 2}, {"tp": {"*.wq": "replicate"}}),  # q sliced per rank: the output's view a reshape
     ("encoder_lm_seq_first", {"tp": 2}, {}),  # batch_first=False: the heads merged with the batch, (seq, b*h, d)
+    ("llama3_plain", {"cp": 2}, {}),  # complex rotary cut to each rank's zigzag positions
+    ("encoder_lm", {"cp": 2}, {}),  # nn.MultiheadAttention's SDPA (its mask found causal) as ring attention
+    ("nanogpt_plain", {"cp": 2}, {}),
 ]
 
 
@@ -70,6 +75,9 @@ def test_plain_pytorch_models_match_single_process(case):
             # (measured 0.30 at dp2 x tp2: embedding and head replicated on tp); a lost dp or tp split fails it
             share = effects.held_share(out, built)
             assert share <= (0.4 if "tp" in mesh else 0.55), (rank, share)
+        elif "cp" in mesh:  # each rank holds half of every sequence: attention runs as the ring, per layer
+            made = re.search(r"cp=2: (\d+) attention\(s\) made ring", out["report"])
+            assert made and int(made.group(1)) == LAYERS, (rank, out["report"][-3000:])
         elif "pp" not in mesh:  # the blocks' weights split on tp: all of them, or all but the replicated q projections
             floor = 0.85 if "tp" in plan else 1.0  # measured 8/9 with q whole (its 1/9 of the blocks' bytes), else 1
             covered = parity.block_coverage(out["local_shapes"], built, mesh["tp"])
