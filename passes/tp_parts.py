@@ -39,7 +39,8 @@ def chunks_of(node: fx.Node, n: int) -> int | tuple[int, ...]:
         slices = []
         for u in cur.users:
             shape = u.meta.get("meshc.shape") or ()
-            if unit == 1 and is_reshape(u) and int(shape[-1]) == width:
+            if unit == 1 and (is_reshape(u) or u.target is aten.unsqueeze.default and u.args[1] % (ndim + 1) < ndim) \
+                    and int(shape[-1]) == width:  # the last dim kept (GPT-BigCode: unsqueeze(1), then the split)
                 frontier.append((u, 1))
             elif unit == 1 and _packed_parts(u, width):  # (..., parts, width / parts), each part taken apart
                 return _blocks([width // _packed_parts(u, width)] * _packed_parts(u, width), 1, n)
@@ -48,7 +49,11 @@ def chunks_of(node: fx.Node, n: int) -> int | tuple[int, ...]:
             elif u.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
                 dim = u.args[2] if len(u.args) > 2 else 0
                 if dim % ndim == cut:
-                    return _blocks([int(s[dim]) for s in shape], unit, n)
+                    sizes = [int(s[dim]) for s in shape]
+                    head = _split_head_dim(u) if unit == 1 else None
+                    if head and all(s % head == 0 for s in sizes):  # q|k|v of whole heads (k, v maybe one each)
+                        return _blocks([s // head for s in sizes], head, n)
+                    return _blocks(sizes, unit, n)
             elif u.target == aten.slice.Tensor and len(u.args) > 1 and u.args[1] % ndim == cut:
                 step = u.args[4] if len(u.args) > 4 else 1
                 lo = u.args[2] if len(u.args) > 2 and u.args[2] is not None else 0
@@ -77,6 +82,13 @@ def _head_dim(part: fx.Node) -> int | None:
     """The head dim of the one reshape of `part` that splits its last dim in two (heads, head dim), if any."""
     width = int(part.meta["meshc.shape"][-1])
     dims = {_head_split(u, width) for u in part.users} - {0}
+    return dims.pop() if len(dims) == 1 else None
+
+
+def _split_head_dim(split: fx.Node) -> int | None:
+    """The head dim of a flat q|k|v split's parts, where some part is then viewed as (heads, head dim) and all agree
+    (GPT-BigCode's multi-query split (q, k, v) whose k and v are one head each, never viewed)."""
+    dims = {_head_dim(u) for u in split.users if u.target is operator.getitem} - {None}
     return dims.pop() if len(dims) == 1 else None
 
 

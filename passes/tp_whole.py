@@ -49,13 +49,14 @@ def split_whole_matmul(node: fx.Node, placements: dict, n: int, b_path: tuple, b
         size = sum(local_blocks(blocks, sum(blocks), n))
         total = sum(int(x) for x in blocks)
         placement = blocks_placement(b_dim, blocks)
-        with graph.inserting_before(node):
+        with graph.inserting_before(node):  # the operands' slices first: the part's copy reads them
             w = _slice(graph, b, b_dim, lo, size, b_shape, total, placement, placements, node)
+            sliced_bias = None if bias is None else _slice(graph, bias, 0, lo, size, list(bias.meta["meshc.shape"]),
+                                                           total, blocks_placement(0, blocks), placements, node)
             part = graph.node_copy(node)
             set_arg(part, b_path, w)
-            if bias is not None:
-                set_arg(part, bias_path, _slice(graph, bias, 0, lo, size, list(bias.meta["meshc.shape"]), total,
-                                                blocks_placement(0, blocks), placements, node))
+            if sliced_bias is not None:
+                set_arg(part, bias_path, sliced_bias)
         part.meta["meshc.shape"] = tuple(shape[:-1]) + (total,)
         placements[part] = blocks_placement(len(shape) - 1, blocks)
         parts.append(part)

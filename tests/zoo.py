@@ -260,6 +260,18 @@ def falcon_groups(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return FalconForCausalLM(cfg)
 
 
+def gpt_bigcode(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face GPT-BigCode (StarCoder) with multi-query attention: one fused c_attn whose output, unsqueezed,
+    is split into q (all heads), k and v (one head each); learned positions, a tied head."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = GPTBigCodeConfig(vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=layers, n_positions=SEQ, multi_query=True,
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0,
+                           eos_token_id=0)
+    return GPTBigCodeForCausalLM(cfg)
+
+
 def falcon_mha(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     """Hugging Face Falcon, the old layout without multi-query: the fused QKV interleaved per head (q, k, v of
     head 0, then of head 1...), attention and MLP in parallel from one LayerNorm, biases on the linears."""
@@ -303,7 +315,7 @@ def gptj(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return GPTJForCausalLM(cfg)
 
 
-MODELS.update(t5=t5, bloom=bloom, falcon=falcon, falcon_new=falcon_new, falcon_groups=falcon_groups, falcon_mha=falcon_mha, phi3=phi3,
+MODELS.update(t5=t5, bloom=bloom, falcon=falcon, falcon_new=falcon_new, falcon_groups=falcon_groups, falcon_mha=falcon_mha, gpt_bigcode=gpt_bigcode, phi3=phi3,
               gpt_neox=gpt_neox, gptj=gptj)
 
 
