@@ -36,7 +36,7 @@ PassFn = Callable[[Program], Program]
 
 # Every pass meshc knows, in the order build_passes runs them. DESIGN.md §3 also places context (cp) between
 # experts and tensor_parallel; it is not built, so it is not here.
-PASS_NAMES = ("shapes", "masks", "tp_placement", "experts", "context", "tensor_parallel", "gqa", "pipeline_split", "zero",
+PASS_NAMES = ("head_norms", "shapes", "masks", "tp_placement", "experts", "context", "tensor_parallel", "gqa", "pipeline_split", "zero",
               "grad_sync", "fuse_comm", "remat")
 
 
@@ -62,6 +62,7 @@ def build_passes(program: Program) -> list[tuple[str, PassFn]]:
     from meshc.passes.experts import experts_pass
     from meshc.passes.fuse_comm import fuse_comm_pass
     from meshc.passes.attention.gqa import gqa_pass
+    from meshc.passes.attention.head_norms import head_norms_pass
     from meshc.passes.grad_sync import grad_sync_pass
     from meshc.passes.attention.masks import masks_pass
     from meshc.passes.pipeline_split import pipeline_split_pass
@@ -76,7 +77,7 @@ def build_passes(program: Program) -> list[tuple[str, PassFn]]:
     if unknown:
         raise MeshcValueError(f"Plan.disable: unknown pass {unknown[0]!r}: expected names among "
                               f"{', '.join(PASS_NAMES)}")
-    wanted = [("shapes", shapes_pass), ("masks", masks_pass), ("tp_placement", tp_placement_pass), ("experts", experts_pass),
+    wanted = [("head_norms", head_norms_pass), ("shapes", shapes_pass), ("masks", masks_pass), ("tp_placement", tp_placement_pass), ("experts", experts_pass),
               ("context", context_pass),
               ("tensor_parallel", tensor_parallel_pass), ("gqa", gqa_pass),
               ("pipeline_split", pipeline_split_pass), ("zero", zero_pass), ("grad_sync", grad_sync_pass),

@@ -272,6 +272,18 @@ def gpt_bigcode(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return GPTBigCodeForCausalLM(cfg)
 
 
+def stablelm(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face StableLM with qk_layernorm: q and k split into one piece per head, each through its own
+    LayerNorm, concatenated back (a norm per head); partial rotary, SwiGLU."""
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = StableLmConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=4, qk_layernorm=True, max_position_embeddings=SEQ,
+                         use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return StableLmForCausalLM(cfg)
+
+
 def falcon_mha(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     """Hugging Face Falcon, the old layout without multi-query: the fused QKV interleaved per head (q, k, v of
     head 0, then of head 1...), attention and MLP in parallel from one LayerNorm, biases on the linears."""
@@ -315,7 +327,7 @@ def gptj(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return GPTJForCausalLM(cfg)
 
 
-MODELS.update(t5=t5, bloom=bloom, falcon=falcon, falcon_new=falcon_new, falcon_groups=falcon_groups, falcon_mha=falcon_mha, gpt_bigcode=gpt_bigcode, phi3=phi3,
+MODELS.update(t5=t5, bloom=bloom, falcon=falcon, falcon_new=falcon_new, falcon_groups=falcon_groups, falcon_mha=falcon_mha, gpt_bigcode=gpt_bigcode, stablelm=stablelm, phi3=phi3,
               gpt_neox=gpt_neox, gptj=gptj)
 
 

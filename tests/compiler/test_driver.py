@@ -21,7 +21,7 @@ def test_driver_logs_each_pass_with_time_and_changes(fake_mesh, caplog):
     program = _traced(fake_mesh(dp=2))
     with caplog.at_level(logging.INFO, logger="meshc.driver"):
         out = run_passes(program)
-    assert [r.name for r in out.pass_log] == ["shapes", "masks", "tp_placement", "experts", "context", "tensor_parallel", "gqa",
+    assert [r.name for r in out.pass_log] == ["head_norms", "shapes", "masks", "tp_placement", "experts", "context", "tensor_parallel", "gqa",
                                               "pipeline_split", "zero", "grad_sync", "fuse_comm", "remat"]
     record = next(r for r in out.pass_log if r.name == "grad_sync")
     assert record.seconds > 0
@@ -46,8 +46,8 @@ def test_unknown_pass_name_is_an_error(fake_mesh):
 
 def test_debug_dir_dumps_before_and_after(fake_mesh, tmp_path):
     run_passes(_traced(fake_mesh(dp=2), debug_dir=str(tmp_path)))
-    before = (tmp_path / "09_grad_sync_before.txt").read_text()
-    after = (tmp_path / "09_grad_sync_after.txt").read_text()
+    before = (tmp_path / "10_grad_sync_before.txt").read_text()
+    after = (tmp_path / "10_grad_sync_after.txt").read_text()
     assert "grad_sync" not in before and "grad_sync" in after
     assert "all_reduce dp" in after
 

@@ -98,9 +98,11 @@ SHARDED = [("falcon_new", {}), ("falcon_new", {"sequence_parallel": True}), ("fa
            # multi-query k and v inside the fused projection (Falcon-7B): q sharded, k and v held whole
            ("falcon", {}), ("falcon", {"sequence_parallel": True}),
            # GPT-BigCode's multi-query c_attn: its output unsqueezed, then split into q, k and v of one head each
-           ("gpt_bigcode", {}), ("gpt_bigcode", {"sequence_parallel": True})]
+           ("gpt_bigcode", {}), ("gpt_bigcode", {"sequence_parallel": True}),
+           # StableLM's LayerNorm per head (a split into heads, a norm each, cat): one normalization (head_norms)
+           ("stablelm", {}), ("stablelm", {"sequence_parallel": True})]
 SHARDED = [(m, 2, p, 0.9) for m, p in SHARDED] + [(m, 4, {}, 0.9) for m in ("gpt_neox", "falcon_mha", "gptj", "falcon",
-                                                                          "falcon_groups", "gpt_bigcode")]
+                                                                          "falcon_groups", "gpt_bigcode", "stablelm")]
 # Phi-3's 2 kv heads at tp=4: k and v (flat slices of qkv_proj, each viewed as heads) held whole by every rank, as
 # Megatron replicates kv heads fewer than tp, q sharded: 8/9 of this config's block bytes
 SHARDED.append(("phi3", 4, {}, 8 / 9 - 1e-9))
