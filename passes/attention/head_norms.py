@@ -14,7 +14,7 @@ Ensures: every split of x along a dim d into pieces of size 1, each read by exac
     trailing dims after d (the same normalized shape and eps for all; weights and biases parameters or None alike),
     whose outputs are concatenated on d in the split's order and used by nothing else, is replaced by
     layer_norm(x, shape, None, None, eps) * stack(weights) + stack(biases) (the stacks viewed to broadcast on d);
-    the pieces' nodes are erased; "val" is recomputed for every node.
+    the pieces' nodes are erased; the new nodes' "val" computed from their inputs' (fake tensors).
 
 Before:  %split = aten.split(%q, 1, 1)                                  (B, 4, T, 16) -> 4 x (B, 1, T, 16)
          %ln_i = aten.layer_norm(%split[i], [16], %norms_i_weight, None, 1e-05)       (i = 0..3)
@@ -31,7 +31,6 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler.ir.program import Program
-from meshc.passes.layout import refresh_vals
 
 aten = torch.ops.aten
 NORM = aten.layer_norm.default
@@ -49,7 +48,6 @@ def head_norms_pass(program: Program) -> Program:
         _rewrite(graph, split, norms, cat)
     graph.eliminate_dead_code()
     program.gm.recompile()
-    refresh_vals(program)
     program.notes.append(f"{len(found)} norm(s) per head made one normalization with stacked weights")
     return program
 
@@ -99,15 +97,23 @@ def _rewrite(graph: fx.Graph, split: fx.Node, norms: list[fx.Node], cat: fx.Node
     ndim, d, heads = x.meta["val"].dim(), split.args[2] % x.meta["val"].dim(), len(norms)
     view = [1] * d + [heads] + [1] * (ndim - d - 1 - len(shape)) + list(shape)
     with graph.inserting_before(cat):
-        out = graph.call_function(NORM, (x, list(shape), None, None, eps))
+        out = _call(graph, NORM, x, list(shape), None, None, eps)
         for k, op in ((2, aten.mul.Tensor), (3, aten.add.Tensor)):
             params = [n.args[k] if len(n.args) > k else None for n in norms]
             if params[0] is None:
                 continue
-            stacked = graph.call_function(aten.view.default, (graph.call_function(aten.stack.default, (params,)), view))
-            out = graph.call_function(op, (out, stacked))
+            stacked = _call(graph, aten.view.default, _call(graph, aten.stack.default, params), view)
+            out = _call(graph, op, out, stacked)
     for n in (out, *out.all_input_nodes):
         n.meta["nn_module_stack"] = dict(norms[0].meta.get("nn_module_stack", {}))
         n.meta["stack_trace"] = norms[0].meta.get("stack_trace")
     out.meta["meshc.why"] = f"{heads} norms, one per head, as one normalization with their weights stacked"
     cat.replace_all_uses_with(out)
+
+
+def _call(graph: fx.Graph, target, *args) -> fx.Node:
+    """A new node with its "val": the op run on its inputs' fake tensors (their own fake mode)."""
+    node = graph.call_function(target, args)
+    val = lambda a: [val(b) for b in a] if isinstance(a, (list, tuple)) else a.meta["val"] if isinstance(a, fx.Node) else a
+    node.meta["val"] = target(*(val(a) for a in args))
+    return node
