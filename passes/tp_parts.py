@@ -9,6 +9,7 @@ is then taken apart (select/unbind after transposes), as nn.MultiheadAttention's
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -115,7 +116,7 @@ def _packed_parts(u: fx.Node, width: int) -> int:
         return 0
     cut = len(src) - 1
     tail = shape[cut:]
-    if shape[:cut] != src[:cut] or len(tail) not in (2, 3) or tail[0] < 2 or _prod(tail) != width:
+    if shape[:cut] != src[:cut] or len(tail) not in (2, 3) or tail[0] < 2 or math.prod(tail) != width:
         return 0
     sizes = tail
     todo, seen = [(u, cut)], set()
@@ -133,13 +134,6 @@ def _packed_parts(u: fx.Node, width: int) -> int:
                 return 0  # used as a whole somewhere: not parts
             todo.append((user, moved))
     return sizes[0] if seen else 0
-
-
-def _prod(xs: list[int]) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
 
 
 def _moved_dim(node: fx.Node, dim: int, ndim: int) -> int | None:

@@ -118,12 +118,13 @@ def tp_placement_pass(program: Program) -> Program:
 def _untried_reasons(program: Program, weights: dict[str, Weight]) -> None:
     """A reason for every block weight the Megatron trials never took up."""
     nodes = program.param_nodes()
+    used = {w.fqn for w in weights.values()}
     for spec in block_weights(program.params):
         module = spec.fqn.rsplit(".", 1)[0]
         if module in program.tp_why or spec.fqn not in nodes or isinstance(spec.placements.get(AXIS), Shard):
             continue
         uses = sorted({op_name(u.target) for u in nodes[spec.fqn].users})
-        if spec.fqn not in {w.fqn for w in weights.values()}:
+        if spec.fqn not in used:
             why = f"not the weight of a linear, matmul or embedding (used by {', '.join(uses) or 'nothing'})"
         elif not spec.requires_grad:
             why = "frozen (requires_grad=False)"
@@ -205,18 +206,19 @@ def _apply_pieces(program: Program, weights: dict[str, Weight], styles: dict[str
         if w.rows:
             by_fqn.setdefault(w.fqn, []).append(w)
     for fqn, pieces in by_fqn.items():
-        blocks: list = []
-        for w in pieces:
-            if styles.get(w.key) == "colwise":
-                k = w.chunks if isinstance(w.chunks, tuple) else (w.rows // w.chunks,) * w.chunks
-                blocks += list(k)
-            else:
-                blocks.append(Whole(w.rows))
-        program.params[fqn].placements[AXIS] = _blocks_placement(blocks)
+        program.params[fqn].placements[AXIS] = _pieces_placement([(w.rows, w) for w in pieces], styles)
     _apply_bias_pieces(program, weights, styles)
 
 
-def _blocks_placement(blocks: list):
+def _pieces_placement(pieces: list[tuple[int, Weight]], styles: dict[str, str]):
+    """S(0) over the blocks of (rows, the Weight whose output they make) pieces in order: a column-parallel
+    Weight's chunks, a Whole block where it is replicated; R where every piece is."""
+    blocks: list = []
+    for rows, w in pieces:
+        if styles.get(w.key) == "colwise":
+            blocks += list(w.chunks) if isinstance(w.chunks, tuple) else [rows // w.chunks] * w.chunks
+        else:
+            blocks.append(Whole(rows))
     return Replicate() if all(isinstance(b, Whole) for b in blocks) else Shard(0, as_chunks(blocks))
 
 
@@ -229,19 +231,13 @@ def _apply_bias_pieces(program: Program, weights: dict[str, Weight], styles: dic
         found = bias_piece(w.node) if w.kind == "linear" else None
         if found:
             parts.setdefault(found[0], {})[found[1]] = (found[2], w)
+    nodes = program.param_nodes()
     for fqn, by_index in parts.items():
-        uses = program.param_nodes()[fqn].users
+        uses = nodes[fqn].users
         if sorted(by_index) != list(range(len(by_index))) or len(uses) != 1 or \
-                len([u for u in next(iter(uses)).users]) != len(by_index):
+                len(next(iter(uses)).users) != len(by_index):
             continue  # a piece read by anything but one linear: left as the rules place it
-        blocks: list = []
-        for i in sorted(by_index):
-            rows, w = by_index[i]
-            if styles.get(w.key) == "colwise":
-                blocks += list(w.chunks) if isinstance(w.chunks, tuple) else [rows // w.chunks] * w.chunks
-            else:
-                blocks.append(Whole(rows))
-        program.params[fqn].placements[AXIS] = _blocks_placement(blocks)
+        program.params[fqn].placements[AXIS] = _pieces_placement([by_index[i] for i in sorted(by_index)], styles)
 
 
 # ---------------------------------------------------------------------------------------- weights

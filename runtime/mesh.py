@@ -47,12 +47,7 @@ class Mesh:
         self.device = device
         self.backend = dist.get_backend()
         self.timeout = timeout
-        self._groups: dict[str, dist.ProcessGroup] = {}
-        for axis in shape.group_axes:
-            for row in shape.all_groups(axis):  # every rank creates every group, in the same order
-                group = dist.new_group(list(row), timeout=timeout)
-                if self.rank in row:
-                    self._groups[axis] = group
+        self._groups: dict[str, dist.ProcessGroup] = self._new_groups(shape, shape.group_axes)
         self._gradient_group: dist.ProcessGroup | None = None
         if self.sizes.get("pp", 1) > 1:  # a second group over each pp group's ranks: see pipeline_group
             for row in shape.all_groups("pp"):
@@ -74,18 +69,24 @@ class Mesh:
 
             shape = self.spec.hybrid(replicas)
             out = copy.copy(self)
-            out._groups = {a: g for a, g in self._groups.items() if a not in ("dps", "dpr")}
-            for axis in ("dps", "dpr"):
-                for row in shape.all_groups(axis):
-                    group = dist.new_group(list(row), timeout=self.timeout)
-                    if self.rank in row:
-                        out._groups[axis] = group
+            out._groups = {**{a: g for a, g in self._groups.items() if a not in ("dps", "dpr")},
+                           **self._new_groups(shape, ("dps", "dpr"))}
             out.sizes = dict(shape.sizes)
             out.spec = MeshSpec(out.sizes, out._exchange_group_names(shape), device_type=self.device.type,
                                 backend=self.backend)
             out._device_mesh, out._hybrids = None, self._hybrids
             self._hybrids[replicas] = out
         return self._hybrids[replicas]
+
+    def _new_groups(self, shape: MeshSpec, axes) -> dict[str, dist.ProcessGroup]:
+        """This rank's process group on each of `axes`; every rank creates every group, in the same order."""
+        mine = {}
+        for axis in axes:
+            for row in shape.all_groups(axis):
+                group = dist.new_group(list(row), timeout=self.timeout)
+                if self.rank in row:
+                    mine[axis] = group
+        return mine
 
     # ----------------------------------------------------------------------------- coordinates
     def size(self, axis: str) -> int:
