@@ -51,7 +51,9 @@ aten = torch.ops.aten
 class Weight:
     fqn: str
     module: str
-    kind: str  # "linear" (out, in) | "conv1d" (in, out) | "embedding" (rows, dim) | "experts" (E, out, in)
+    # "linear" (out, in) | "conv1d" (in, out) | "embedding" (rows, dim) | "experts" (E, out, in) read transposed by a
+    # grouped matmul | "experts_io" (E, in, out) read as it is by a grouped matmul or a bmm (GPT-OSS, Llama 4)
+    kind: str
     node: fx.Node  # the op that uses it
     act: fx.Node | None  # the activation it multiplies
     bias: str | None
@@ -64,7 +66,7 @@ class Weight:
 
     @property
     def out_dim(self) -> int:
-        return 1 if self.kind in ("conv1d", "experts") else 0
+        return {"conv1d": 1, "experts": 1, "experts_io": 2}.get(self.kind, 0)
 
     @property
     def in_dim(self) -> int:
@@ -119,12 +121,16 @@ def _untried_reasons(program: Program, weights: dict[str, Weight]) -> None:
     """A reason for every block weight the Megatron trials never took up."""
     nodes = program.param_nodes()
     used = {w.fqn for w in weights.values()}
+    bias_of = {w.bias: w for w in weights.values() if w.bias}
     for spec in block_weights(program.params):
         module = spec.fqn.rsplit(".", 1)[0]
         if module in program.tp_why or spec.fqn not in nodes or isinstance(spec.placements.get(AXIS), Shard):
             continue
         uses = sorted({op_name(u.target) for u in nodes[spec.fqn].users})
-        if spec.fqn not in used:
+        if spec.fqn in bias_of:  # a per-expert bias (2-D) of a row-parallel layer
+            why = (f"{spec.fqn.rsplit('.', 1)[1]}: the bias of row-parallel {bias_of[spec.fqn].fqn.rsplit('.', 1)[1]}, "
+                   f"added whole after the reduction as Megatron does")
+        elif spec.fqn not in used:
             why = f"not the weight of a linear, matmul or embedding (used by {', '.join(uses) or 'nothing'})"
         elif not spec.requires_grad:
             why = "frozen (requires_grad=False)"
@@ -189,8 +195,8 @@ def _apply(program: Program, w: Weight, style: str) -> None:
     elif w.kind == "embedding":
         placement = Shard(1) if style == "colwise" else Shard(0)
         bias = Replicate()
-    elif style in ("colwise", "vocab"):
-        placement, bias = Shard(w.out_dim, w.chunks), Shard(0, w.chunks)
+    elif style in ("colwise", "vocab"):  # a bias (out,), or per expert (E, out)
+        placement, bias = Shard(w.out_dim, w.chunks), Shard(1 if w.kind.startswith("experts") else 0, w.chunks)
     else:
         placement, bias = Shard(w.in_dim if ndim >= 2 else 0), Replicate()
     spec.placements[AXIS] = placement
@@ -248,7 +254,7 @@ def _weights(program: Program) -> dict[str, Weight]:
     n = program.mesh.size(AXIS)
     for fqn, node in program.param_nodes().items():
         spec = program.params[fqn]
-        if len(spec.shape) != 2 and not (len(spec.shape) == 3 and any(_expert_use(u) for u in node.users)):
+        if len(spec.shape) != 2 and not (len(spec.shape) == 3 and any(_expert_use(u, node) for u in node.users)):
             continue
         pieces = weight_pieces(node) if len(spec.shape) == 2 else None
         for i, (rows, linear) in enumerate(pieces or ()):  # cut before its linears: one Weight per piece
@@ -278,20 +284,39 @@ def _as_weight(program, fqn, node, use) -> Weight | None:
             return Weight(fqn, module, "linear", mm, mm.args[0], None, chunks_of(mm, n))
     if use.target == aten.embedding.default and use.args[0] is node:
         return Weight(fqn, module, "embedding", use, use.args[1], None, 1)
-    if _expert_use(use):  # experts (E, out, in) read as (E, in, out) by a grouped matmul: linear layers
-        (mm,) = use.users
-        return Weight(fqn, module, "experts", mm, mm.args[0], None, chunks_of(mm, n))
+    kind = _expert_use(use, node)
+    if kind:  # experts: a linear layer each, (E, out, in) read as (E, in, out) through a transpose, or (E, in, out)
+        mm = use if kind == "experts_io" else next(iter(use.users))
+        return Weight(fqn, module, kind, mm, mm.args[0], _expert_bias(mm), chunks_of(mm, n))
     return None
 
 
-def _expert_use(use: fx.Node) -> bool:
-    """Is `use` a transpose of a 3-D weight's last two dims whose one user takes it as a grouped matmul's weight?"""
-    if use.op != "call_function" or use.target != aten.transpose.int or len(use.meta.get("meshc.shape") or ()) != 3:
-        return False
-    if {d % 3 for d in use.args[1:3]} != {1, 2} or len(use.users) != 1:
-        return False
+def _expert_use(use: fx.Node, weight: fx.Node) -> str | None:
+    """How `use` reads a 3-D weight as the experts of a grouped matmul or a bmm (every expert over its own rows):
+    "experts" through a transpose of its last two dims, "experts_io" as it is; None otherwise."""
+    if use.op != "call_function" or len(weight.meta.get("meshc.shape") or ()) != 3:
+        return None
+    if (is_grouped_mm(use) or use.target == aten.bmm.default) and use.args[1] is weight and use.args[0] is not weight:
+        return "experts_io"
+    if use.target != aten.transpose.int or {d % 3 for d in use.args[1:3]} != {1, 2} or len(use.users) != 1:
+        return None
     (mm,) = use.users
-    return is_grouped_mm(mm) and mm.args[1] is use
+    return "experts" if is_grouped_mm(mm) and mm.args[1] is use else None
+
+
+def _expert_bias(mm: fx.Node) -> str | None:
+    """The per-expert bias (E, out) a grouped matmul's output is added to, gathered per row by the rows' expert ids
+    (`out + bias[ids]`: GPT-OSS), if any."""
+    for add in mm.users:
+        if add.target not in (aten.add.Tensor, aten.add_.Tensor) or len(add.args) != 2 or mm not in add.args:
+            continue
+        other = add.args[1] if add.args[0] is mm else add.args[0]
+        if isinstance(other, fx.Node) and other.target == aten.index.Tensor and len(other.users) == 1:
+            table = other.args[0]
+            if table.op == "placeholder" and len(table.meta.get("meshc.shape") or ()) == 2 and \
+                    len(other.args[1]) == 1:
+                return table.meta.get("meshc.fqn")
+    return None
 
 
 MATMULS = (aten.mm.default, aten.matmul.default, aten.bmm.default)

@@ -91,7 +91,8 @@ def _shape(node: fx.Node) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------------- pointwise
-LINEAR_IN_PARTIAL = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.mul.Tensor, aten.div.Tensor,
+LINEAR_IN_PARTIAL = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.neg.default,
+                     aten.mul.Tensor, aten.div.Tensor,
                      aten.clone.default, aten.alias.default, aten.contiguous.default, aten.detach.default}
 
 
@@ -162,7 +163,7 @@ def _partial_ok(node, tensors, pls) -> bool:
         return False
     partial = [path for path, _ in tensors if isinstance(pls[path], Partial)]
     others = [path for path, _ in tensors if not isinstance(pls[path], Partial)]
-    if node.target in (aten.add.Tensor, aten.sub.Tensor):
+    if node.target in (aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor):
         scalar_other = any(not isinstance(a, fx.Node) for a in node.args[:2])
         return not others and not scalar_other  # P + P; never P + R or P + scalar
     if node.target in (aten.mul.Tensor, aten.div.Tensor):
@@ -260,11 +261,12 @@ def matmul_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
         if has_whole(pb.chunks):  # multi-query k and v held whole beside q's shard: one matmul per run of blocks
             rewrite = lambda nd: split_whole_matmul(nd, ctx.placements, ctx.n, bp, b_n, biasp)  # noqa: E731
         return Decision(req, Shard(nout - 1, pb.chunks), rewrite=rewrite)
-    if a_batch and (b_batch or nb == 2):
+    if a_batch and (b_batch or nb == 2 or isinstance(pb, Replicate)):  # batch dims: b's sliced alike (unless broadcast)
+        b_dim = pa.dim - na + nb
         if b_batch and pb.dim - nb != pa.dim - na:
             req[bp] = R
-        elif nb > 2 and not b_batch:
-            req[bp] = Shard(pa.dim - na + nb, pa.chunks)
+        elif nb > 2 and not b_batch and b_dim >= 0 and _shape(b)[b_dim] != 1:
+            req[bp] = Shard(b_dim, pa.chunks)
         return _with_bias(node, ctx, req, Shard(pa.dim + nout - na, pa.chunks), biasp)
     if isinstance(pa, Shard) and pa.dim == na - 2:  # a's rows sharded: output rows sharded
         if isinstance(pb, Shard):

@@ -266,7 +266,23 @@ def slice_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
             if len(nd.args) > 3:
                 nd.update_arg(3, local[j])
         return Decision({}, blocks_placement(dim, held), rewrite=rewrite)  # k of multi-query: R
+    strided = _strided(p, src[dim], start, end, step, ctx.n)
+    if strided is not None:
+        return strided
     return Decision({(0,): R}, R, note=f"slice of the sharded dim {dim}")
+
+
+def _strided(p: Shard, size: int, start: int, end: int, step: int, n: int) -> Decision | None:
+    """x[..., start::step] over a sharded dim whose every local block is a whole number of steps (GPT-OSS's
+    interleaved gate/up, `gate_up[..., ::2]` and `[..., 1::2]`): each rank's block begins at a multiple of the step,
+    so the same slice of the local tensor keeps exactly its share of the picked positions, in order; the output is
+    sharded alike, in blocks a step smaller."""
+    if step <= 1 or not 0 <= start < step or end != size or has_whole(p.chunks):
+        return None
+    blocks = [int(b) for b in block_sizes(p.chunks, size)]
+    if any(b % (step * n) for b in blocks):
+        return None
+    return Decision({}, Shard(p.dim, as_chunks([b // step for b in blocks])))
 
 
 def _bound(i, size: int, default: int) -> int:

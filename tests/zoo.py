@@ -358,7 +358,47 @@ def olmoe(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return OlmoeForCausalLM(cfg)
 
 
+def gpt_oss(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face GPT-OSS: experts stored (E, in, out) and read as they are by a grouped matmul, per-expert biases
+    gathered by the rows' expert ids, gate and up interleaved in one projection (`[..., ::2]`, `[..., 1::2]`), a
+    router with a bias; attention with learned sinks (eager attention), 2 kv heads."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = GptOssConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=32, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                       vocab_size=VOCAB, max_position_embeddings=SEQ, layer_types=["full_attention"] * layers,
+                       use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, router_aux_loss_coef=0.0)
+    model = GptOssForCausalLM(cfg)
+    with torch.no_grad():  # the config's init leaves the biases and sinks at zero: make them count
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.normal_(0.0, 0.02)
+    return model
+
+
+def llama4_moe(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face Llama 4 (text): every token through every expert by bmm over (E, in, out) weights, scaled by the
+    router's sigmoid scores (zero off its top-k), gate|up fused and chunked; a shared expert beside them."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Llama4TextConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=32, intermediate_size_mlp=64,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                           num_experts_per_tok=1, interleave_moe_layer_step=1, vocab_size=VOCAB,
+                           max_position_embeddings=SEQ, use_cache=False, bos_token_id=0, eos_token_id=0,
+                           pad_token_id=0, router_aux_loss_coef=0.0)
+    model = Llama4ForCausalLM(cfg)
+    with torch.no_grad():  # transformers leaves the experts' gate_up at zero (loaded from a checkpoint in practice)
+        for name, p in model.named_parameters():
+            if "experts" in name:
+                p.normal_(0.0, 0.05)
+    return model
+
+
 MODELS["deepseek_v3"] = deepseek_v3
+MODELS["gpt_oss"] = gpt_oss
+MODELS["llama4_moe"] = llama4_moe
 MODELS["olmoe"] = olmoe
 MODELS["mixtral4"] = lambda seed=0: mixtral(seed, layers=4)
 MODELS["mixtral_gathered"] = lambda seed=0, layers=2: mixtral(seed, layers=layers, experts="batched_mm")
