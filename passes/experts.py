@@ -13,13 +13,18 @@ Recognition (as rules over ops and data flow):
   * or, gathered: `bmm(weight[ids], rows)` (transformers' batched_mm experts), `weight` a 3-D parameter indexed
     by a 1-D tensor of expert ids, one per row; the rows are sorted by id first (then as above) and put back
     in their order after the combine;
-  * the grouped matmuls sharing one `offsets` (or one `ids`) are one expert region; the ops between them must be
-    row-wise (pointwise ops, splits of the feature dim, dtype casts): then the region is computed on the
-    rows of the local experts only. Its one input (the sorted rows) is dispatched before the first grouped
-    matmul; its one output is combined after the last.
+  * or, dense: `bmm(rows.view(E, T, H), weight)` (Llama 4: every token through every expert, the router's scores
+    applied before), `weight` a 3-D parameter (E, in, out) read as it is, the region's output viewed back to
+    (E·T, N) rows: the rows are sorted by expert already, T for each, so the same dispatch moves them
+    (an even split) and the view keeps E/ep experts;
+  * the grouped matmuls sharing one `offsets` (or one `ids`, or one dense input) are one expert region; the ops
+    between them must be row-wise (pointwise ops, splits of the feature dim, dtype casts): then the region is
+    computed on the rows of the local experts only. Its one input (the sorted rows) is dispatched before the
+    first grouped matmul; its one output is combined after the last. A per-expert bias (E, N) gathered by the
+    rows' sorted expert ids (`out + bias[ids]`, GPT-OSS) is read inside the region, by the local ids.
 What stops recognition is said in a MeshcWarning naming the node (the experts then stay replicated, which
 is correct): a weight that is not a parameter with a leading expert dim, E not divisible by ep, an op in
-the region that mixes rows, a tensor read from outside the region (a bias gathered per row), several
+the region that mixes rows, a tensor read from outside the region (other than such a bias), several
 inputs or outputs.
 
 Requires: "val" on every node; runs before tensor_parallel (which sees the experts' local shapes).
@@ -55,12 +60,13 @@ from meshc.compiler.ir.errors import MeshcWarning, warn
 from meshc.compiler.ir.fx_ops import grouped_mm_args, is_grouped_mm, is_view, op_short_name
 from meshc.compiler.ir.placement import Shard
 from meshc.compiler.ir.program import CommRecord, Program
-from meshc.runtime.ops.experts import combine, dispatch, local_ids, sort_rows, unsort_rows
+from meshc.runtime.ops.experts import combine, dispatch, even_offsets, local_ids, sort_rows, unsort_rows
 
 from meshc.passes.layout import refresh_vals
 
 AXIS = "ep"
 aten = torch.ops.aten
+_ADDS = (aten.add.Tensor, aten.add_.Tensor)
 # Row-wise beyond pointwise ops: casts, metadata checks, and cuts of the feature dim (checked below).
 _ROWWISE = frozenset({"_assert_tensor_metadata", "to", "_to_copy", "clone", "contiguous", "chunk", "split",
                       "split_with_sizes", "slice", "narrow", "getitem", "dropout", "native_dropout"})
@@ -79,9 +85,16 @@ class ExpertRegion:
     stopped: list[str] = field(default_factory=list)  # why it cannot be sharded (empty: it can)
     ids: fx.Node | None = None  # the gathered form: each row's expert id, indexing the weights
     weight_at: dict = field(default_factory=dict)  # matmul -> position of its weight argument
+    dense: fx.Node | None = None  # the dense form: the view of the rows into (E, T, H) that the first bmm reads
+    biases: list[fx.Node] = field(default_factory=list)  # bias[ids] reads of per-expert biases (E, N)
 
     def rows_of(self, mm: fx.Node) -> fx.Node:
         return mm.args[1 - self.weight_at.get(mm, 1)]
+
+    @property
+    def row_dims(self) -> int:
+        """The leading dims that index rows (the dense form's (E, T)); the rest are features."""
+        return 2 if self.dense is not None else 1
 
 
 def experts_pass(program: Program) -> Program:
@@ -127,7 +140,10 @@ def find_regions(program: Program) -> list[ExpertRegion]:
     """Every expert region of the graph, each with the reasons (if any) it cannot be sharded."""
     fqn_of = {n: n.meta["meshc.fqn"] for n in program.placeholders("param")}
     by_offsets: dict[fx.Node, ExpertRegion] = {}
+    dense_at: dict[fx.Node, ExpertRegion] = {}  # nodes computed from a dense region's rows, row-wise
     for node in program.gm.graph.nodes:
+        if _dense_step(node, fqn_of, dense_at, by_offsets, program):
+            continue
         if _gathered(node, fqn_of):  # weight[ids] @ rows, per row (transformers' batched_mm experts)
             (mm,) = node.users
             ids, param = node.args[1][0], fqn_of[node.args[0]]
@@ -160,8 +176,38 @@ def find_regions(program: Program) -> list[ExpertRegion]:
             if other is not None:
                 region.stopped.append(f"{fqn} is also used by {other.format_node()}, outside the grouped matmuls")
         if not region.stopped:
-            _bound(region, order)
+            _bound(region, order, fqn_of)
     return list(by_offsets.values())
+
+
+def _dense_step(node: fx.Node, fqn_of: dict, dense_at: dict, regions: dict, program: Program) -> bool:
+    """The dense form, one node at a time in graph order: a bmm over (E, T, H) rows viewed from (E·T, H) by a 3-D
+    parameter with E experts starts a region (keyed by the view) or continues the one its rows come from; a
+    row-wise op of a region's values carries the region on. True when `node` is such a bmm."""
+    region = next((dense_at[a] for a in node.all_input_nodes if a in dense_at), None)
+    if node.op != "call_function" or node.target != aten.bmm.default or len(node.args) != 2:
+        if region is not None and _rowwise(node, 2):
+            dense_at[node] = region
+        return False
+    rows, weight = node.args
+    param = _param_through_views(weight, fqn_of)
+    if param is None or len(program.params[param].shape) != 3 or rows is weight:
+        return False
+    experts = int(program.params[param].shape[0])
+    if region is None:
+        src = rows.args[0] if rows.op == "call_function" and is_view(rows.target) and rows.args else None
+        shape = tuple(rows.meta["val"].shape)
+        if not isinstance(src, fx.Node) or src.meta["val"].dim() != 2 or len(shape) != 3 or shape[0] != experts \
+                or src.meta["val"].shape[0] != shape[0] * shape[1]:
+            return False
+        region = regions.setdefault(rows, ExpertRegion(None, [], [], experts, dense=rows))
+    elif region.experts != experts:
+        return False
+    region.matmuls.append(node)
+    region.weight_at[node] = 1
+    region.params += [param] if param not in region.params else []
+    dense_at[node] = region
+    return True
 
 
 def _gathered(node: fx.Node, fqn_of: dict) -> bool:
@@ -217,7 +263,7 @@ def _lead(node: fx.Node):
     return val.shape[0] if isinstance(val, torch.Tensor) and val.dim() else None
 
 
-def _bound(region: ExpertRegion, order: dict[fx.Node, int]) -> None:
+def _bound(region: ExpertRegion, order: dict[fx.Node, int], fqn_of: dict) -> None:
     """Find the region's one input and one output, and check that everything between is row-wise."""
     mms = set(region.matmuls)
     rows = [region.rows_of(mm) for mm in region.matmuls]
@@ -228,16 +274,64 @@ def _bound(region: ExpertRegion, order: dict[fx.Node, int]) -> None:
         region.stopped.append(f"{len(entries)} inputs enter the grouped matmuls (expected the sorted rows alone)")
     if len(exits) != 1:
         region.stopped.append(f"{len(exits)} grouped matmuls feed ops outside the region (expected one output)")
+    expert_ids = region.ids if region.offsets is None else _sorted_ids(region.offsets)
     for node in sorted(inside, key=order.__getitem__):
-        if not _rowwise(node):
+        if not _rowwise(node, region.row_dims):
             region.stopped.append(f"{node.format_node()} is not row-wise (only pointwise ops, casts and cuts of "
                                   f"the feature dim may sit between grouped matmuls)")
         for arg in node.all_input_nodes:
-            if arg not in inside and arg not in mms and isinstance(arg.meta.get("val"), torch.Tensor) \
-                    and arg.meta["val"].dim() > 0:
+            if arg in inside or arg in mms or not isinstance(arg.meta.get("val"), torch.Tensor) \
+                    or arg.meta["val"].dim() == 0:
+                continue
+            bias = _bias_read(arg, expert_ids, region.experts, fqn_of)
+            if bias is not None and len(arg.users) == 1:
+                region.biases.append(arg)
+                region.params += [bias] if bias not in region.params else []
+            else:
                 region.stopped.append(f"{node.format_node()} reads {arg.name} from outside the region")
     if not region.stopped:
         region.entry, region.exit = entries.pop(), exits[0]
+        while len(region.exit.users) == 1:  # the last matmul's per-expert bias (GPT-OSS's down_proj_bias) joins
+            add = next(iter(region.exit.users))
+            other = [a for a in add.args if a is not region.exit] if add.target in _ADDS and len(add.args) == 2 else []
+            if len(other) != 1 or _bias_read(other[0], expert_ids, region.experts, fqn_of) is None \
+                    or len(other[0].users) != 1:
+                break
+            region.biases.append(other[0])
+            region.params.append(_bias_read(other[0], expert_ids, region.experts, fqn_of))
+            region.exit = add
+        if region.dense is not None:  # the rows before their (E, T, H) view; the output viewed back to rows
+            region.entry = region.dense.args[0]
+            users = list(region.exit.users)
+            if len(users) != 1 or not is_view(users[0].target) or users[0].meta["val"].dim() != 2:
+                region.stopped.append(f"{region.exit.format_node()} is not viewed back to (E·T, N) rows alone")
+            else:
+                region.exit = users[0]
+
+
+def _sorted_ids(offsets: fx.Node) -> fx.Node | None:
+    """The rows' sorted expert ids that the running counts were counted from (`cumsum(histc(ids.float()))`,
+    transformers' grouped experts), if that is how they were made."""
+    node = offsets
+    while node.op == "call_function" and op_short_name(node.target) in ("cumsum", "histc", "bincount", "to",
+                                                                         "_to_copy"):
+        node = node.args[0]
+    return node if node is not offsets and node.op == "call_function" else None
+
+
+def _bias_read(node: fx.Node, ids: fx.Node | None, experts: int, fqn_of: dict) -> str | None:
+    """The per-expert bias parameter (E, N) of `bias[ids]`, read by the region's own expert ids; else None."""
+    if ids is None or node.target != aten.index.Tensor or list(node.args[1]) != [ids]:
+        return None
+    param = _param_through_views(node.args[0], fqn_of)
+    if param is None or _lead(node.args[0]) != experts:
+        return None
+    src = node  # read by this gather alone: a bias used elsewhere too would see only this rank's experts there
+    while src not in fqn_of:
+        if len(src.args[0].users) != 1:
+            return None
+        src = src.args[0]
+    return param
 
 
 def _between(mms: list[fx.Node], rows: list[fx.Node], order: dict[fx.Node, int]) -> set[fx.Node]:
@@ -261,15 +355,17 @@ def _between(mms: list[fx.Node], rows: list[fx.Node], order: dict[fx.Node, int])
     return below & above
 
 
-def _rowwise(node: fx.Node) -> bool:
+def _rowwise(node: fx.Node, row_dims: int = 1) -> bool:
+    """Does `node` act on each row alone (its first `row_dims` dims index rows)?"""
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
         return True
     name = op_short_name(node.target)
     if name in ("chunk", "split", "split_with_sizes", "slice", "narrow"):
-        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-        return dim != 0
+        at = 1 if name in ("slice", "narrow") else 2  # slice(x, dim, start, end, step); split(x, size, dim)
+        dim = node.args[at] if len(node.args) > at else node.kwargs.get("dim", 0)
+        return dim % node.args[0].meta["val"].dim() >= row_dims
     if name in ("squeeze", "unsqueeze"):  # a size-1 dim in or out beside the rows (the gathered form's bmm)
         return len(node.args) > 1 and isinstance(node.args[1], int) and node.args[1] % (node.args[0].meta["val"].dim()
                                                                                        + (name == "unsqueeze")) != 0
@@ -287,12 +383,12 @@ def _shard(program: Program, index: int, region: ExpertRegion, ep: int) -> None:
 
 def _mark_experts(program: Program, region: ExpertRegion) -> None:
     """The expert parameters S(0) over ep; the weight, and its views, hold E/ep experts (gathered: the parameter
-    alone: weight[ids] has a row per token)."""
+    alone: weight[ids] has a row per token; likewise a bias read as bias[ids])."""
     for fqn in region.params:
         program.params[fqn].placements[AXIS] = Shard(0)
-    for mm in region.matmuls:
-        node = mm.args[region.weight_at.get(mm, 1)]
-        node = node.args[0] if region.ids is not None else node
+    weights = [mm.args[region.weight_at.get(mm, 1)] for mm in region.matmuls]
+    weights = [w.args[0] for w in weights] if region.ids is not None else weights
+    for node in weights + [b.args[0] for b in region.biases]:
         while True:
             node.meta["meshc.placement"] = {**node.meta.get("meshc.placement", {}), AXIS: Shard(0)}
             if node.op == "placeholder":
@@ -309,11 +405,15 @@ def _payload(val: torch.Tensor) -> int:
 def _dispatch(graph: fx.Graph, index: int, region: ExpertRegion, ep: int, group: str, why: str):
     """Insert the dispatch (sorting the gathered form's rows first) and make the matmuls read local rows and
     local counts (or local ids); returns (dispatch's parts, the running counts it was given, the sort order)."""
-    first = min(region.matmuls, key=list(graph.nodes).index)
+    first = region.dense if region.dense is not None else min(region.matmuls, key=list(graph.nodes).index)
     rows_in, offsets, order = region.entry, region.offsets, None
     with graph.inserting_before(first):
         if region.ids is not None:  # sorted by expert first, as the grouped form arrives
             rows_in, offsets, order = _sorted(graph, region, why)
+        if region.dense is not None:  # T rows for each expert, in expert order already
+            offsets = graph.call_function(even_offsets, (rows_in,), {"experts": region.experts})
+            offsets.meta.update({"meshc.why": f"{why}: the same count of rows for each expert",
+                                 "meshc.shape": (region.experts,)})
         sent = graph.call_function(dispatch, (rows_in, offsets), {"group": group, "size": ep, "layer": index})
         parts = [graph.call_function(operator.getitem, (sent, i)) for i in range(3)]
     nbytes = _payload(region.entry.meta["val"])
@@ -327,21 +427,55 @@ def _dispatch(graph: fx.Graph, index: int, region: ExpertRegion, ep: int, group:
     sent.meta["meshc.shape"] = shapes
     for part, shape in zip(parts, shapes):
         part.meta["meshc.shape"] = shape
-    if region.ids is not None:
+    ids = None
+    if region.ids is not None or region.biases:
         with graph.inserting_before(first):
             ids = graph.call_function(local_ids, (parts[0], parts[1]))
         ids.meta.update({"meshc.why": f"{why}: each row's local expert", "meshc.shape": (region.entry.meta["val"].shape[0],)})
+    if region.ids is not None:
         for mm in region.matmuls:  # each weight[ids] moves next to its bmm, after the local ids exist
             mm.prepend(mm.args[region.weight_at[mm]])
+    for bias in region.biases:  # bias[local ids] of the local experts, read where it is used
+        next(iter(bias.users)).prepend(bias)
+        bias.update_arg(1, [ids])
+    if region.dense is not None:  # the rows' view holds the local experts: (E/ep, ep·T, H)
+        _local_view(region.dense, parts[0], local, region.exit)
     for mm in region.matmuls:
         at = region.weight_at.get(mm, 1)
         if mm.args[1 - at] is region.entry:
             mm.update_arg(1 - at, parts[0])
         if region.ids is not None:
             mm.args[at].update_arg(1, [ids])  # weight[local ids] of the local experts
-        else:
+        elif region.dense is None:
             mm.update_arg(2, parts[1])
     return parts, offsets, order
+
+
+def _local_view(view: fx.Node, rows: fx.Node, local: int, exit: fx.Node) -> None:
+    """The dense form's `rows.view(E, T, H)` made `view(E/ep, -1, H)` of the dispatched rows; the shapes of the
+    region's values, (E, T, ...) before, become (E/ep, ep·T, ...)."""
+    view.update_arg(0, rows)
+    view.update_arg(1, [local, -1, *list(view.args[1])[2:]])
+    lead = tuple(int(d) for d in (view.meta.get("meshc.shape") or view.meta["val"].shape)[:2])
+    stack, seen = [view], set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node is exit:
+            continue
+        seen.add(node)
+        shape = node.meta.get("meshc.shape")
+        if isinstance(shape, tuple) and shape and isinstance(shape[0], tuple):  # a tuple of tensors (chunk)
+            node.meta["meshc.shape"] = tuple(_local_lead(s, lead, local) for s in shape)
+        elif shape is not None:
+            node.meta["meshc.shape"] = _local_lead(shape, lead, local)
+        stack.extend(node.users)
+
+
+def _local_lead(shape, lead: tuple[int, int], local: int):
+    """(E, T, ...) -> (E/ep, ep·T, ...); other shapes as they are."""
+    if shape is None or len(shape) < 2 or tuple(int(d) for d in shape[:2]) != lead:
+        return shape
+    return (local, lead[0] * lead[1] // local, *shape[2:])
 
 
 def _combine(graph: fx.Graph, index: int, region: ExpertRegion, ep: int, group: str, offsets: fx.Node,

@@ -300,15 +300,21 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _user_frame(error: BaseException) -> str | None:
+def _user_frame(error: BaseException) -> traceback.FrameSummary | None:
     """The innermost frame of the traceback that is model code (not torch's, not meshc's)."""
     frames, folders = traceback.extract_tb(error.__traceback__), internal_folders()
     for frame in reversed(frames):
         if frame.filename.startswith("<") or is_internal(frame.filename, folders):
             continue
-        code = f": `{frame.line.strip()}`" if frame.line else ""
-        return f"{frame.filename}:{frame.lineno} in {frame.name}{code}"
+        return frame
     return None
+
+
+_LOOP_HINT = ("  What to do: this is a Python loop whose count depends on the data (a mixture of experts looping over "
+              "the experts a batch routes to is the common case): compute every expert at once instead, as a grouped "
+              "matmul over the stacked expert weights (torch.nn.functional.grouped_mm, or transformers' "
+              "experts_implementation=\"grouped_mm\"), or every token through every expert by bmm; meshc shards "
+              "either over ep and tp.")
 
 
 def _describe_failure(model, error: BaseException, module: tuple[str, str] | None) -> str:
@@ -316,11 +322,14 @@ def _describe_failure(model, error: BaseException, module: tuple[str, str] | Non
     if module:
         where.append(f"in module '{module[0]}' ({module[1]})")
     frame = _user_frame(error)
+    line = (frame.line or "").strip() if frame else ""
     if frame:
-        where.append(f"at {frame}")
+        where.append(f"at {frame.filename}:{frame.lineno} in {frame.name}" + (f": `{line}`" if line else ""))
+    hint = ("  What to do: make that code traceable (data-dependent Python branches -> torch.where or "
+            "torch.cond; .item()/.tolist() on tensors -> keep values as tensors), or move it out of forward.")
+    if line.startswith("for ") and "DataDependent" in type(error).__name__:
+        hint = _LOOP_HINT
     return (
         f"trace: torch.export could not trace {type(model).__name__}: {type(error).__name__}: "
-        f"{_first_line(error)}\n  {' '.join(where) or 'outside any submodule'}\n"
-        "  What to do: make that code traceable (data-dependent Python branches -> torch.where or "
-        "torch.cond; .item()/.tolist() on tensors -> keep values as tensors), or move it out of forward."
+        f"{_first_line(error)}\n  {' '.join(where) or 'outside any submodule'}\n{hint}"
     )

@@ -118,6 +118,11 @@ def sort_rows(rows: torch.Tensor, ids: torch.Tensor, *, experts: int):
     return rows[order], torch.cumsum(counts, 0), order
 
 
+def even_offsets(rows: torch.Tensor, *, experts: int) -> torch.Tensor:
+    """Running counts of rows that come T for each expert in expert order (the dense form, rows (E·T, H))."""
+    return torch.arange(1, experts + 1, device=rows.device) * (rows.shape[0] // experts)
+
+
 def local_ids(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Each row's local expert (0 .. E/ep-1) after dispatch, from the local running counts (rows come grouped)."""
     if compat.is_fake(rows):

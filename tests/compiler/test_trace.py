@@ -72,3 +72,28 @@ def test_untraceable_model_names_module_and_line(single_mesh):
     assert "test_trace.py" in message and "y.sum().item() > 0" in message
     assert "Traceback" not in message
     assert info.value.original is not None
+
+
+class _ExpertLoop(torch.nn.Module):
+    """A mixture of experts written as a loop over the experts the batch routes to (a data-dependent count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(4, 3)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        ids = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids):  # the experts hit: how many depends on the data
+            rows = torch.where(ids == e)[0]
+            out = out.index_add(0, rows, self.experts[e](x[rows]))
+        return out
+
+
+def test_loop_over_experts_hit_says_to_compute_all_experts_at_once(single_mesh):
+    with pytest.raises(meshc.TraceError) as info:
+        trace(_ExpertLoop(), (torch.randn(8, 4),), mesh=single_mesh, plan=meshc.Plan(trace="non-strict"))
+    message = str(info.value)
+    assert "for e in torch.unique(ids)" in message, message
+    assert "a Python loop whose count depends on the data" in message and "grouped_mm" in message, message

@@ -22,7 +22,8 @@ from tests.harness import run_ranks
 
 STEPS, BATCH = 5, 8
 FAST = {"trace": "non-strict"}
-EXPERTS = {"mixtral": 4, "mixtral4": 4, "mixtral_gathered": 4, "deepseek_v3": 4, "olmoe": 8}
+EXPERTS = {"mixtral": 4, "mixtral4": 4, "mixtral_gathered": 4, "deepseek_v3": 4, "olmoe": 8, "gpt_oss": 4,
+           "llama4_moe": 4}
 CASES = [  # Mixtral at plain dp=2 × ep=2 also runs through the torch.compile door (tests/compiler/test_backend.py)
     ("deepseek_v3", {"dp": 2, "ep": 2}, {}),  # a dense first layer, a shared expert beside the routed ones
     ("olmoe", {"dp": 2, "ep": 2}, {"remat": "full"}),  # recompute runs the dispatch again in backward
@@ -30,6 +31,10 @@ CASES = [  # Mixtral at plain dp=2 × ep=2 also runs through the torch.compile d
     ("mixtral", {"dp": 4, "ep": 2}, {"zero": 3}),  # experts over ep, replicas over edp; the rest ZeRO-3 over dp
     ("mixtral4", {"dp": 2, "ep": 2, "pp": 2}, {"microbatches": 2}),
     ("mixtral_gathered", {"dp": 2, "ep": 2}, {}),  # each row's expert weights gathered by id (batched_mm)
+    # (E, in, out) experts with per-expert biases gathered by the sorted ids, interleaved gate/up
+    ("gpt_oss", {"dp": 2, "ep": 2}, {}), ("gpt_oss", {"dp": 2, "ep": 2, "tp": 2}, {}),
+    # dense experts (every token through every expert by bmm): an even all-to-all of the (E, T, H) rows
+    ("llama4_moe", {"dp": 2, "ep": 2}, {}), ("llama4_moe", {"dp": 2, "ep": 2, "tp": 2}, {}),
 ]
 
 
@@ -57,6 +62,8 @@ def test_expert_parallel_matches_single_process(case):
                 assert shape == (-(-math.prod(whole[fqn]) // (split * edp)),), (rank, fqn, shape)
                 continue
             assert shape[0] == experts // mesh["ep"], (rank, fqn, shape)
+            if fqn.endswith("down_proj_bias"):  # a row-parallel layer's bias is whole on tp (added after the reduce)
+                split = mesh["ep"]
             assert math.prod(shape) * split == math.prod(whole[fqn]), (rank, fqn, shape)
         assert "ep:S(0)" in out["report"] and "all_to_all" in out["report"]
 

@@ -92,6 +92,67 @@ def test_gathered_experts_are_sorted_then_dispatched():
     assert all(r.ids is not None and r.offsets is None for r in program.experts)
 
 
+def test_per_expert_biases_are_read_by_local_ids():
+    """GPT-OSS: (E, in, out) experts read as they are, a per-expert bias gathered by the sorted ids after each
+    grouped matmul (`out + bias[ids]`), gate and up interleaved (`[..., ::2]`, `[..., 1::2]`): the biases are
+    sharded with their experts and gathered by each dispatched row's local expert; the down bias joins the region."""
+    from meshc.runtime.ops.experts import local_ids
+
+    _, program = _compile(zoo.gpt_oss(), torch.randint(0, zoo.VOCAB, (2, zoo.SEQ)), dp=2, ep=2)
+    experts = [f for f in program.params if ".experts." in f]
+    assert len(experts) == 8 and all(program.params[f].placements["ep"] == Shard(0) for f in experts)
+    assert len(_calls(program, dispatch)) == 2 and len(_calls(program, local_ids)) == 2
+    for region in program.experts:
+        assert len(region.biases) == 2 and not region.stopped
+        for bias in region.biases:  # bias[local ids] of the E/ep local experts
+            ids = bias.args[1][0]
+            assert ids.target is local_ids and tuple(bias.args[0].meta["val"].shape)[0] == 2, bias.format_node()
+        assert region.exit.target in (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
+
+
+def test_dense_experts_move_evenly():
+    """Llama 4: every token through every expert by bmm over rows viewed (E, T, H): the rows are dispatched by an
+    even count per expert, the view takes the E/ep local experts, the output (viewed back to rows) is combined."""
+    from meshc.runtime.ops.experts import even_offsets
+
+    _, program = _compile(zoo.llama4_moe(), torch.randint(0, zoo.VOCAB, (2, zoo.SEQ)), dp=2, ep=2)
+    assert len(_calls(program, even_offsets)) == len(_calls(program, dispatch)) == len(_calls(program, combine)) == 2
+    for region in program.experts:
+        assert region.dense is not None and not region.stopped and len(region.matmuls) == 2
+        view = region.dense
+        assert view.args[0].args[0].target is dispatch and view.args[1][0] == 2, view.format_node()
+        assert tuple(view.meta["val"].shape) == (2, 2 * (2 * zoo.SEQ), 32)  # E/ep experts, ep × (B·T) rows
+    placeholders = {n.meta["meshc.fqn"]: n for n in program.placeholders("param")}
+    gate_up = "model.layers.0.feed_forward.experts.gate_up_proj"
+    assert tuple(placeholders[gate_up].meta["val"].shape) == (2, 32, 64)
+
+
+class Interleaved(TinyMoE):
+    """Gate and up interleaved in one grouped matmul's output, taken apart by strided slices of the features."""
+
+    def __init__(self):
+        super().__init__(inner=16)
+        self.w_out = torch.nn.Parameter(torch.randn(self.experts, 8, 8, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        probs = F.softmax(self.router(x), dim=-1)
+        top, index = torch.topk(probs, 2, dim=-1)
+        ids, order = torch.sort(index.reshape(-1))
+        offsets = torch.cumsum(torch.histc(ids.float(), bins=self.experts, min=0, max=self.experts - 1), 0,
+                               dtype=torch.int32)
+        h = torch._grouped_mm(x[order // 2], self.w_in, offs=offsets)
+        out = torch._grouped_mm(F.silu(h[..., ::2]) * h[..., 1::2], self.w_out, offs=offsets)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel())
+        return (out[back].view(-1, 2, x.shape[-1]) * top.unsqueeze(-1)).sum(1)
+
+
+def test_strided_slices_of_the_features_are_row_wise():
+    torch.manual_seed(0)
+    _, program = _compile(Interleaved(), torch.randn(8, 8, dtype=torch.bfloat16), dp=2, ep=2)
+    assert program.params["w_in"].placements["ep"] == Shard(0) and len(_calls(program, dispatch)) == 1
+
+
 def test_ep_1_finds_experts_and_changes_nothing():
     _, program = _compile(zoo.mixtral(), torch.randint(0, zoo.VOCAB, (2, zoo.SEQ)), dp=2)
     assert not _calls(program, dispatch)
