@@ -64,6 +64,9 @@ FAMILIES = {
                                                          "num_local_experts": 4, "num_experts_per_tok": 1,
                                                          "intermediate_size_mlp": 128, "interleave_moe_layer_step": 1},
                "tokens"),
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                                         num_heads=8, head_dim=16, state_size=16, n_groups=1, expand=2,
+                                                         chunk_size=8, use_cache=False), "tokens"),
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=VOCAB, hidden_size=64, n_head=4, n_layer=2,
                                                       use_cache=False), "tokens"),
     "bert": ("BertConfig", "BertForMaskedLM", {**SMALL, "max_position_embeddings": SEQ, "pad_token_id": 0}, "tokens"),
@@ -76,7 +79,8 @@ FAMILIES = {
 # models written in plain PyTorch (tests/plain_models.py): name -> (builder, input kind)
 PLAIN = {"plain: nanoGPT": ("nanogpt", "tokens"), "plain: MHA variants": ("mha_variants", "tokens"),
          "plain: llama3": ("llama3", "tokens"), "plain: nn.TransformerEncoder LM": ("encoder_lm", "tokens"),
-         "plain: nn.Transformer enc-dec": ("seq2seq", "tokens"), "plain: ViT (Conv2d patches)": ("vit", "images")}
+         "plain: nn.Transformer enc-dec": ("seq2seq", "tokens"), "plain: ViT (Conv2d patches)": ("vit", "images"),
+         "plain: gated scan (logcumsumexp & cumprod)": ("scan_lm", "tokens")}
 
 
 def _plain_model(family: str):

@@ -332,3 +332,75 @@ class NanoGPT(nn.Module):
 def nanogpt(seed: int = 0, layers: int = 2) -> nn.Module:
     torch.manual_seed(seed)
     return NanoGPT(layers=layers)
+
+
+class _ScanBlock(nn.Module):
+    """A gated scan over the sequence (a linear-recurrence mixer written with torch's scan ops): a running
+    log-sum-exp of one projection, decayed by the running product of a sigmoid gate of another."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up, self.gate = nn.Linear(width, 2 * width), nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):  # (B, T, W)
+        h = self.norm(x)
+        mixed = torch.logcumsumexp(self.up(h), dim=1) * torch.cumprod(torch.sigmoid(self.gate(h)), dim=1)
+        return x + self.down(mixed)
+
+
+class ScanLM(nn.Module):
+    """Blocks of _ScanBlock between a token embedding and a head: ops meshc has no rule of its own for
+    (logcumsumexp, cumprod), placed by DTensor's strategies."""
+
+    def __init__(self, width: int = 32, layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(_ScanBlock(width) for _ in range(layers))
+        self.head = nn.Linear(width, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def scan_lm(seed: int = 0, layers: int = 2) -> nn.Module:
+    torch.manual_seed(seed)
+    return ScanLM(layers=layers)
+
+
+class _WideningBlock(nn.Module):
+    """A pre-norm residual block of three linear layers widening h -> 4h -> 16h and back to h (a bottleneck turned
+    inside out): Megatron's rule taken in graph order pairs the first two and all-reduces the 16h-wide middle; pairing
+    the last two shards more bytes and all-reduces an h-wide output."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.a, self.b, self.c = nn.Linear(width, 4 * width), nn.Linear(4 * width, 16 * width), nn.Linear(16 * width, width)
+
+    def forward(self, x):
+        return x + self.c(F.gelu(self.b(F.gelu(self.a(self.norm(x))))))
+
+
+class WideningLM(nn.Module):
+    def __init__(self, width: int = 16, layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(_WideningBlock(width) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def widening(seed: int = 0, layers: int = 2) -> nn.Module:
+    torch.manual_seed(seed)
+    return WideningLM(layers=layers)

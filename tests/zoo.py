@@ -459,6 +459,7 @@ MODELS["seq2seq_plain"] = _plain("seq2seq")
 MODELS["vit_plain"] = _plain("vit")
 MODELS["mha_plain"] = _plain("mha_variants")
 MODELS["nanogpt_plain"] = _plain("nanogpt")
+MODELS["scan_plain"] = _plain("scan_lm")
 LOSS_INSIDE = {"nanogpt_plain"}  # forward(tokens, targets) -> (logits, loss): trained on that loss (model_loss)
 
 

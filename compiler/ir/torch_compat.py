@@ -242,3 +242,38 @@ def real_tensors():
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+# DTensor's op-strategy registry, consulted at compile time (compiler/ir/op_strategies.py): no DTensor at run time
+_STRATEGY_MESHES: dict[int, object] = {}
+
+
+def strategy_mesh(n: int):
+    """A one-dim DeviceMesh of n ranks that needs no process group (only its size is read by the strategies)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if n not in _STRATEGY_MESHES:
+        _STRATEGY_MESHES[n] = DeviceMesh("cpu", list(range(n)), _init_backend=False, _rank=0)
+    return _STRATEGY_MESHES[n]
+
+
+def dtensor_spec(mesh, placement, shape, dtype):
+    """DTensor's description of a tensor of `shape` placed by `placement` (a torch.distributed.tensor one)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    t = torch.empty(shape, dtype=dtype, device="meta")
+    return DTensorSpec(mesh, (placement,), TensorMeta(t.shape, t.stride(), t.dtype))
+
+
+def propagate_sharding(op, args: tuple, kwargs: dict):
+    """(output spec(s), the inputs' required specs or None where they may stay as they are) from DTensor's
+    registered strategy for `op`, args holding dtensor_spec()s; None where DTensor has no strategy for `op`."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import OpSchema
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    if op not in prop.op_strategy_funcs and op not in prop.op_to_rules:
+        return None
+    out = prop.propagate_op_sharding(OpSchema(op, args, kwargs))
+    needed = out.redistribute_schema
+    return out.output_spec, (needed.args_schema, needed.kwargs_schema) if needed is not None else None

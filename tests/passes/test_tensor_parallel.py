@@ -172,9 +172,9 @@ def test_op_without_rule_is_correct_and_warned():
     ref = zoo.lm_loss(_Flippy()(zoo.batches(1, 4)[0][0]), zoo.batches(1, 4)[0][1]).item()
     for out in run_ranks(_flippy_rank, 2, timeout=120):
         assert abs(out["loss"] - ref) < 1e-5
-        assert any("no tensor-parallel rule for aten::flip" in w for w in out["warnings"])
+        assert any("no tensor-parallel rule or DTensor strategy for aten::flip" in w for w in out["warnings"])
         assert out["where"] and set(out["where"]) == {__file__}  # reported at the user's meshc.compile line
-        assert "no tensor-parallel rule for aten::flip" in out["report"]
+        assert "no tensor-parallel rule or DTensor strategy for aten::flip" in out["report"]
 
 
 def _runtime_census(name: str, sp: bool) -> dict:

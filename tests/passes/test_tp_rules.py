@@ -19,7 +19,7 @@ from meshc.compiler.ir.placement import P, R, S
 from meshc.compiler.ir.placement import Whole as W
 from meshc.passes.shapes import shape_of
 from meshc.passes.tp_rules import COMPUTE_RULES, RuleCtx, no_rule, pointwise_rule
-from meshc.passes.tp_table import RULES, build_table, infer, rule_for
+from meshc.passes.tp_table import RULES, build_table, infer, rule_for, strategy_rule
 from meshc.passes.tp_views import VIEW_RULES, view_rule
 from meshc.passes.tp_vocab import VOCAB_RULES
 from meshc.runtime.ops.tp_ops import vocab_parallel_cross_entropy, vocab_parallel_embedding
@@ -277,7 +277,7 @@ def test_rule_table(name, op, args, placements, n, out, inputs, note):
 
 def test_no_rule_note_names_the_op():
     _, dec = decide(aten.flip.default, (T((4, 6)), [0]), [S(0)])
-    assert dec.note == "no tensor-parallel rule for aten::flip: inputs replicated"
+    assert dec.note == "no tensor-parallel rule or DTensor strategy for aten::flip: inputs replicated"
 
 
 def test_indivisible_heads_are_named():
@@ -398,7 +398,7 @@ def test_table_covers_every_rule_once():
 
 def test_fallbacks():
     assert rule_for(aten.gelu.default) is pointwise_rule  # tagged pointwise, not in the table
-    assert rule_for(aten.flip.default) is no_rule
+    assert rule_for(aten.flip.default) is strategy_rule  # no rule of its own: DTensor's registry, else no_rule
     assert rule_for(operator.getitem) is RULES[operator.getitem]
 
 
