@@ -54,7 +54,8 @@ def chunks_of(node: fx.Node, n: int) -> int | tuple[int, ...]:
                     head = _split_head_dim(u) if unit == 1 else None
                     if head and all(s % head == 0 for s in sizes):  # q|k|v of whole heads (k, v maybe one each)
                         return _blocks([s // head for s in sizes], head, n)
-                    return _blocks(sizes, unit, n)
+                    nested = _nested_parts(u, dim % ndim, n) if unit == 1 else None
+                    return nested or _blocks(sizes, unit, n)
             elif u.target == aten.slice.Tensor and len(u.args) > 1 and u.args[1] % ndim == cut:
                 step = u.args[4] if len(u.args) > 4 else 1
                 lo = u.args[2] if len(u.args) > 2 and u.args[2] is not None else 0
@@ -68,6 +69,90 @@ def chunks_of(node: fx.Node, n: int) -> int | tuple[int, ...]:
                                                                            for lo, hi, _ in tiles):
                 return _blocks([(hi - lo) // min(heads) for lo, hi, _ in tiles], min(heads), n)
             return _blocks([hi - lo for lo, hi, _ in tiles], unit, n)
+    return 1
+
+
+def _nested_parts(split: fx.Node, dim: int, n: int) -> int | tuple[int, ...] | None:
+    """A split whose parts are cut again after ops that keep every channel apart (Mamba-2's in_proj: z | x|B|C | dt,
+    x|B|C through a transpose and a depthwise conv1d, then split into x, B and C): the blocks of every part, each of
+    heads where it is viewed as (heads, head dim) afterwards, one not dividing over n held whole (B and C of one
+    group); None when no part is cut again."""
+    parts = {u.args[1]: u for u in split.users if u.target is operator.getitem}
+    sizes = [int(s[dim]) for s in split.meta["meshc.shape"]]
+    if sorted(parts) != list(range(len(sizes))):
+        return None
+    blocks, cut_again = [], False
+    for i, size in enumerate(sizes):
+        inner = _cut_again(parts[i], dim)
+        cut_again = cut_again or inner is not None
+        blocks += inner or [(size, _viewed_head(parts[i], dim))]
+    if not cut_again:
+        return None
+    whole = [hd > 1 and (size // hd) % n != 0 for size, hd in blocks]
+    if any(whole) and not all(whole):
+        return tuple(Whole(size) if w else size for (size, _), w in zip(blocks, whole))
+    return as_chunks([size for size, _ in blocks])
+
+
+def _per_channel(node: fx.Node, dim: int):
+    """(user, where `dim` is in it) for each user of `node` that keeps every position of `dim` (a channel) apart from
+    the others: a transpose, a dtype cast or copy, a unary elementwise op, a slice or tensor_split of another dim
+    (through getitem), a depthwise conv1d over `dim` as its channels."""
+    ndim = len(node.meta["meshc.shape"])
+    for u in node.users:
+        if u.op != "call_function" or not u.args or u.args[0] is not node:
+            continue
+        t, args = u.target, u.args
+        if t is aten.transpose.int:
+            yield u, _moved_dim(u, dim, ndim)
+        elif t in _KEEPS or (hasattr(t, "tags") and torch.Tag.pointwise in t.tags and len(u.all_input_nodes) == 1):
+            yield u, dim
+        elif t in (aten.slice.Tensor, aten.tensor_split.indices, aten.tensor_split.sections) and \
+                (args[1 if t is aten.slice.Tensor else 2] if len(args) > (1 if t is aten.slice.Tensor else 2) else 0) \
+                % ndim != dim:
+            yield from ((g, dim) for g in u.users) if t is not aten.slice.Tensor else [(u, dim)]
+        elif t is operator.getitem:
+            yield u, dim
+        elif t is aten.conv1d.default and dim == ndim - 2 and len(args) > 6 and \
+                args[6] == int(node.meta["meshc.shape"][dim]) == int(args[1].meta["meshc.shape"][0]):
+            yield u, dim
+
+
+_KEEPS = (aten.to.dtype, aten._to_copy.default, aten.contiguous.default, aten.clone.default, aten.alias.default)
+
+
+def _cut_again(part: fx.Node, dim: int) -> list[tuple[int, int]] | None:
+    """[(size, head dim or 1)] of the split that cuts `part`'s channels on `dim` again after per-channel ops, if any."""
+    frontier, seen = [(part, dim)], set()
+    while frontier:
+        cur, d = frontier.pop()
+        for u, ud in _per_channel(cur, d):
+            if u not in seen:
+                seen.add(u)
+                frontier.append((u, ud))
+        for u in cur.users:
+            if u.target in (aten.split.Tensor, aten.split_with_sizes.default) and cur is not part and \
+                    (u.args[2] if len(u.args) > 2 else 0) % len(cur.meta["meshc.shape"]) == d:
+                pieces = {g.args[1]: g for g in u.users if g.target is operator.getitem}
+                return [(int(s[d]), _viewed_head(pieces[i], d) if i in pieces else 1)
+                        for i, s in enumerate(u.meta["meshc.shape"])]
+    return None
+
+
+def _viewed_head(part: fx.Node, dim: int) -> int:
+    """The head dim `part`'s last dim `dim` is viewed with as (heads, head dim), after per-channel ops; else 1."""
+    frontier, seen = [(part, dim)], set()
+    while frontier:
+        cur, d = frontier.pop()
+        if d == len(cur.meta["meshc.shape"]) - 1:
+            width = int(cur.meta["meshc.shape"][-1])
+            heads = {_head_split(u, width) for u in cur.users} - {0}
+            if len(heads) == 1:
+                return heads.pop()
+        for u, ud in _per_channel(cur, d):
+            if u not in seen:
+                seen.add(u)
+                frontier.append((u, ud))
     return 1
 
 
@@ -192,3 +277,27 @@ def bias_piece(linear: fx.Node) -> tuple[str, int, int] | None:
     if not isinstance(src, fx.Node) or src.op != "placeholder" or not src.meta.get("meshc.fqn"):
         return None
     return src.meta["meshc.fqn"], int(b.args[1]), int(b.meta["meshc.shape"][0])
+
+
+def param_source(node: fx.Node, dim: int) -> tuple[str, int] | None:
+    """(FQN, dim) of the parameter `node` reads, whose dim `dim` of `node` is, through dtype casts, copies, unary
+    elementwise ops and squeeze/unsqueeze of other dims (Mamba-2's conv1d.weight.squeeze(1).unsqueeze(1), its
+    -exp(A_log.float())), else None: a rule asking that value sharded asks it of the parameter."""
+    while node.op == "call_function":
+        t = node.target
+        src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if src is None or len(node.all_input_nodes) != 1:
+            return None
+        if t is aten.unsqueeze.default:
+            k = node.args[1] % len(node.meta["meshc.shape"])
+            if k == dim:
+                return None
+            dim -= 1 if dim > k else 0
+        elif t is aten.squeeze.dim:
+            k = node.args[1] % len(src.meta["meshc.shape"])
+            dim += 1 if len(src.meta["meshc.shape"]) > len(node.meta["meshc.shape"]) and dim >= k else 0
+        elif not (t in _KEEPS or hasattr(t, "tags") and torch.Tag.pointwise in t.tags):
+            return None
+        node = src
+    fqn = node.meta.get("meshc.fqn") if node.op == "placeholder" else None
+    return (fqn, dim) if fqn else None

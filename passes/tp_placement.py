@@ -39,7 +39,7 @@ from meshc.compiler.ir.program import Program
 
 from meshc.passes.blocks import block_of
 from meshc.passes.shapes import shard_divides
-from meshc.passes.tp_parts import bias_piece, chunks_of, weight_pieces
+from meshc.passes.tp_parts import bias_piece, chunks_of, param_source, weight_pieces
 from meshc.passes.tp_rules import RuleCtx
 from meshc.passes.tp_table import infer
 
@@ -89,7 +89,8 @@ def tp_placement_pass(program: Program) -> Program:
     vocab = program.decisions.get("vocab_parallel")  # the plan's, or the cost model's where it left it open
     if program.plan.vocab_parallel or (program.plan.vocab_parallel is None and vocab is not None and vocab.value):
         styles.update(_vocab_styles(program, weights))
-    styles.update({k: v for k, v in _megatron(program, weights, n).items() if k not in styles})
+    auto, companions = _megatron(program, weights, n)
+    styles.update({k: v for k, v in auto.items() if k not in styles})
     for glob, style in (program.plan.tp or {}).items():
         matched = [w for w in weights.values() if fnmatch.fnmatchcase(w.module, glob) or fnmatch.fnmatchcase(w.fqn, glob)]
         if not matched:
@@ -104,6 +105,9 @@ def tp_placement_pass(program: Program) -> Program:
         if style == "replicate":
             program.tp_why[weights[key].module] = "Plan.tp asks for it"
     _apply_pieces(program, weights, styles)
+    for fqn, (placement, keys) in companions.items():  # sharded with their column group, where it stays sharded
+        if all(styles.get(k) == "colwise" for k in keys) and fqn not in styles:
+            program.params[fqn].placements[AXIS] = placement
     for fqn, placements in fixed.items():  # decided by an earlier graph (torch.compile's graph breaks)
         if fqn in program.params:
             program.params[fqn].placements = dict(placements)
@@ -348,7 +352,9 @@ def _vocab_styles(program: Program, weights: dict[str, Weight]) -> dict[str, str
 
 
 # ---------------------------------------------------------------------------------------- Megatron
-def _megatron(program: Program, weights: dict[str, Weight], n: int) -> dict[str, str]:
+def _megatron(program: Program, weights: dict[str, Weight], n: int):
+    """(styles by weight key, {FQN: (placement, its group's keys)} of the other parameters a column group's flow
+    reads sharded: a depthwise conv's filters, per-head vectors)."""
     candidates = [w for w in weights.values() if w.kind != "embedding" and program.params[w.fqn].requires_grad
                   and len(program.param_nodes()[w.fqn].users) == 1]
     groups: dict[object, list[Weight]] = {}
@@ -356,6 +362,7 @@ def _megatron(program: Program, weights: dict[str, Weight], n: int) -> dict[str,
     for w in sorted(candidates, key=lambda w: order[w.node]):  # a weight's pieces tried together, whatever they read
         groups.setdefault(w.fqn if w.rows else w.act, []).append(w)
     styles: dict[str, str] = {}
+    companions: dict[str, tuple[Shard, tuple[str, ...]]] = {}
     by_node = {w.node: w for w in weights.values() if w.kind != "embedding" and not w.rows}  # rows: whole weights
     nodes = list(program.gm.graph.nodes)
     for members in groups.values():
@@ -365,13 +372,15 @@ def _megatron(program: Program, weights: dict[str, Weight], n: int) -> dict[str,
             if result.rows:
                 styles.update({m.key: "colwise" for m in members})
                 styles.update({r.key: "rowwise" for r in result.rows})
+                companions.update({f: (p, tuple(m.key for m in members)) for f, p in result.params.items()
+                                   if f in program.params and f not in weights})
                 program.notes.append(f"auto: {_names(members)} column-parallel -> {_names(result.rows)} row-parallel")
                 break
             _explain_failure(program, result, members, n)
             members = [m for m in members if m.key not in result.blamed]
             if not result.blamed:
                 break
-    return styles
+    return styles, companions
 
 
 @dataclass
@@ -380,6 +389,7 @@ class _Trial:
     blamed: set[str]
     reason: str = ""
     indivisible: tuple[str, int] | None = None
+    params: dict[str, Shard] | None = None  # parameters the flow reads sharded (none a Weight's): FQN -> placement
 
 
 def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str], n: int) -> _Trial:
@@ -394,6 +404,7 @@ def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str],
         pending.update(m.node.users)
     ctx = RuleCtx(n, placements)
     rows: list[Weight] = []
+    params: dict[str, Shard] = {}
     stats: set[fx.Node] = set()  # partial statistics (a norm's mean over the sharded features): all-reduced
     start = min(order[m.node] for m in members)
     for node in nodes[start + 1:]:
@@ -424,6 +435,9 @@ def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str],
                     reduced = True
                     continue
                 return _Trial([], blame[src], dec.note or f"{node.format_node()} needs it {req}")
+            found = param_source(src, req.dim) if isinstance(req, Shard) and src not in placements else None
+            if found:
+                params[found[0]] = Shard(found[1], req.chunks)
         if reduced and isinstance(dec.out, Replicate):  # the statistic, whole: nothing sharded to follow
             continue
         if isinstance(dec.out, Replicate) and not dec.inputs:  # made whole locally (a part held whole, a replicated
@@ -438,7 +452,7 @@ def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str],
         placements[node] = dec.out
         blame[node] = origin
         pending.update(node.users)
-    return _Trial(rows, set(), "" if rows else "no row-parallel layer consumes it")
+    return _Trial(rows, set(), "" if rows else "no row-parallel layer consumes it", params=params)
 
 
 def _row_ok(w: Weight, act_placement, members) -> bool:

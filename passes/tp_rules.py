@@ -9,15 +9,14 @@ sharded one is sliced locally (free), a partial sum is reduced only where an op 
 A rule whose op must run differently on shards says so in its rewrite, applied after redistribution:
 the vocab-parallel embedding (a masked lookup of this rank's rows) and the loss-parallel cross-entropy.
 
-Rules are data: `@handles(ops...)` only marks a rule with the ops it decides; COMPUTE_RULES lists this
-file's rules, tp_views' VIEW_RULES the view-like ops', and tp_table builds the one op -> rule table
+Rules are data: `@handles(ops...)` only marks a rule with the ops it decides (Decision, RuleCtx and handles live in
+passes/rules/decision.py); COMPUTE_RULES lists this file's rules and those of passes/rules/scan.py (a state-space
+mixer's conv1d, einsum, pad, ...), tp_views' VIEW_RULES the view-like ops', and tp_table builds the one op -> rule table
 (with the pointwise and no-rule fallbacks) that the plan and tensor_parallel passes read.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -28,40 +27,11 @@ from meshc.compiler.ir.program import OPAQUE
 from meshc.runtime.ops.context import context_attention
 from meshc.runtime.ops.experts import combine, dispatch
 
+from meshc.passes.rules.decision import Decision, RuleCtx, handles
+from meshc.passes.rules.scan import SCAN_RULES
 from meshc.passes.tp_whole import split_whole_matmul
 
 aten = torch.ops.aten
-
-
-@dataclass
-class Decision:
-    inputs: dict[tuple, Placement]  # arg path -> the placement that input must have
-    out: Any  # a Placement, a tuple of them, or None for ops without a tensor output
-    rewrite: Callable[[fx.Node], None] | None = None  # the node made local, applied after redistribution
-    note: str | None = None  # why a shard was given up (explain shows it)
-    indivisible: tuple[str, int] | None = None  # (what, size) when a shard could follow only on a smaller axis
-
-
-@dataclass
-class RuleCtx:
-    n: int  # axis size
-    placements: dict[fx.Node, Any]
-    sp_dim: Callable[[fx.Node], Shard | None] = lambda node: None  # sequence-parallel target, if on
-    fallbacks: list[str] = field(default_factory=list)
-    axis: str = "tp"  # the mesh axis, for the CommRecords a rewrite adds
-    index: int = 0  # this rank's coordinate on the axis (the rows or vocabulary a rewrite keeps)
-    group: str | None = None  # the axis' process group name, for collectives a rewrite calls
-
-    def pl(self, x: Any) -> Any:
-        return self.placements.get(x, R) if isinstance(x, fx.Node) else R
-
-
-def handles(*targets):
-    """Mark a rule with the ops it decides (tp_table reads them; nothing is registered)."""
-    def wrap(fn):
-        fn.targets = targets
-        return fn
-    return wrap
 
 
 def no_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
@@ -458,4 +428,4 @@ def _records_over(node: fx.Node, n: int) -> None:
 
 
 COMPUTE_RULES = (same_as_input_rule, assert_rule, factory_rule, new_factory_rule, matmul_rule, reduction_rule,
-                 softmax_rule, norm_rule, sdpa_rule, exchange_rule)
+                 softmax_rule, norm_rule, sdpa_rule, exchange_rule) + SCAN_RULES

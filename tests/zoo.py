@@ -485,3 +485,20 @@ def batches_for(name: str, steps: int, batch: int, seq: int = SEQ) -> list[tuple
 MODELS["llama3_plain"] = _plain_llama3
 MODELS["encoder_lm"] = _encoder_lm
 MODELS["encoder_lm_seq_first"] = lambda seed=0: _encoder_lm(seed, batch_first=False)
+
+
+def mamba2(seed: int = 0, layers: int = 2, groups: int = 1) -> torch.nn.Module:
+    """Hugging Face Mamba-2 (torch path, no attention): in_proj's output cut into z | x|B|C | dt, x|B|C through a
+    depthwise causal conv1d then cut into x, B, C (B and C per group: `groups` of them), the chunked SSD scan per head
+    (8 heads of 8, 2 chunks of 8 tokens), a gated RMSNorm over all heads, out_proj."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_heads=8, head_dim=8,
+                       state_size=8, n_groups=groups, expand=2, chunk_size=8, conv_kernel=4, use_cache=False,
+                       bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return Mamba2ForCausalLM(cfg)
+
+
+MODELS["mamba2"] = mamba2
+MODELS["mamba2_groups"] = lambda seed=0: mamba2(seed, groups=4)  # B and C of 4 groups: sharded with their heads

@@ -113,6 +113,11 @@ SHARDED = [(m, 2, p, 0.9) for m, p in SHARDED] + [(m, 4, {}, 0.9) for m in ("gpt
 # Phi-3's 2 kv heads at tp=4: k and v (flat slices of qkv_proj, each viewed as heads) held whole by every rank, as
 # Megatron replicates kv heads fewer than tp, q sharded: 8/9 of this config's block bytes
 SHARDED.append(("phi3", 4, {}, 8 / 9 - 1e-9))
+# Mamba-2's mixer (no attention): in_proj column-parallel by heads with B and C of its one group held whole (0.92 of
+# the block bytes sharded), the depthwise conv1d and the chunked scan per head, the gated RMSNorm's statistic
+# all-reduced, out_proj row-parallel; mamba2_groups: B and C of 4 groups sharded with their heads (1.00)
+SHARDED += [("mamba2", 2, {}, 0.9), ("mamba2", 2, {"sequence_parallel": True}, 0.9), ("mamba2", 4, {}, 0.9),
+            ("mamba2_groups", 2, {}, 0.9)]
 
 
 @pytest.mark.parametrize("case", SHARDED, ids=[_id((m, {"tp": tp}, p)) for m, tp, p, _ in SHARDED])
