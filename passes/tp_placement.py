@@ -25,6 +25,8 @@ Before: p_layers_0_attention_wq_weight  tp:R          After: tp:S(0)
 from __future__ import annotations
 
 import fnmatch
+import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +37,11 @@ from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
 from meshc.compiler.ir.logits import logits_end
 from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_model_input, op_name
 from meshc.compiler.ir.placement import Partial, Replicate, Shard, Whole, as_chunks, in_parts
+from meshc.compiler.ir.plan import Decision
 from meshc.compiler.ir.program import Program
 
 from meshc.passes.blocks import block_of
+from meshc.passes.sharding.whole_graph import Option, choose, score
 from meshc.passes.shapes import shard_divides
 from meshc.passes.tp_parts import bias_piece, chunks_of, param_source, weight_pieces
 from meshc.passes.tp_rules import RuleCtx
@@ -363,6 +367,7 @@ def _megatron(program: Program, weights: dict[str, Weight], n: int):
         groups.setdefault(w.fqn if w.rows else w.act, []).append(w)
     styles: dict[str, str] = {}
     companions: dict[str, tuple[Shard, tuple[str, ...]]] = {}
+    greedy: list[Option] = []
     by_node = {w.node: w for w in weights.values() if w.kind != "embedding" and not w.rows}  # rows: whole weights
     nodes = list(program.gm.graph.nodes)
     for members in groups.values():
@@ -375,12 +380,83 @@ def _megatron(program: Program, weights: dict[str, Weight], n: int):
                 companions.update({f: (p, tuple(m.key for m in members)) for f, p in result.params.items()
                                    if f in program.params and f not in weights})
                 program.notes.append(f"auto: {_names(members)} column-parallel -> {_names(result.rows)} row-parallel")
+                greedy.append(_option(program, members, result.rows, n))
                 break
             _explain_failure(program, result, members, n)
             members = [m for m in members if m.key not in result.blamed]
             if not result.blamed:
                 break
+    return _whole_graph(program, weights, list(groups.values()), (nodes, order, by_node), n, (styles, companions),
+                        greedy)
+
+
+def _whole_graph(program: Program, weights: dict[str, Weight], groups: list, walk: tuple, n: int, taken: tuple,
+                 greedy: list[Option]):
+    """Every group's pairing found on its own (no other group's choice in the way), a conflict-free set of them
+    chosen over the whole graph (passes/sharding/whole_graph.py); returned in place of the greedy `taken`
+    (styles, companions) only where it scores strictly better: more weight bytes sharded, or as many with less
+    predicted communication."""
+    found = []
+    for members in groups:
+        while members:
+            result = _trial(*walk, members, {}, n)
+            if result.rows:
+                found.append((members, result))
+                break
+            members = [m for m in members if m.key not in result.blamed]
+            if not result.blamed:
+                break
+    options = [_option(program, members, result.rows, n) for members, result in found]
+    picked = choose(options)
+    chosen = [options[i] for i in picked]
+    if score(chosen) <= score(greedy):
+        return taken
+    styles: dict[str, str] = {}
+    companions: dict[str, tuple[Shard, tuple[str, ...]]] = {}
+    for i in picked:
+        members, result = found[i]
+        styles.update({m.key: "colwise" for m in members})
+        styles.update({r.key: "rowwise" for r in result.rows})
+        companions.update({f: (p, tuple(m.key for m in members)) for f, p in (result.params or {}).items()
+                           if f in program.params and f not in weights})
+    pairs = "; ".join(f"{_names(found[i][0])} -> {_names(found[i][1].rows)}" for i in picked)
+    mine, theirs = sum(o.comm_bytes for o in chosen), sum(o.comm_bytes for o in greedy)
+    why = (f"{score(chosen)[0]} vs {score(greedy)[0]} weight bytes sharded, predicted {mine} vs {theirs} bytes of tp "
+           f"collectives a step, against Megatron's pairing taken in graph order")
+    program.notes.append(f"tp: whole-graph choice: {pairs} ({why})")
+    program.decisions["tp_plan"] = Decision("whole-graph", why)
+    by_key = {w.key: w for members, result in found for w in [*members, *result.rows]}
+    for key in taken[0]:
+        if key not in styles and key in by_key:  # named beside the chosen pairing that took its partner
+            lost = next((o.keys for o in greedy if key in o.keys), frozenset())
+            rival = next((i for i in picked if options[i].keys & lost), None)
+            instead = f"{_names(found[rival][0])} -> {_names(found[rival][1].rows)}" if rival is not None else pairs
+            program.tp_why[by_key[key].module] = (f"left replicated: the whole-graph choice pairs {instead}, "
+                                                  f"sharding more bytes or moving fewer")
+    for key in styles:
+        program.tp_why.pop(by_key[key].module, None)
     return styles, companions
+
+
+def _option(program: Program, members: list[Weight], rows: list[Weight], n: int) -> Option:
+    """A group's pairing as whole_graph scores it: the weight bytes it shards; the forward all-reduce of every row
+    layer's output and the backward all-reduce of the gradient of every input its column layers read, timed by
+    the program's hardware profile (bytes where it has none)."""
+    sharded, payloads = 0, [_nbytes(r.node) for r in rows]
+    for w in [*members, *rows]:
+        spec = program.params[w.fqn]
+        whole = math.prod(int(d) for d in spec.shape) * spec.dtype.itemsize
+        sharded += whole * w.rows // int(spec.shape[0]) if w.rows else whole
+    payloads += [_nbytes(a) for a in dict.fromkeys(m.act for m in members) if isinstance(a, fx.Node)]
+    hw = program.hardware
+    time = sum(hw.link(1, n).time("all_reduce", n, b) if hw is not None else float(b) for b in payloads)
+    keys = frozenset(w.key for w in [*members, *rows])
+    return Option(keys, sharded, time, sum(payloads), (tuple(sorted(re.sub(r"\.\d+\.", ".*.", k, count=1)
+                                                                     for k in keys)), sharded, sum(payloads)))
+
+
+def _nbytes(node: fx.Node) -> int:
+    return math.prod(int(d) for d in node.meta["meshc.shape"]) * node.meta["val"].dtype.itemsize
 
 
 @dataclass

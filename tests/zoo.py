@@ -460,6 +460,7 @@ MODELS["vit_plain"] = _plain("vit")
 MODELS["mha_plain"] = _plain("mha_variants")
 MODELS["nanogpt_plain"] = _plain("nanogpt")
 MODELS["scan_plain"] = _plain("scan_lm")
+MODELS["widening_plain"] = _plain("widening")
 LOSS_INSIDE = {"nanogpt_plain"}  # forward(tokens, targets) -> (logits, loss): trained on that loss (model_loss)
 
 

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from meshc.compiler.cost.formulas import Estimate
 from meshc.compiler.cost.hardware import Hardware
+from meshc.compiler.ir.coverage import coverage
 from meshc.compiler.ir.plan import Plan
 from meshc.compiler.planner.search import Candidate, PlanResult, Search, _candidate, meshes, plans_for, rank, usable_memory
 
@@ -25,7 +26,13 @@ def estimate_plan(traced, plan: Plan, hardware: Hardware) -> Estimate:
     program = run_passes(traced.replace(plan=plan, stage_rates=hardware.stage_rates(traced.mesh.sizes), hardware=hardware,
                                         decisions={}))
     pipelined = program.mesh.size("pp") > 1 or plan.microbatches > 1
-    return compiled_estimate(program, hardware, PipelinePlan(program, plan) if pipelined else None)
+    estimate = compiled_estimate(program, hardware, PipelinePlan(program, plan) if pipelined else None)
+    tp = program.mesh.size("tp")
+    if tp > 1:  # priced with the placements the plan really found: say how much of the blocks they shard
+        share = coverage(program.params, {"tp": tp}, program.tp_why).fractions["tp"]
+        estimate = dataclasses.replace(estimate, notes=(*estimate.notes, f"tp coverage {share:.2f} of the blocks' "
+                                                                          f"weight bytes (priced as compiled)"))
+    return estimate
 
 
 def _traced(model, mesh, rank: int, args: tuple, kwargs: dict, plan: Plan, cache: dict):

@@ -294,6 +294,8 @@ def test_compiled_scoring_sees_what_tensor_parallelism_really_shards(block, tp_s
     est = {tp: estimate_plan(_traced(model, MeshSpec({"tp": tp}), 0, (x,), {}, plan, {}), plan, cpu) for tp in (1, 2)}
     assert est[2].memory["params"] == pytest.approx(tp_share * est[1].memory["params"], rel=0.02)
     assert est[2].flops == pytest.approx(tp_share * est[1].flops, rel=0.05)
+    held = 1.0 if tp_share == 1.0 else 0.0  # the estimate says what it priced: the share of the blocks sharded
+    assert f"tp coverage {1 - held:.2f} of the blocks' weight bytes (priced as compiled)" in est[2].notes
 
 
 def test_one_microbatch_schedules_are_enumerated_once():

@@ -106,10 +106,13 @@ SHARDED = [("falcon_new", {}), ("falcon_new", {"sequence_parallel": True}), ("fa
            # Llama 4's dense experts (bmm over every expert, router-weighted) beside a shared expert
            ("llama4_moe", {}), ("llama4_moe", {"sequence_parallel": True}),
            # logcumsumexp and cumprod, which meshc has no rule for: DTensor's registered strategies keep the shard
-           ("scan_plain", {})]
+           ("scan_plain", {}),
+           # h -> 4h -> 16h -> h: the whole-graph choice pairs the last two layers, not Megatron's first two in order
+           ("widening_plain", {}), ("widening_plain", {"sequence_parallel": True})]
 SHARDED = [(m, 2, p, 0.9) for m, p in SHARDED] + [(m, 4, {}, 0.9) for m in ("gpt_neox", "falcon_mha", "gptj", "falcon",
                                                                           "falcon_groups", "gpt_bigcode", "stablelm",
-                                                                          "gpt_oss", "llama4_moe", "scan_plain")]
+                                                                          "gpt_oss", "llama4_moe", "scan_plain",
+                                                                          "widening_plain")]
 # Phi-3's 2 kv heads at tp=4: k and v (flat slices of qkv_proj, each viewed as heads) held whole by every rank, as
 # Megatron replicates kv heads fewer than tp, q sharded: 8/9 of this config's block bytes
 SHARDED.append(("phi3", 4, {}, 8 / 9 - 1e-9))

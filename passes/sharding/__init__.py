@@ -1,0 +1,1 @@
+"""Sharding decisions made over the whole graph (no imports of passes/: the passes call in, never the reverse)."""
