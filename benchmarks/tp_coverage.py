@@ -81,7 +81,8 @@ PLAIN = {"plain: nanoGPT": ("nanogpt", "tokens"), "plain: MHA variants": ("mha_v
          "plain: llama3": ("llama3", "tokens"), "plain: nn.TransformerEncoder LM": ("encoder_lm", "tokens"),
          "plain: nn.Transformer enc-dec": ("seq2seq", "tokens"), "plain: ViT (Conv2d patches)": ("vit", "images"),
          "plain: gated scan (logcumsumexp & cumprod)": ("scan_lm", "tokens"),
-         "plain: widening h-4h-16h-h": ("widening", "tokens")}
+         "plain: widening h-4h-16h-h": ("widening", "tokens"),
+         "plain: attention as a ModuleList of heads": ("head_list", "tokens")}
 
 
 def _plain_model(family: str):

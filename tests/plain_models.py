@@ -404,3 +404,53 @@ class WideningLM(nn.Module):
 def widening(seed: int = 0, layers: int = 2) -> nn.Module:
     torch.manual_seed(seed)
     return WideningLM(layers=layers)
+
+
+class _Head(nn.Module):
+    """One attention head as a module of its own (the style of the best-known from-scratch GPT tutorials)."""
+
+    def __init__(self, width: int, size: int):
+        super().__init__()
+        self.key, self.query = nn.Linear(width, size, bias=False), nn.Linear(width, size, bias=False)
+        self.value = nn.Linear(width, size, bias=False)
+        self.register_buffer("tril", torch.tril(torch.ones(SEQ, SEQ)))
+
+    def forward(self, x):
+        t = x.shape[1]
+        k, q = self.key(x), self.query(x)
+        wei = (q @ k.transpose(-2, -1) * k.shape[-1] ** -0.5).masked_fill(self.tril[:t, :t] == 0, float("-inf"))
+        return F.softmax(wei, dim=-1) @ self.value(x)
+
+
+class _HeadListBlock(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = nn.ModuleList(_Head(width, width // heads) for _ in range(heads))
+        self.proj = nn.Linear(width, width)
+        self.ffwd = nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width))
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + self.proj(torch.cat([head(h) for head in self.heads], dim=-1))
+        return x + self.ffwd(self.ln2(x))
+
+
+class HeadListGPT(nn.Module):
+    """A GPT whose attention is a ModuleList of per-head modules concatenated: each head's q, k, v are separate
+    (width, width / heads) linear layers."""
+
+    def __init__(self, width: int = 32, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, width), nn.Embedding(SEQ, width)
+        self.blocks = nn.Sequential(*(_HeadListBlock(width, heads) for _ in range(layers)))
+        self.ln_f, self.head = nn.LayerNorm(width), nn.Linear(width, VOCAB)
+
+    def forward(self, tokens):
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.head(self.ln_f(self.blocks(x)))
+
+
+def head_list(seed: int = 0, layers: int = 2) -> nn.Module:
+    torch.manual_seed(seed)
+    return HeadListGPT(layers=layers)
