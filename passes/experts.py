@@ -294,11 +294,12 @@ def _bound(region: ExpertRegion, order: dict[fx.Node, int], fqn_of: dict) -> Non
         while len(region.exit.users) == 1:  # the last matmul's per-expert bias (GPT-OSS's down_proj_bias) joins
             add = next(iter(region.exit.users))
             other = [a for a in add.args if a is not region.exit] if add.target in _ADDS and len(add.args) == 2 else []
-            if len(other) != 1 or _bias_read(other[0], expert_ids, region.experts, fqn_of) is None \
-                    or len(other[0].users) != 1:
+            bias = _bias_read(other[0], expert_ids, region.experts, fqn_of) \
+                if len(other) == 1 and isinstance(other[0], fx.Node) else None  # not `out + 1`
+            if bias is None or len(other[0].users) != 1:
                 break
             region.biases.append(other[0])
-            region.params.append(_bias_read(other[0], expert_ids, region.experts, fqn_of))
+            region.params.append(bias)
             region.exit = add
         if region.dense is not None:  # the rows before their (E, T, H) view; the output viewed back to rows
             region.entry = region.dense.args[0]

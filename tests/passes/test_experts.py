@@ -236,3 +236,26 @@ def test_no_pipeline_stage_begins_inside_an_expert_exchange():
     for i, n in enumerate(order):
         if n.target is combine:
             assert stages[i] == stages[order.index(n.args[1].args[0])]
+
+
+class ScalarAfter(TinyMoE):
+    """A scalar added to the last grouped matmul's output (not a per-expert bias): the layer is found all the same."""
+
+    def forward(self, x):
+        probs = F.softmax(self.router(x), dim=-1)
+        top, index = torch.topk(probs, 2, dim=-1)
+        ids, order = torch.sort(index.reshape(-1))
+        offsets = torch.cumsum(torch.histc(ids.float(), bins=self.experts, min=0, max=self.experts - 1), 0,
+                               dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(x[order // 2], self.w_in, offs=offsets))
+        out = torch._grouped_mm(h, self.w_out, offs=offsets) + 1.0
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel())
+        return (out[back].view(-1, 2, x.shape[-1]) * top.unsqueeze(-1)).sum(1)
+
+
+def test_a_scalar_after_the_last_grouped_matmul_is_not_a_bias():
+    torch.manual_seed(0)
+    _, program = _compile(ScalarAfter(), torch.randn(8, 8, dtype=torch.bfloat16), dp=2, ep=2)
+    assert program.params["w_out"].placements["ep"] == Shard(0) and len(_calls(program, combine)) == 1
+    assert not program.experts[0].biases
