@@ -370,24 +370,41 @@ def _megatron(program: Program, weights: dict[str, Weight], n: int):
     greedy: list[Option] = []
     by_node = {w.node: w for w in weights.values() if w.kind != "embedding" and not w.rows}  # rows: whole weights
     nodes = list(program.gm.graph.nodes)
+    walk = (nodes, order, by_node)
     for members in groups.values():
-        members = [m for m in members if m.key not in styles]
-        while members:
-            result = _trial(nodes, order, by_node, members, styles, n)
-            if result.rows:
-                styles.update({m.key: "colwise" for m in members})
-                styles.update({r.key: "rowwise" for r in result.rows})
-                companions.update({f: (p, tuple(m.key for m in members)) for f, p in result.params.items()
-                                   if f in program.params and f not in weights})
-                program.notes.append(f"auto: {_names(members)} column-parallel -> {_names(result.rows)} row-parallel")
-                greedy.append(_option(program, members, result.rows, n))
-                break
-            _explain_failure(program, result, members, n)
-            members = [m for m in members if m.key not in result.blamed]
-            if not result.blamed:
-                break
-    return _whole_graph(program, weights, list(groups.values()), (nodes, order, by_node), n, (styles, companions),
-                        greedy)
+        found = _pairing(walk, [m for m in members if m.key not in styles], styles, n,
+                         lambda result, tried: _explain_failure(program, result, tried, n))
+        if found:
+            members, result = found
+            _take(program, weights, found, styles, companions)
+            program.notes.append(f"auto: {_names(members)} column-parallel -> {_names(result.rows)} row-parallel")
+            greedy.append(_option(program, members, result.rows, n))
+    return _whole_graph(program, weights, list(groups.values()), walk, n, (styles, companions), greedy)
+
+
+def _pairing(walk: tuple, members: list[Weight], styles: dict[str, str], n: int, failed=None):
+    """(members, the trial that found their row layers) for the first trial that does, the members its failures
+    blamed dropped one trial after another; None where none does. `failed(result, members)` hears each failure."""
+    while members:
+        result = _trial(*walk, members, styles, n)
+        if result.rows:
+            return members, result
+        if failed is not None:
+            failed(result, members)
+        if not result.blamed:
+            return None
+        members = [m for m in members if m.key not in result.blamed]
+    return None
+
+
+def _take(program: Program, weights: dict[str, Weight], found: tuple, styles: dict, companions: dict) -> None:
+    """Record a pairing (members, trial): its members column-, its row layers row-parallel, and the other
+    parameters its flow reads sharded as the members' companions."""
+    members, result = found
+    styles.update({m.key: "colwise" for m in members})
+    styles.update({r.key: "rowwise" for r in result.rows})
+    companions.update({f: (p, tuple(m.key for m in members)) for f, p in (result.params or {}).items()
+                       if f in program.params and f not in weights})
 
 
 def _whole_graph(program: Program, weights: dict[str, Weight], groups: list, walk: tuple, n: int, taken: tuple,
@@ -396,16 +413,7 @@ def _whole_graph(program: Program, weights: dict[str, Weight], groups: list, wal
     chosen over the whole graph (passes/sharding/whole_graph.py); returned in place of the greedy `taken`
     (styles, companions) only where it scores strictly better: more weight bytes sharded, or as many with less
     predicted communication."""
-    found = []
-    for members in groups:
-        while members:
-            result = _trial(*walk, members, {}, n)
-            if result.rows:
-                found.append((members, result))
-                break
-            members = [m for m in members if m.key not in result.blamed]
-            if not result.blamed:
-                break
+    found = [pair for pair in (_pairing(walk, members, {}, n) for members in groups) if pair]
     options = [_option(program, members, result.rows, n) for members, result in found]
     picked = choose(options)
     chosen = [options[i] for i in picked]
@@ -414,11 +422,7 @@ def _whole_graph(program: Program, weights: dict[str, Weight], groups: list, wal
     styles: dict[str, str] = {}
     companions: dict[str, tuple[Shard, tuple[str, ...]]] = {}
     for i in picked:
-        members, result = found[i]
-        styles.update({m.key: "colwise" for m in members})
-        styles.update({r.key: "rowwise" for r in result.rows})
-        companions.update({f: (p, tuple(m.key for m in members)) for f, p in (result.params or {}).items()
-                           if f in program.params and f not in weights})
+        _take(program, weights, found[i], styles, companions)
     pairs = "; ".join(f"{_names(found[i][0])} -> {_names(found[i][1].rows)}" for i in picked)
     mine, theirs = sum(o.comm_bytes for o in chosen), sum(o.comm_bytes for o in greedy)
     why = (f"{score(chosen)[0]} vs {score(greedy)[0]} weight bytes sharded, predicted {mine} vs {theirs} bytes of tp "
