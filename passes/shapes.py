@@ -18,7 +18,8 @@ import sympy
 import torch
 
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.ir.placement import Shard, Whole, local_length
+from meshc.compiler.ir.placement import Shard, Whole
+from meshc.compiler.ir.placement import local_shape as placement_local_shape
 from meshc.compiler.ir.program import Program
 
 
@@ -74,9 +75,7 @@ def local_shape(shape: tuple, placement, n: int) -> tuple:
     """The local sizes of a value of global `shape` under `placement` on an axis of size n."""
     if not isinstance(placement, Shard):
         return tuple(shape)
-    out = list(shape)
-    out[placement.dim] = local_length(placement, out[placement.dim], n)
-    return tuple(sympy.simplify(s) for s in out)
+    return tuple(sympy.simplify(s) for s in placement_local_shape(shape, placement, n))
 
 
 def check_divisible(shape: tuple, placement, n: int, axis: str, what: str, why: str = "") -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler.ir.placement import (Partial, R, Replicate, Shard, Whole, as_chunks, block_sizes, blocks_placement,
-                                         has_whole, local_blocks, local_length)
+                                         has_whole, local_blocks, local_shape)
 
 from meshc.passes.tp_rules import Decision, RuleCtx, handles
 
@@ -92,10 +92,7 @@ def _blocks_through_split(shard: Shard, gi: list[int], gj: list[int], dst: tuple
 
 
 def _local(shape, placement, n) -> list[int]:
-    out = [int(s) for s in shape]
-    if isinstance(placement, Shard):
-        out[placement.dim] = local_length(placement, out[placement.dim], n)
-    return out
+    return list(local_shape([int(s) for s in shape], placement, n))
 
 
 def _ints(node: fx.Node) -> tuple[int, ...]:

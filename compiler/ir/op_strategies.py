@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
 from meshc.compiler.ir import torch_compat as compat
-from meshc.compiler.ir.placement import P, R, Partial, Replicate, Shard, local_length
+from meshc.compiler.ir.placement import P, R, Partial, Replicate, Shard, local_shape
 
 
 def decide(node: fx.Node, placements: dict[tuple, Any], n: int) -> tuple[dict[tuple, Any], Any] | None:
@@ -121,11 +121,8 @@ def _specs_in(args, kwargs) -> dict[tuple, Any]:
 
 
 def _local(shape: tuple[int, ...], p, n: int) -> tuple[int, ...] | None:
-    if not isinstance(p, Shard):
-        return shape
-    if shape[p.dim] % n:
-        return None
-    return tuple(local_length(p, s, n) if d == p.dim else s for d, s in enumerate(shape))
+    """The local shape under `p`, or None where its dim does not divide over the n ranks."""
+    return None if isinstance(p, Shard) and shape[p.dim] % n else local_shape(shape, p, n)
 
 
 def _runs_locally(node: fx.Node, placements: dict[tuple, Any], out, n: int) -> bool:

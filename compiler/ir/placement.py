@@ -94,6 +94,13 @@ def local_length(placement, length, n: int):
     return length // n if isinstance(length, int) else length / n
 
 
+def local_shape(shape, placement, n: int) -> tuple:
+    """The local sizes of a value of global `shape` under `placement` on an axis of n ranks (ints or sympy)."""
+    if not isinstance(placement, Shard):
+        return tuple(shape)
+    return tuple(local_length(placement, s, n) if d == placement.dim else s for d, s in enumerate(shape))
+
+
 def block_sizes(chunks: int | tuple[int, ...], length: int) -> tuple[int, ...]:
     """The sizes of the blocks a shard's `chunks` cuts a dim of `length` into (whole-tensor sizes)."""
     if isinstance(chunks, tuple):
