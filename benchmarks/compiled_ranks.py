@@ -7,8 +7,8 @@ Model and batch of benchmarks/tp_bench.py (torch's reference Transformer, 4 laye
 tied head, global batch 8 x 128), fp32, AdamW, gloo on loopback, one thread per rank, every row from the same
 weights. Rows per mesh (all built in the same two processes, then timed in `--rounds` interleaved rounds of
 `--per-round` steps after one untimed step, a barrier before each):
-  dp=2   DDP + torch.compile; FSDP2 (fully_shard per block) + torch.compile; meshc dp as FX code and with Inductor;
-         meshc ZeRO-3 (as FX code: its run-time state keeps Inductor out, compiler/cost/inductor.py)
+  dp=2   DDP + torch.compile; FSDP2 (fully_shard per block) + torch.compile; meshc dp and meshc ZeRO-3, each as FX
+         code and with Inductor (ZeRO-3's gathers graph nodes recomputed in backward)
   tp=2   DTensor TP (parallelize_module) + torch.compile; meshc TP as FX code and with Inductor
 First-step seconds include tracing and compiling. Ratios against the torch row of the same kind.
 """
@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import arg_parser, interleaved_times, launch, lm_loss, report, run_worker, table  # noqa: E402
 from tp_bench import _data, _model  # noqa: E402
 
-ROWS = {"dp": ["DDP + torch.compile", "FSDP2 + torch.compile", "meshc dp FX", "meshc dp Inductor", "meshc ZeRO-3 FX"],
+ROWS = {"dp": ["DDP + torch.compile", "FSDP2 + torch.compile", "meshc dp FX", "meshc dp Inductor", "meshc ZeRO-3 FX",
+               "meshc ZeRO-3 Inductor"],
         "tp": ["DTensor TP + torch.compile", "meshc TP FX", "meshc TP Inductor"]}
 PEERS = {"meshc dp": "DDP + torch.compile", "meshc ZeRO-3": "FSDP2 + torch.compile", "meshc TP": "DTensor TP + torch.compile"}
 

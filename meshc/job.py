@@ -89,7 +89,7 @@ class Job:
         flat = [self._input(x) for x in flat]
         values = self._store.graph_inputs(program) + [self._buffers[f] for f in program.buffers]
         gm = self._runnable(program)
-        if self.plan.zero >= 2:  # gathered parameters recomputed in backward; ZeRO-2 master gradients
+        if self._zero_context_needed(program):  # gathered parameters recomputed in backward; ZeRO-2 master gradients
             self.zero_stats = ZeroStats()
             with ZeroContext(self._params, self.zero_stats, release=self._release_pages()):
                 outs = gm(*values, *flat)
@@ -108,6 +108,13 @@ class Job:
         if decision is not None and decision.value:
             return self.inductor.runner(program.gm, "program")
         return tracing.marked(program.gm)
+
+    def _zero_context_needed(self, program: Program) -> bool:
+        """ZeRO-2/3 run as FX code need the step's ZeroContext (saved-tensor hooks that re-gather, the master shards
+        ZeRO-2's reduce writes); compiled, the graphs hold it all: the partitioner recomputes the gathers in backward
+        and the gradient shards are the compiled backward's outputs (runtime/inductor.py)."""
+        decision = program.decisions.get("inductor")
+        return self.plan.zero >= 2 and not (decision is not None and decision.value)
 
     def _release_pages(self):
         """With Plan.offload_params: what drops the pages of parameter shards ZeRO-3's gathers read (offload.py)."""
@@ -178,7 +185,8 @@ class Job:
             self.zero_stats = ZeroStats()
         compiled = program.decisions["inductor"].value
         runnable = (lambda stage: self.inductor.runner(stage.gm, f"stage {stage.index}")) if compiled else None
-        loss = self._pipe.step(flat, targets, loss_fn, values, zero_context if self.plan.zero >= 2 else None, runnable)
+        loss = self._pipe.step(flat, targets, loss_fn, values, zero_context if self._zero_context_needed(program) else None,
+                               runnable)
         specs = program.params
         holder = (lambda f: store.compute.get(f)) if self.plan.zero == 1 else (lambda f: store.masters.get(f))
         self._pipe.sum_tied(holder, lambda f: _grad_shape(store, specs[f], self.mesh), lambda f: _grad_dtype(store, specs[f]))

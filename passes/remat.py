@@ -10,7 +10,10 @@ into the master shards, so recomputing it in backward would only run it again ou
 
 Requires: activations carry "meshc.stage" when pipelined; blocks are visible in nn_module_stack.
 Ensures: each block whose outputs are only used after it becomes `call_module remat_<i>` (Remat) plus
-    getitems; a block that cannot be cut out whole is left as it is and the note says why.
+    getitems; a block that cannot be cut out whole is left as it is and the note says why. Where Inductor
+    compiles the programs (Program.decisions["inductor"]), nothing is cut out: each block's nodes are marked for
+    AOTAutograd's partitioner instead (save or recompute, per the policy; ac_graph_id = the block's number), which
+    puts the recomputation in the compiled backward graph: torch.utils.checkpoint's hooks are not traceable.
 Terms: block = nodes under one indexed module path ("layers.3"); region = the block's activations and
     the parameter-only values used nowhere else.
 
@@ -24,8 +27,9 @@ import operator
 
 import torch.fx as fx
 
-from meshc.compiler.ir.program import ROLE, STAGE, VALUE_META, WHY, Program
-from meshc.runtime.ops.remat import Remat
+from meshc.compiler.ir import torch_compat as compat
+from meshc.compiler.ir.program import COMM, ROLE, STAGE, VALUE_META, WHY, Program
+from meshc.runtime.ops.remat import SAVED, Remat
 from meshc.runtime.ops.zero import zero_reduce
 
 from meshc.passes.blocks import block_of
@@ -44,6 +48,13 @@ def remat_pass(program: Program) -> Program:
         if node in acts and "." in block_of(node):
             regions.setdefault((node.meta.get(STAGE, 0), block_of(node)), []).append(node)
     dp_group = (program.mesh.group_name("dp", program.rank),) if program.plan.zero == 3 else ()
+    compiled = program.decisions.get("inductor")
+    if compiled is not None and compiled.value:
+        for index, nodes in enumerate(regions.values()):
+            _mark(nodes, policy, index)
+        program.notes.append(f"{len(regions)} block(s) marked for recompute ({policy}): compiled, AOTAutograd's "
+                             "partitioner recomputes them in the backward graph")
+        return program
     done = 0
     for (stage, block), nodes in regions.items():
         reason = _checkpoint(program, nodes, f"remat_{done}", policy, dp_group, stage)
@@ -90,6 +101,21 @@ def _checkpoint(program, nodes, name, policy, dp_group, stage) -> str | None:
     for n in reversed(ordered):
         graph.erase_node(n)
     return None
+
+
+def _mark(nodes: list[fx.Node], policy: str, region: int) -> None:
+    """A block's nodes tagged for AOTAutograd's partitioner (compat.mark_recompute) with what runtime/ops/remat.py's
+    policies keep: under "full" nothing inside the block is saved, collectives included; under "selective" the
+    matmuls' outputs and the tensor-parallel collectives are saved and the rest recomputed. ZeRO-3's gathers are
+    already marked "must" (passes/zero.py) and stay so. The block's output, read by the next region, is saved at
+    the boundary (the partitioner's rule for consecutive regions)."""
+    for node in (*nodes, *_private_inputs(nodes)):
+        if policy == "full" or compat.recomputed(node):
+            compat.mark_recompute(node, "must", region)
+        elif node.target in SAVED or node.meta.get(COMM):
+            compat.mark_recompute(node, "save", region)
+        else:
+            compat.mark_recompute(node, "prefer", region)
 
 
 def _private_inputs(nodes: list[fx.Node]) -> set[fx.Node]:

@@ -74,6 +74,12 @@ def zero_pass(program: Program) -> Program:
     order = {n: i for i, n in enumerate(program.gm.graph.nodes)}
     if stage == 3:
         _gather_buckets(program, buckets, order)
+        compiled = program.decisions.get("inductor")
+        if compiled is not None and compiled.value:
+            program.notes.append("compiled: each bucket's all-gather is a forward graph node marked for recompute, "
+                                 "gathered again in the compiled backward (never saved for it), its gradients "
+                                 "reduce-scattered there; Inductor moves a gather earlier only while its estimated "
+                                 "peak memory does not grow")
         program.local_axes = program.local_axes | {AXIS} | ({EXPERT_AXIS} if experts else set()) | \
             ({SHARD_AXIS} if hybrid else set())
     elif stage == 2:
@@ -181,6 +187,9 @@ def _gather_buckets(program: Program, buckets, order) -> None:
         start.meta["meshc.comm"] = [CommRecord("all_gather", axis, gather_bytes, "forward", f"{why}: parameters",
                                                tensors=k)]
         wait.update_arg(0, start)
+        if index != kept:  # compiled (AOTAutograd): the gather recomputed in backward, never saved for it
+            compat.mark_recompute(start)
+            compat.mark_recompute(wait)
         _route(graph, wait, bucket, mesh)
         waits.append(wait)
         program.notes.append(f"bucket {index}: {block_of(first_user) or 'model'}, {len(bucket)} params, "

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from meshc.compiler.ir import torch_compat as compat
+from meshc.compiler.ir import fx_ops, torch_compat as compat
 from meshc.compiler.ir.errors import MeshcRuntimeError
 
 
@@ -36,6 +36,15 @@ from meshc.compiler.ir.errors import MeshcRuntimeError
 # 164.1 -> 151.4 ms, tp 194.6 -> 184.6 ms (docs/benchmarks.md#compiled-per-rank-programs).
 OVERLAP = {"reorder_for_compute_comm_overlap": True,
            "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms", "reorder_compute_for_overlap"]}
+# A graph whose parameter gathers are recomputed in backward (ZeRO-3, compat.mark_recompute): raise_comms would issue
+# every bucket's gather at the top of the forward (their inputs, the shards, are ready there), holding the whole
+# model gathered at once, which ZeRO-3 exists to avoid (seen in the generated code: four buckets' gathers alive
+# before the first matmul). Inductor's reorder_communication_preserving_peak_memory moves a collective up only while
+# the estimated peak does not grow: one bucket's gather issued while the previous bucket computes, in forward and in
+# backward (tests/models/test_inductor_parity.py counts the gathered buffers alive in the generated code).
+OVERLAP_MEMORY_BOUND = {"reorder_for_compute_comm_overlap": True,
+                        "reorder_for_compute_comm_overlap_passes": ["sink_waits",
+                                                                    "reorder_communication_preserving_peak_memory"]}
 
 
 @dataclass
@@ -47,6 +56,9 @@ class CompileStats:
     seconds: float = 0.0
     programs: int = 0  # graph + input signature pairs compiled (each gives one forward, and one backward once run)
     collectives: list = field(default_factory=list)  # per graph compiled: "forward"/"backward", its collectives in order
+    code: list = field(default_factory=list)  # per graph compiled: "forward"/"backward", the code Inductor generated
+    saved_gathered: list = field(default_factory=list)  # per forward graph: {group: gathered values saved for backward}
+    forward_out_bytes: list = field(default_factory=list)  # per forward graph: bytes it returns (outputs + saved)
 
     def line(self) -> str:
         return (f"{self.programs} program(s) compiled: {self.forward} forward and {self.backward} backward graph(s), "
@@ -69,16 +81,23 @@ class InductorPrograms:
         return run
 
     def _compile(self, gm: fx.GraphModule, args: list, name: str) -> Callable[..., Any]:
-        def on_graph(graph: fx.GraphModule, is_backward: bool, seconds: float) -> None:
+        def on_graph(graph: fx.GraphModule, is_backward: bool, seconds: float, code: str) -> None:
             if is_backward:
                 self.stats.backward += 1
             else:
                 self.stats.forward += 1
             self.stats.seconds += seconds
             self.stats.collectives.append(("backward" if is_backward else "forward", _collectives(graph)))
+            self.stats.code.append(("backward" if is_backward else "forward", code))
+            if not is_backward:
+                self.stats.saved_gathered.append(saved_gathered(graph))
+                self.stats.forward_out_bytes.append(sum(fx_ops.val_nbytes(a)
+                                                        for a in graph.graph.output_node().all_input_nodes))
         try:
             # compile_fx may rewrite the graph it is handed; the program's own graph stays as the passes left it
-            fn = compat.inductor_compile(copy.deepcopy(gm), args, on_graph=on_graph, config_patches=OVERLAP)
+            bound = any(compat.recomputed(node) for node in gm.graph.nodes)
+            fn = compat.inductor_compile(copy.deepcopy(gm), args, on_graph=on_graph,
+                                         config_patches=OVERLAP_MEMORY_BOUND if bound else OVERLAP)
         except Exception as error:  # noqa: BLE001 - re-raised with what to do; the cause chained
             raise MeshcRuntimeError(f"inductor: expected Inductor to compile the {name} of this rank, got "
                                     f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}; "
@@ -96,6 +115,35 @@ def _collectives(graph: fx.GraphModule) -> list[str]:
                 and compat.op_name(target) != "wait_tensor":
             group = next((a for a in node.args if isinstance(a, str) and a not in ("sum", "avg", "max", "min")), "")
             out.append(f"{compat.op_name(target)}({group})")
+    return out
+
+
+# ops that hand on a gathered parameter's values unchanged (a view, a copy, a cast, a piece of the bucket)
+_CARRY = {"wait_tensor", "view", "_unsafe_view", "reshape", "slice", "clone", "permute", "t", "transpose", "_to_copy",
+          "split", "split_with_sizes", "as_strided", "select", "unsqueeze", "squeeze", "expand", "alias", "getitem"}
+
+
+def saved_gathered(graph: fx.GraphModule) -> dict[str, int]:
+    """Per process group, how many of a partitioned forward graph's outputs hold the result of an all-gather over
+    it (or a view or copy of one): values the compiled forward keeps for backward. Over ZeRO-3's group these are
+    gathered parameters, which backward gathers again instead (none, unless a bucket is kept on purpose:
+    Plan.zero_keep_last); over sequence parallelism's, gathered activations, saved as eager autograd saves them."""
+    group_of: dict = {}
+    for node in graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = compat.op_name(node.target) if compat.is_op_overload(node.target) else \
+            getattr(node.target, "__name__", "")
+        if name == "all_gather_into_tensor":
+            group_of[node] = node.args[2]
+        elif name in _CARRY:
+            source = next((a for a in node.all_input_nodes if a in group_of), None)
+            if source is not None:
+                group_of[node] = group_of[source]
+    out: dict[str, int] = {}
+    for a in graph.graph.output_node().all_input_nodes:
+        if a in group_of:
+            out[group_of[a]] = out.get(group_of[a], 0) + 1
     return out
 
 

@@ -57,7 +57,8 @@ def record(job, mesh, ops: Counting | None = None) -> dict:
     actions = [a[:3] for a in job.pipeline_actions() or []]
     graphs = _graphs(job, actions)
     calls = [n for gm in graphs for n in _nodes(gm) if n.op == "call_function"]
-    return {"held": job.held_bytes(), "actions": actions, "coords": mesh.coords(),
+    return {"held": job.held_bytes(), "actions": actions, "coords": mesh.coords(), "dp_group": mesh.group_name("dp"),
+            "group_axes": {mesh.group_name(axis): axis for axis in mesh.spec.sizes if mesh.size(axis) > 1},
             "kernels": None if ops is None else ops.kernels,
             "kernel_sites": sum(1 for n in calls if getattr(n.target, "__module__", "").startswith("meshc.kernels")
                                 or n.kwargs.get("fused") is True),

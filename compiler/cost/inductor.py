@@ -28,9 +28,11 @@ def blockers(program: Program, decisions: dict) -> list[str]:
     """What in this program's plan keeps Inductor from compiling it (empty: nothing)."""
     plan, mesh = program.plan, program.mesh
     out = []
-    if plan.zero >= 2:
-        out.append(f"zero={plan.zero} runs on run-time state (saved-tensor hooks that re-gather parameters, "
-                   "gradients written to the master shards inside backward); use zero=1")
+    if plan.zero == 2:
+        out.append("zero=2 writes gradients to the master shards inside backward (run-time state); use zero=1 or 3")
+    if plan.zero == 3 and plan.offload_params:
+        out.append("offload_params releases the pages of parameter shards as their gathers read them (run-time "
+                   "state); drop offload_params")
     if (mesh.size("pp") > 1 or plan.microbatches > 1) and ALIASES.get(str(plan.schedule).lower()) in SPLIT_BACKWARD:
         out.append(f"schedule={plan.schedule!r} splits each stage's backward into input and weight halves at run "
                    "time (autograd nodes); use gpipe, 1f1b or interleaved")
@@ -43,8 +45,6 @@ def blockers(program: Program, decisions: dict) -> list[str]:
     if mesh.size("tp") > 1 and plan.sequence_parallel and matmul is not None and matmul.value:
         out.append("collective matmul passes activation chunks around a ring of point-to-point transfers; "
                    "use collective_matmul=False")
-    if plan.remat != "none":
-        out.append(f"remat={plan.remat!r} recomputes through torch.utils.checkpoint's saved-tensor hooks")
     return out
 
 

@@ -76,6 +76,28 @@ def in_backward() -> bool:
     return torch._C._current_autograd_node() is not None
 
 
+def mark_recompute(node, policy: str = "must", region: int | None = None) -> None:
+    """Tell AOTAutograd's partitioner what to do with `node`'s value in backward, as a selective-checkpoint policy
+    does: "must" recompute it (never save it), "prefer" recompute it, "save" it. FX tracing copies a node's
+    "recompute" and "ac_graph_id" meta onto every op traced from it (torch.fx.proxy's copied meta fields), and the
+    min-cut partitioner neither saves a recomputed op's output nor bans recomputing it, collectives included.
+    `region` numbers a checkpointed block (ac_graph_id): a value one region produces and a later one reads is
+    saved at the boundary. Read back by `recomputed`."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    node.meta["recompute"] = {"must": CheckpointPolicy.MUST_RECOMPUTE, "prefer": CheckpointPolicy.PREFER_RECOMPUTE,
+                              "save": CheckpointPolicy.MUST_SAVE}[policy]
+    if region is not None:
+        node.meta["ac_graph_id"] = region
+
+
+def recomputed(node) -> bool:
+    """Was `node` marked by mark_recompute to be recomputed ("must" or "prefer")?"""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return node.meta.get("recompute") in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
 def queue_backward_callback(fn) -> None:
     """Run `fn` once the current backward pass has finished (what DDP and FSDP use to wait for their
     last gradient reductions); torch has no public spelling of it."""
@@ -143,7 +165,9 @@ def graph_break() -> None:
 def inductor_compile(gm, example_inputs, on_graph=None, config_patches=None):
     """TorchInductor on one FX graph (what torch.compile(backend="inductor") calls): where inputs require
     gradients, AOTAutograd traces the joint graph, partitions it and Inductor compiles the forward now and the
-    backward at the first backward. `on_graph(gm, is_backward, seconds)` is told of each graph compiled."""
+    backward at the first backward. `on_graph(gm, is_backward, seconds, code)` is told of each graph compiled, with
+    the Python code Inductor generated for it (CompiledFxGraph.source_code: the order its kernels and collectives
+    run in; "" where torch gives none)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     if on_graph is None:
@@ -152,7 +176,7 @@ def inductor_compile(gm, example_inputs, on_graph=None, config_patches=None):
     def inner(graph, inputs, **kwargs):
         t0 = time.perf_counter()
         out = compile_fx_inner(graph, inputs, **kwargs)
-        on_graph(graph, bool(kwargs.get("is_backward")), time.perf_counter() - t0)
+        on_graph(graph, bool(kwargs.get("is_backward")), time.perf_counter() - t0, getattr(out, "source_code", ""))
         return out
     return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=config_patches)
 

@@ -12,9 +12,12 @@ slice moves gradients by more than 1e-3).
 """
 from __future__ import annotations
 
-import pytest
+import re
 
-from tests import parity, zoo
+import pytest
+import torch
+
+from tests import effects, parity, zoo
 from tests.harness import run_ranks
 from tests.models.test_pp_parity import assert_pipelined
 
@@ -25,6 +28,14 @@ CASES = [
     ("reference", {"dp": 2}, {"zero": 1}),  # the same graphs; the reduce-scatter at the step, states sharded on dp
     ("gpt2", {"tp": 2}, {"sequence_parallel": True, "collective_matmul": False}),  # f/g pairs, SP's gathers
     ("llama", {"pp": 2}, {"microbatches": 4, "schedule": "1f1b"}),  # each stage's program compiled, run per micro-batch
+    # ZeRO-3 as graph nodes: each bucket's all-gather in the forward graph, recomputed in backward (never saved for
+    # it), the gradients' reduce-scatters in the backward graph; with tp and SP's own gathers; under a pipeline
+    ("llama", {"dp": 2}, {"zero": 3}),
+    ("gpt2", {"dp": 2, "tp": 2}, {"zero": 3, "sequence_parallel": True, "collective_matmul": False}),
+    ("llama", {"dp": 2, "pp": 2}, {"zero": 3, "microbatches": 2, "schedule": "1f1b"}),
+    # remat as the partitioner's recompute decisions (test_remat_policies_save_less_compiled says how much less)
+    ("gpt2", {"tp": 2}, {"remat": "full"}),  # the block recomputed in backward, its tp all-reduces included
+    ("llama", {"dp": 2}, {"zero": 3, "remat": "selective"}),
 ]
 
 
@@ -47,16 +58,127 @@ def test_inductor_compiled_ranks_match_single_process(case):
         parity.assert_matches(rank, out, ref, STEPS)
         if "tp" in mesh:  # the blocks' weights really split over tp, not only matching
             assert parity.block_coverage(out["local_shapes"], built, mesh["tp"]) >= 0.9, out["report"]
+        if plan.get("remat") == "full" and "tp" in mesh:  # Megatron's full recompute repeats the tp all-reduces
+            calls = {kind: len(c) for kind, c in compiled["collectives"]}
+            assert calls["backward"] > calls["forward"], compiled["collectives"]
+        if plan.get("zero") == 3:
+            assert_gathers_recomputed(rank, out, built, mesh["dp"])
         elif plan.get("zero"):  # ZeRO-1: the optimizer's states (what job.optimizer shards) about 1/dp of the whole model's
             states = out["held"]["optimizer"]
             whole = 2 * 4 * sum(p.numel() for p in built.parameters())  # AdamW's two fp32 states per element
             assert states <= whole / mesh["dp"] * 1.05, f"rank {rank}: {states} bytes of states, whole {whole}"
     if "pp" not in mesh:  # every rank compiled the same collectives in the same order: none duplicated or moved
-        sequences = [out["inductor"]["collectives"] for out in results]
+        sequences = [_by_axis(out) for out in results]  # group names differ between dp groups: compare axes
         assert all(seq == sequences[0] for seq in sequences), sequences
-        if not plan.get("zero"):  # ZeRO-1 reduce-scatters at the optimizer step, outside the graphs
+        if plan.get("zero") != 1:  # ZeRO-1 reduce-scatters at the optimizer step, outside the graphs
             assert any(calls for _, calls in sequences[0]), "no collective inside the compiled graphs"
     if "pp" in mesh:  # the schedule's actions really ran, each pp rank holding its stages' parameters only
         assert_pipelined(results, model, mesh, plan)
     moved, _ = parity.max_diff(ref["params"], built.state_dict())
     assert moved > 20 * 5e-5  # training moved weights (by up to 3 x lr) far beyond the tolerance
+
+
+def _by_axis(out: dict) -> list:
+    """A rank's compiled graphs' collectives, each group named by its mesh axis."""
+    axes = out["group_axes"]
+    return [(kind, [re.sub(r"\((.*)\)$", lambda m: f"({axes.get(m[1], m[1])})", c) for c in calls])
+            for kind, calls in out["inductor"]["collectives"]]
+
+
+def assert_gathers_recomputed(rank: int, out: dict, model, dp: int) -> None:
+    """ZeRO-3 compiled: the rank holds 1/dp of its parameters; no forward graph saves gathered parameters for
+    backward but the bucket kept on purpose (Plan.zero_keep_last, one per stage), and the backward graphs gather
+    again (how many gathers Inductor's schedule holds at once: test_zero3_schedule_holds_two_buckets_gathered)."""
+    assert effects.held_share(out, model) <= 1.05 / dp, f"rank {rank}: holds {effects.held_share(out, model):.2f}"
+    stats, group = out["inductor"], out["dp_group"]
+    saved = [graph.get(group, 0) for graph in stats["saved_gathered"]]
+    assert saved and all(n <= 1 for n in saved), f"rank {rank}: gathered parameters saved for backward: {saved}"
+    regathers = [c for kind, calls in stats["collectives"] if kind == "backward" for c in calls
+                 if c == f"all_gather_into_tensor({group})"]
+    assert regathers, f"rank {rank}: no bucket gathered again in backward: {stats['collectives']}"
+
+
+def gathers_alive(code: str, group: str) -> int:
+    """The most buffers of all-gathers over `group` alive at once in Inductor's generated code, read in the order
+    it runs: a gather's buffer lives from its call until its last name (aliases and reuses included) is deleted."""
+    root: dict[str, str] = {}  # name -> the gather buffer it aliases
+    live: set[str] = set()
+    most = 0
+    call = re.compile(r"(buf\d+) = torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\(.*'([^']+)'\)$")
+    for line in code.splitlines():
+        for stmt in (s.split("#")[0].strip() for s in line.split(";")):
+            if (m := call.match(stmt)) and m[2] == group:
+                root[m[1]] = m[1]
+                live.add(m[1])
+            elif (m := re.match(r"(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b", stmt)) and m[2] in root:
+                root[m[1]] = root[m[2]]
+                live.add(m[1])
+            elif (m := re.match(r"del (buf\d+)$", stmt)):
+                live.discard(m[1])
+        most = max(most, len({root[n] for n in live}))
+    return most
+
+
+class _Wide(torch.nn.Module):
+    """Parameters far larger than the activations (4 x 256 x 256 weights, 2 rows): where gathering every bucket at
+    once would set the peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def _schedule_rank(bound: bool) -> dict:
+    import meshc
+    from meshc.runtime import inductor
+
+    if not bound:  # the control: the dp schedule (raise_comms), which issues a collective as soon as it can
+        inductor.OVERLAP_MEMORY_BOUND = inductor.OVERLAP
+    torch.manual_seed(0)
+    mesh = meshc.mesh(timeout_s=90, dp=2)
+    x = torch.randn(2, 256)
+    job = meshc.compile(_Wide(), mesh, example_inputs=(x,), plan=meshc.Plan(zero=3, inductor=True, trace="non-strict"))
+    job.optimizer(torch.optim.SGD, lr=0.1)
+    job.step(x, x, lambda out, y: (out - y).square().mean())
+    group = mesh.group_name("dp")
+    return {kind: gathers_alive(code, group) for kind, code in job.inductor.stats.code}
+
+
+def test_zero3_schedule_holds_two_buckets_gathered():
+    """Inductor may move a ZeRO-3 gather earlier only while its estimated peak memory does not grow
+    (runtime/inductor.OVERLAP_MEMORY_BOUND): on a model whose weights outweigh its activations, at most two of its
+    four buckets are gathered at once in forward and in backward (one computing, one prefetched). The control,
+    raise_comms' schedule, gathers all four at the top of the forward: the count can fail."""
+    bound = run_ranks(_schedule_rank, 2, True, timeout=300)
+    raised = run_ranks(_schedule_rank, 2, False, timeout=300)
+    for rank in range(2):
+        assert bound[rank]["forward"] <= 2 and bound[rank]["backward"] <= 2, bound[rank]
+        assert raised[rank]["forward"] == 4, raised[rank]
+
+
+def _remat_rank() -> dict:
+    import meshc
+
+    mesh = meshc.mesh(timeout_s=90, dp=2)
+    data = zoo.batches_for("llama", 1, BATCH)
+    x, y = (mesh.shard_batch(t) for t in data[0])
+    saved = {}
+    for policy in ("none", "selective", "full"):
+        job = meshc.compile(zoo.build("llama"), mesh, example_inputs=(x,),
+                            plan=meshc.Plan(inductor=True, trace="non-strict", remat=policy))
+        job.step(x, y, zoo.lm_loss)
+        saved[policy] = job.inductor.stats.forward_out_bytes[0]
+    return saved
+
+
+def test_remat_policies_save_less_compiled():
+    """Compiled, remat is the partitioner's recompute decisions (passes/remat._mark): the forward graph returns what
+    backward needs, and each policy returns less than the one before it (measured on the zoo's Llama, dp=2:
+    332,176 bytes kept by no remat, 257,296 by selective, 134,416 by full)."""
+    for saved in run_ranks(_remat_rank, 2, timeout=300):
+        assert saved["full"] < saved["selective"] < saved["none"], saved
