@@ -106,7 +106,7 @@ class Job:
         FX graph itself (with module marks while job.trace records)."""
         decision = program.decisions.get("inductor")
         if decision is not None and decision.value:
-            return self.inductor.runner(program.gm, "program")
+            return self.inductor.runner(program.gm, "program", masters=self._params.__getitem__)
         return tracing.marked(program.gm)
 
     def _zero_context_needed(self, program: Program) -> bool:
@@ -184,7 +184,8 @@ class Job:
         if self.plan.zero >= 2:  # what this step's gathers did, as a step without pipeline stages reports it
             self.zero_stats = ZeroStats()
         compiled = program.decisions["inductor"].value
-        runnable = (lambda stage: self.inductor.runner(stage.gm, f"stage {stage.index}")) if compiled else None
+        runnable = (lambda stage: self.inductor.runner(stage.gm, f"stage {stage.index}", masters=self._params.__getitem__)) \
+            if compiled else None
         loss = self._pipe.step(flat, targets, loss_fn, values, zero_context if self._zero_context_needed(program) else None,
                                runnable)
         specs = program.params

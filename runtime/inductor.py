@@ -27,7 +27,8 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler.ir import fx_ops, torch_compat as compat
-from meshc.compiler.ir.errors import MeshcRuntimeError
+from meshc.compiler.ir.errors import MeshcInternalError, MeshcRuntimeError
+from meshc.runtime.ops.zero import zero_reduce, zero_reduce_into
 
 
 # Communication overlap by scheduling: Inductor's passes move each collective up to where its inputs are ready
@@ -69,14 +70,25 @@ class CompileStats:
 class InductorPrograms:
     stats: CompileStats = field(default_factory=CompileStats)
     _compiled: dict = field(default_factory=dict)
+    _prepared: dict = field(default_factory=dict)  # id(program graph) -> (the graph compiled, master FQNs it takes)
 
-    def runner(self, gm: fx.GraphModule, name: str = "program") -> Callable[..., Any]:
-        """`gm`'s calling convention, each distinct input signature compiled by Inductor on first use."""
+    def runner(self, gm: fx.GraphModule, name: str = "program",
+               masters: Callable[[str], torch.Tensor] | None = None) -> Callable[..., Any]:
+        """`gm`'s calling convention, each distinct input signature compiled by Inductor on first use. A ZeRO-2
+        graph also receives its buckets' master shards, `masters(fqn)`, ahead of its own inputs (with_masters)."""
+        if id(gm) not in self._prepared:
+            self._prepared[id(gm)] = with_masters(gm)
+        graph, fqns = self._prepared[id(gm)]
+        if fqns and masters is None:
+            raise MeshcInternalError(f"inductor: expected the master shards of the {name}'s ZeRO-2 buckets, got none")
+
         def run(*args: Any) -> Any:
-            key = (id(gm), torch.is_grad_enabled(), tuple(_signature(a) for a in args))
+            if fqns:
+                args = (*(masters(f) for f in fqns), *args)
+            key = (id(graph), torch.is_grad_enabled(), tuple(_signature(a) for a in args))
             fn = self._compiled.get(key)
             if fn is None:
-                fn = self._compiled[key] = self._compile(gm, list(args), name)
+                fn = self._compiled[key] = self._compile(graph, list(args), name)
             return fn(*args)
         return run
 
@@ -104,6 +116,28 @@ class InductorPrograms:
                                     "run it as FX code with Plan(inductor=False) and report the failure") from error
         self.stats.programs += 1
         return fn
+
+
+def with_masters(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
+    """ZeRO-2's buckets as a graph: a copy of `gm` whose zero_reduce nodes call zero_reduce_into with their master
+    shards, taken as new leading placeholders (one per FQN), so that the compiled backward returns each bucket's
+    reduce-scattered gradients as the masters' own (autograd accumulates them into .grad) instead of writing them
+    behind the graph; and the FQNs in placeholder order. A graph without zero_reduce comes back as it is."""
+    if not any(n.op == "call_function" and n.target is zero_reduce for n in gm.graph.nodes):
+        return gm, []
+    gm = copy.deepcopy(gm)
+    graph = gm.graph
+    reduces = [n for n in graph.nodes if n.op == "call_function" and n.target is zero_reduce]
+    fqns = [f for n in reduces for f in n.kwargs["fqns"]]
+    slots = {}
+    with graph.inserting_before(next(iter(graph.nodes))):
+        for i, fqn in enumerate(fqns):
+            slots[fqn] = graph.placeholder(f"master_{i}")
+    for node in reduces:
+        node.target = zero_reduce_into
+        node.args = (*node.args, *(slots[f] for f in node.kwargs["fqns"]))
+    gm.recompile()
+    return gm, fqns
 
 
 def _collectives(graph: fx.GraphModule) -> list[str]:

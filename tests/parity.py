@@ -25,7 +25,7 @@ def reference(model: str, steps: int, batch: int, optimizer: str = "adamw", seq:
     """One process training `model` on the global batches (the same for every mesh: cached, read-only)."""
     m = zoo.build(model)
     opt = _optimizer(optimizer, m.parameters())
-    losses, grads0 = [], {}
+    losses, grads0, held0 = [], {}, {}
     for i, (x, y) in enumerate(zoo.batches_for(model, steps, batch, seq=seq)):
         loss = zoo.model_loss(model, m, x, y)
         loss.backward()
@@ -48,17 +48,17 @@ def meshc_rank(model: str, steps: int, batch: int, mesh_sizes: dict | None = Non
     job = meshc.compile(m, mesh, example_inputs=example, plan=meshc.Plan(verify=True, **(plan or {})))
     cls, kwargs = optimizer_args(optimizer)
     opt = job.optimizer(cls, **kwargs)
-    losses, grads0 = [], {}
+    losses, grads0, held0 = [], {}, {}
     for i, (x, y) in enumerate(data):
         x, y = mesh.shard_batch(x), mesh.shard_batch(y)
         loss = job.step((x, y), None, lambda out, _: out[1]) if inside else job.step(x, y, zoo.lm_loss)
-        if i == 0:  # whole gradients, gathered from the shards
-            grads0 = job.grad_state_dict()
+        if i == 0:  # whole gradients, gathered from the shards; what the rank holds after a backward
+            grads0, held0 = job.grad_state_dict(), job.held_bytes()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     params = job.state_dict()
-    return {"losses": losses, "grads0": grads0, "params": params, "report": str(job.explain()),
+    return {"losses": losses, "grads0": grads0, "params": params, "report": str(job.explain()), "held0": held0,
             **effects.record(job, mesh)}  # what this rank holds and ran: local shapes, held bytes, actions, ...
 
 
@@ -156,7 +156,7 @@ def mixed_reference(model: str, steps: int, batch: int, dtype=torch.bfloat16) ->
     for p in m.parameters():
         p.data = p.data.to(dtype)
     opt = torch.optim.AdamW(masters.values(), lr=LR)
-    losses, grads0 = [], {}
+    losses, grads0, held0 = [], {}, {}
     for i, (x, y) in enumerate(zoo.batches(steps, batch)):
         loss = zoo.lm_loss(m(x), y)
         loss.backward()

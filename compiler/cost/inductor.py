@@ -28,8 +28,6 @@ def blockers(program: Program, decisions: dict) -> list[str]:
     """What in this program's plan keeps Inductor from compiling it (empty: nothing)."""
     plan, mesh = program.plan, program.mesh
     out = []
-    if plan.zero == 2:
-        out.append("zero=2 writes gradients to the master shards inside backward (run-time state); use zero=1 or 3")
     if plan.zero == 3 and plan.offload_params:
         out.append("offload_params releases the pages of parameter shards as their gathers read them (run-time "
                    "state); drop offload_params")

@@ -242,3 +242,32 @@ def zero_reduce(*params: torch.Tensor, bucket: int, fqns: tuple, group: str, siz
     meta = BucketMeta(bucket, [shard_size(k, size) for k in numels], numels, [tuple(p.shape) for p in params], size,
                       group, tuple(partial), reduce_dtype, torch.float32, params[0].dtype, fused, average, replicas)
     return _Reduce.apply(meta, tuple(context.masters[f] for f in fqns), context.pending, *params)
+
+
+class _ReduceInto(torch.autograd.Function):
+    """ZeRO-2 as a graph: identity on the bucket's parameters; backward returns their gradients reduce-scattered as
+    the gradients of the master shards (inputs too), where the FX path's _Reduce writes them behind the graph."""
+
+    @staticmethod
+    def forward(ctx, meta, n, *tensors):
+        ctx.meta, ctx.n = meta, n
+        return tuple(p.detach() for p in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        m = ctx.meta
+        shards = reduced(_reduce_scatter_start(grads, m), m).split(m.sizes)
+        return (None, None, *[None for _ in grads], *[g.to(m.master_dtype) for g in shards])
+
+
+def zero_reduce_into(*tensors: torch.Tensor, bucket: int, fqns: tuple, group: str, size: int, partial: tuple = (),
+                     reduce_dtype: torch.dtype = torch.float32, fused: bool = False, average: int = 0,
+                     replicas: str | None = None) -> tuple[torch.Tensor, ...]:
+    """zero_reduce with the bucket's master shards passed after its parameters (`tensors` = params + masters):
+    what a compiled program calls (runtime/inductor.py rewrites zero_reduce nodes into it), traceable, no context."""
+    n = len(fqns)
+    params, masters = tensors[:n], tensors[n:]
+    numels = [p.numel() for p in params]
+    meta = BucketMeta(bucket, [shard_size(k, size) for k in numels], numels, [tuple(p.shape) for p in params], size,
+                      group, tuple(partial), reduce_dtype, masters[0].dtype, params[0].dtype, fused, average, replicas)
+    return _ReduceInto.apply(meta, n, *params, *masters)

@@ -42,7 +42,6 @@ def test_default_is_off_on_cpu_and_on_on_cuda(traced):
 
 BLOCKED = [  # (mesh, plan, what the error names)
     ({"dp": 2}, {"zero": 3, "offload": "nvme", "offload_dir": "/tmp", "offload_params": True}, "offload_params"),
-    ({"dp": 2}, {"zero": 2}, "zero=2"),
     ({"pp": 2}, {"microbatches": 4, "schedule": "zbv"}, "schedule='zbv'"),
     ({"pp": 2}, {"microbatches": 4, "schedule": "zb-h1"}, "schedule='zb-h1'"),
     ({"dp": 2, "ep": 2}, {}, "ep=2"),

@@ -12,6 +12,7 @@ slice moves gradients by more than 1e-3).
 """
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -34,6 +35,8 @@ CASES = [
     ("gpt2", {"dp": 2, "tp": 2}, {"zero": 3, "sequence_parallel": True, "collective_matmul": False}),
     ("llama", {"dp": 2, "pp": 2}, {"zero": 3, "microbatches": 2, "schedule": "1f1b"}),
     # remat as the partitioner's recompute decisions (test_remat_policies_save_less_compiled says how much less)
+    # ZeRO-2: the compiled backward returns each bucket's reduce-scattered gradients as the master shards' own
+    ("llama", {"dp": 2, "tp": 2}, {"zero": 2, "sequence_parallel": True, "collective_matmul": False}),
     ("gpt2", {"tp": 2}, {"remat": "full"}),  # the block recomputed in backward, its tp all-reduces included
     ("llama", {"dp": 2}, {"zero": 3, "remat": "selective"}),
 ]
@@ -63,6 +66,14 @@ def test_inductor_compiled_ranks_match_single_process(case):
             assert calls["backward"] > calls["forward"], compiled["collectives"]
         if plan.get("zero") == 3:
             assert_gathers_recomputed(rank, out, built, mesh["dp"])
+        if plan.get("zero") == 2:  # after a backward, gradients of the fp32 master shards only (the local shapes,
+            # 1/dp flat): none on the whole compute copies, which would hold dp times more
+            shards = 4 * sum(math.prod(shape) for shape in out["local_shapes"].values())
+            assert 0 < out["held0"]["grads"] <= shards, (rank, out["held0"], shards)
+            assert effects.held_share(out, built) <= 1.05 / mesh["dp"], effects.held_share(out, built)
+            reduces = [c for kind, calls in compiled["collectives"] if kind == "backward" for c in calls
+                       if c == f"reduce_scatter_tensor({out['dp_group']})"]
+            assert reduces, f"rank {rank}: no gradient reduce-scatter in the compiled backward"
         elif plan.get("zero"):  # ZeRO-1: the optimizer's states (what job.optimizer shards) about 1/dp of the whole model's
             states = out["held"]["optimizer"]
             whole = 2 * 4 * sum(p.numel() for p in built.parameters())  # AdamW's two fp32 states per element
