@@ -25,7 +25,7 @@ def reference(model: str, steps: int, batch: int, optimizer: str = "adamw", seq:
     """One process training `model` on the global batches (the same for every mesh: cached, read-only)."""
     m = zoo.build(model)
     opt = _optimizer(optimizer, m.parameters())
-    losses, grads0, held0 = [], {}, {}
+    losses, grads0 = [], {}
     for i, (x, y) in enumerate(zoo.batches_for(model, steps, batch, seq=seq)):
         loss = zoo.model_loss(model, m, x, y)
         loss.backward()
@@ -156,7 +156,7 @@ def mixed_reference(model: str, steps: int, batch: int, dtype=torch.bfloat16) ->
     for p in m.parameters():
         p.data = p.data.to(dtype)
     opt = torch.optim.AdamW(masters.values(), lr=LR)
-    losses, grads0, held0 = [], {}, {}
+    losses, grads0 = [], {}
     for i, (x, y) in enumerate(zoo.batches(steps, batch)):
         loss = zoo.lm_loss(m(x), y)
         loss.backward()
