@@ -10,10 +10,12 @@
             test suites); off wherever a blocker stands.
 
 A blocker is a part of the plan whose run-time behaviour lives outside the graph, so that tracing the program
-(make_fx under AOTAutograd, on fake tensors) would record something else than what runs: ZeRO-2/3's saved-tensor
-hooks and gradients written to master shards inside backward (runtime/zero/context.py), the zero-bubble
-schedules' split of a stage's backward into input and weight halves (autograd nodes edited at run time), expert routing's data-dependent all-to-all sizes, context
-parallelism's point-to-point rings, collective matmul's rings, activation checkpointing's saved-tensor hooks.
+(make_fx under AOTAutograd, on fake tensors) would record something else than what runs: ZeRO-3's offload_params
+(pages of parameter shards released as their gathers read them), the zero-bubble schedules' split of a stage's
+backward into input and weight halves (autograd nodes edited at run time), expert routing's data-dependent all-to-all
+sizes, context parallelism's point-to-point rings, collective matmul's rings. ZeRO-2/3 and remat compile: their
+gathers, reduce-scatters and recomputation are graph nodes and partitioner marks (passes/zero.py, passes/remat.py,
+runtime/inductor.py).
 """
 from __future__ import annotations
 
