@@ -43,10 +43,10 @@ parameters 5e-5; tests/models/test_pp_parity.py and test_tp_parity.py say why). 
 parity.mixed_reference, as tests/runtime/test_zero.py's mixed-precision test: losses within 3e-2, step-1
 gradients within GRAD_BOUND = 3% relative L2 per tensor (||g - g_ref|| / ||g_ref||: a wrong gradient is off by its
 own size, bf16 rounding of sums taken in another order by about 2^-8 per sum; measured 0.31-1.35% in every case but
-one, GRAD_OUTLIERS: tp2xpp2 with sequence parallelism, collective matmuls and selective recompute, 7.4% on
-layers.0's w1 (exact in fp32, 1.8e-7; 1.25% without the collective matmuls or without selective recompute, 1.5% on
-tp2 alone: a precision loss of that combination under a pipeline, not found yet), judged at 10% here and at 3% by
-an xfail(strict) test of its own), and each tensor's update (final - initial weights) within UPDATE_BOUND = 35%
+one, tp2xpp2 with sequence parallelism, collective matmuls and selective recompute, 7.4% on layers.0's w1 until
+2026-12-05, when a block holding a collective matmul came to be checkpointed in full under selective remat: a wrong
+gradient, 6.4e-3 off in fp32 too once the split put a checkpointed block there; GRAD_OUTLIERS, judged at 10% here
+and at 3% by an xfail(strict) test of their own, is empty), and each tensor's update (final - initial weights) within UPDATE_BOUND = 35%
 of the reference's (parity.max_update_error: ||Δ - Δ_ref|| / ||Δ_ref||). Raw parameters are not compared: AdamW
 moves a weight by about lr = 1e-3 a step whatever its gradient's size, so a tiny gradient whose sign the rounding
 flips leaves a weight up to 2 x lr apart per step, more than the reference moves any weight in 2 steps (2.07e-3):
@@ -95,21 +95,18 @@ FACTORS = {
 }
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 GRAD_BOUND, UPDATE_BOUND = 0.03, 0.35  # bf16 cases: step-1 gradients and updates, relative L2 per tensor (above)
-GRAD_OUTLIER_BOUND = 0.1  # catches a wrong gradient (100% off) in GRAD_OUTLIERS while they measure 7.4%
-GRAD_OUTLIERS = {  # case -> why its bf16 step-1 gradients exceed GRAD_BOUND (issue 46)
-    "tp2xpp2-z1-selective-1f1b-bf16-m4-sp-vocab-cm-nvme":
-        "bf16 step-1 gradient of layers.0's w1 7.4% off (1.25% without collective matmuls or without selective "
-        "remat): not found yet; a lead: runtime/ops/remat.py's selective policy saves aten matmuls and "
-        "_c10d_functional collectives only, so meshc's own collective-matmul ops are recomputed in backward, "
-        "their communication included",
-}
+GRAD_OUTLIER_BOUND = 0.1  # catches a wrong gradient (100% off) in GRAD_OUTLIERS (none at present)
+GRAD_OUTLIERS: dict[str, str] = {}  # case -> why its bf16 step-1 gradients exceed GRAD_BOUND (issue 46); empty since
+# 2026-12-05: tp2xpp2-z1-selective-1f1b-bf16-m4-sp-vocab-cm-nvme (7.4% off) came within it once a block holding a
+# collective matmul is checkpointed in full under selective remat (passes/remat.RINGS: selective around the ring
+# was 6.4e-3 off in fp32 too)
 
 
 REMAT_GAP = ("Plan.remat checkpoints no block: the fused residual-add + norm kernel of a block boundary (fusion on, "
              "tp) straddles two blocks, and the remat pass leaves each block whole ('a value it produces is used "
              "before the block ends', in explain()). Declining that fusion under remat (tried) makes the blocks "
-             "checkpointed and shows tp2xpp2-z0-selective-gpipe-fp32-m2-sp-vocab-cm's step-1 w1 gradient 7.2e-3 off "
-             "in fp32: selective remat with collective matmuls, GRAD_OUTLIERS' lead")
+             "checkpointed (it showed selective remat with collective matmuls training wrong, 7.2e-3 in fp32, checkpointed "
+             "in full since 2026-12-05: passes/remat.RINGS)")
 REMAT_GAPS = {name: REMAT_GAP for name in (  # on every rank, or on the pp rank whose block meets the final norm
     "tp2-z1-full-1f1b-bf16-m2-sp-vocab-cm-nvme", "dp2xtp2-z2-full-1f1b-fp32-m2-sp-cm",
     "dp2xtp2-z2-selective-1f1b-fp32-m4-vocab", "tp2xpp2-z0-selective-gpipe-fp32-m2-sp-vocab-cm",
