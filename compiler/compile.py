@@ -51,10 +51,10 @@ def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, *, mesh, 
         traced = traced.replace(hardware=hardware)
     if mesh.spec.size("pp") == 1 and plan.microbatches == 1:  # job.step runs the loss in the step's own graph
         traced = traced.replace(step_loss=True)
-    if traced.mesh.size("pp") > 1:  # the stages are balanced in time on this device (pipeline_split)
-        from meshc.compiler.cost.hardware import detect
+    if traced.mesh.size("pp") > 1:  # the stages balanced in time (pipeline_split) on the profile the decisions are
+        from meshc.compiler.cost.hardware import detect  # made for: `hardware` (meshc explain --hardware), else this device's
 
-        traced = traced.replace(stage_rates=detect().stage_rates(traced.mesh.sizes))
+        traced = traced.replace(stage_rates=(hardware or detect()).rates(traced.mesh.sizes))
     return traced, run_passes(traced), tensors
 
 

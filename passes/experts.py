@@ -49,7 +49,6 @@ After (ep=2):
 """
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 
@@ -126,14 +125,6 @@ def experts_pass(program: Program) -> Program:
         refresh_vals(program)
     program.notes.append(f"{len(good)} of {len(regions)} expert layer(s) sharded over ep={ep}: {names}")
     return program
-
-
-def grouped_mm_flops(node: fx.Node) -> float:
-    """Forward FLOPs of a grouped matmul: every row meets one expert's (K, N) matrix, 2·rows·K·N (the batched
-    form, 3-D rows without offsets: 2·B·M·K·N)."""
-    rows, weight, _, _ = grouped_mm_args(node)
-    rows, weight = rows.meta["val"], weight.meta["val"]
-    return 2.0 * math.prod(rows.shape[:-1]) * weight.shape[-2] * weight.shape[-1]
 
 
 def find_regions(program: Program) -> list[ExpertRegion]:

@@ -3,10 +3,13 @@
 Purpose: cut the forward graph into pp x virtual stages. Cuts may only fall where no more activation
 bytes cross than between two of the model's repeated blocks (the residual stream: between blocks, between
 attention and MLP, or after a pooling that leaves less); among those, the pass minimizes the slowest
-stage's predicted time, 3 x its forward FLOPs (counted by torch's FlopCounterMode on fake tensors; forward
-and backward) at the device's FLOP/s plus 2 x the bytes it sends (activations forward, their gradients
-back) at the pp link's bandwidth (Program.stage_rates, set by the compiler from the hardware profile;
-without them, FLOPs alone); crossing bytes only break ties. Where the blocks are too coarse for every
+stage's predicted time: 3 x its forward time by the cost model's roofline (compiler/ir/roofline.py: each op's
+FLOPs at the device's FLOP/s, the bytes it reads and writes at its memory bandwidth, its per-op overhead, at the
+profile's compute scale; forward and backward) plus 2 x the bytes it sends (activations forward, their
+gradients back) at the pp link's bandwidth (Program.stage_rates, set by the compiler from the hardware profile;
+without them, FLOPs alone); crossing bytes only break ties. Balancing FLOPs alone put 9 of GPT-2 small's 12
+blocks on stage 0 of 2 (the LM head's 0.1 TFLOP on stage 1), a split the cost model's own timeline priced at
+several times stage 1's forward on the h100 profile. Where the blocks are too coarse for every
 stage to come within 10% of the mean, Program.warnings says so and why. `Plan(split_points=[module, ...])` cuts before each named
 module instead, and a `meshc.pipe_split()` call in model code cuts where it stands. compiler/pipeline/stages.py
 is the mechanism that turns the decision into stage GraphModules.
@@ -26,18 +29,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
-from torch.utils.flop_counter import FlopCounterMode
 
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.ir.fx_ops import is_grouped_mm, op_name, val_nbytes
+from meshc.compiler.ir.fx_ops import op_name, val_nbytes
 from meshc.compiler.ir.program import Program
+from meshc.compiler.ir.roofline import node_cost
 
 from meshc.runtime.ops.experts import combine
 
 from meshc.passes.blocks import block_of
-from meshc.passes.experts import grouped_mm_flops
 from meshc.passes.stage_memory import StageMemory, budget
 
 AXIS = "pp"
@@ -52,6 +53,7 @@ class StageInfo:
     param_bytes: int
     boundary_bytes: int  # activations sent to the next stage, per micro-batch
     memory: float = 0.0  # predicted bytes its rank holds for it: states and in-flight activations (stage_memory)
+    seconds: float = 0.0  # predicted compute, forward and backward, per micro-batch (the roofline; 0: no rates)
 
 
 def pipeline_split_pass(program: Program) -> Program:
@@ -62,19 +64,23 @@ def pipeline_split_pass(program: Program) -> Program:
     graph = program.gm.graph
     acts = activations(program)
     order = [n for n in graph.nodes if n in acts]
-    cost = _flops(order)
+    costs = [node_cost(n) for n in order]
+    cost = [flops for flops, _, _ in costs]
+    rates = program.stage_rates
+    times = [3 * (rates.forward_seconds(*c) if rates else c[0]) for c in costs]  # forward and backward
     crossing = _crossing_bytes(order, acts)
     memory = StageMemory(program, order, crossing, stages)
-    cuts = _chosen_cuts(program, order, cost, crossing, stages, memory)
+    cuts = _chosen_cuts(program, order, cost, times, crossing, stages, memory)
     stage = 0
     for i, node in enumerate(order):
         if stage < len(cuts) and i == cuts[stage]:
             stage += 1
         node.meta["meshc.stage"] = stage
-    program.stage_info = _describe(program, order, cost, crossing, cuts, stages, memory)
+    program.stage_info = _describe(program, order, cost, times if rates else None, crossing, cuts, stages, memory)
     for s in program.stage_info:
         program.notes.append(f"stage {s.stage}: {', '.join(s.blocks) or '-'}; {s.flops / 1e9:.3f} GFLOP forward, "
-                             f"{s.param_bytes / 2**20:.2f} MiB parameters, {s.boundary_bytes / 2**10:.1f} KiB sent on, "
+                             + (f"{s.seconds * 1e3:.3g} ms predicted forward and backward, " if s.seconds else "")
+                             + f"{s.param_bytes / 2**20:.2f} MiB parameters, {s.boundary_bytes / 2**10:.1f} KiB sent on, "
                              f"{s.memory / 2**20:.1f} MiB predicted held")
     return program
 
@@ -117,39 +123,6 @@ def activations(program: Program) -> set[fx.Node]:
     return out
 
 
-def _flops(order: list[fx.Node]) -> list[float]:
-    """Forward FLOPs of each node, by running its op on fake tensors under FlopCounterMode."""
-    out = []
-    for node in order:
-        target = node.target
-        if not hasattr(target, "_schema"):
-            out.append(0.0)
-            continue
-        if is_grouped_mm(node):  # FlopCounterMode does not know transformers' grouped matmul op
-            out.append(grouped_mm_flops(node))
-            continue
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-        counter = FlopCounterMode(display=False)
-        try:
-            with counter, _fake_mode(node):
-                target(*args, **kwargs)
-            out.append(float(counter.get_total_flops()))
-        except Exception:  # noqa: BLE001 - an op fake tensors cannot run costs what its output weighs
-            val = node.meta.get("val")
-            out.append(float(val.numel()) if isinstance(val, torch.Tensor) else 0.0)
-    return out
-
-
-def _fake_mode(node: fx.Node):
-    from meshc.compiler.ir import torch_compat as compat
-
-    for a in node.all_input_nodes:
-        val = a.meta.get("val")
-        if isinstance(val, torch.Tensor) and hasattr(val, "fake_mode"):
-            return val.fake_mode
-    return compat.fake_tensor_mode()
-
-
 def _crossing_bytes(order: list[fx.Node], acts: set[fx.Node]) -> list[int]:
     """crossing[i]: bytes of activations defined at or before order[i] and used after it."""
     position = {n: i for i, n in enumerate(order)}
@@ -167,7 +140,7 @@ def _crossing_bytes(order: list[fx.Node], acts: set[fx.Node]) -> list[int]:
     return out
 
 
-def _chosen_cuts(program: Program, order, cost, crossing, stages: int, memory: StageMemory) -> list[int]:
+def _chosen_cuts(program: Program, order, cost, times, crossing, stages: int, memory: StageMemory) -> list[int]:
     """Indices i into `order` where stage s+1 begins (len = stages - 1)."""
     markers = [i for i, n in enumerate(order) if _is_marker(n)]
     forced = _forced_cuts(program, order) or _marker_cuts(program, markers)
@@ -184,9 +157,7 @@ def _chosen_cuts(program: Program, order, cost, crossing, stages: int, memory: S
         raise MeshcValueError(f"pipeline split: expected at least {stages - 1} places to cut for pp×virtual = {stages} "
                               f"stages, got {len(candidates)} (boundaries between blocks); use fewer stages "
                               f"(pp or virtual), or a model with more layers")
-    flops, bandwidth = program.stage_rates or (1.0, float("inf"))
-    times = [3 * c / flops for c in cost]
-    sends = [2 * b / bandwidth for b in crossing]
+    sends = [2 * b / (program.stage_rates.send_bandwidth if program.stage_rates else float("inf")) for b in crossing]
     total = budget(program)
     cuts = _balance(times, sends, crossing, candidates, stages, memory if total else None, total or 0.0)
     if cuts is None:  # no split fits: balance time, and say by how much the fullest stage is over
@@ -323,7 +294,7 @@ def _say_balance(program: Program, times: list[float], sends: list[float], cuts:
             "more (smaller) blocks, balance better")
 
 
-def _describe(program, order, cost, crossing, cuts, stages, memory: StageMemory) -> list[StageInfo]:
+def _describe(program, order, cost, times, crossing, cuts, stages, memory: StageMemory) -> list[StageInfo]:
     bounds = [0] + cuts + [len(order)]
     info = []
     for s in range(stages):
@@ -338,6 +309,7 @@ def _describe(program, order, cost, crossing, cuts, stages, memory: StageMemory)
         pbytes = sum(program.params[f].local_bytes(program.mesh.sizes) for f in used)
         sent = crossing[bounds[s + 1] - 1] if s < stages - 1 else 0
         info.append(StageInfo(s, blocks, sum(cost[bounds[s]: bounds[s + 1]]), pbytes, sent,
-                              memory.of(s, bounds[s], bounds[s + 1])))
+                              memory.of(s, bounds[s], bounds[s + 1]),
+                              sum(times[bounds[s]: bounds[s + 1]]) if times else 0.0))
     return info
 

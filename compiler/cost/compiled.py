@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import flop_registry
 
 from meshc.compiler.cost.formulas import Estimate
 from meshc.compiler.cost.hardware import Hardware
 from meshc.compiler.ir.fx_ops import VIEW_NAMES, is_view, op_short_name, val_nbytes
 from meshc.compiler.ir.placement import FlatShard
+from meshc.compiler.ir.roofline import COMPUTE_WITH_COMM, is_compute, node_flops
 
 aten = torch.ops.aten
 SAVES_NOTHING = VIEW_NAMES | {"add", "sub", "neg", "cat", "stack", "clone", "contiguous", "sum", "mean", "zeros_like",
@@ -50,60 +50,12 @@ SAVES_OUTPUT = {"softmax", "_softmax", "log_softmax", "_log_softmax", "tanh", "s
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul"}
 DATA_AXES = ("dp", "edp", "dps", "dpr")  # gradient reductions, overlappable with backward; ep's all-to-all blocks
 # like tp's (dps, dpr: hybrid sharding's shard and replica groups)
-COMPUTE_WITH_COMM = {"context_attention"}  # ops that compute and communicate (their traffic in "meshc.comm")
 
 
 def _vals(node: fx.Node) -> list[torch.Tensor]:
     val = node.meta.get("val")
     vals = val if isinstance(val, (tuple, list)) else (val,)
     return [x for x in vals if isinstance(x, torch.Tensor)]
-
-
-def _arg_val(x):
-    return x.meta.get("val") if isinstance(x, fx.Node) else x
-
-
-def node_flops(node: fx.Node) -> float:
-    """Forward FLOPs of one node, from the shapes in its inputs' "val" metadata (no dispatch: microseconds).
-
-    matmuls as 2·M·K·N (torch.utils.flop_counter's formulas), aten.linear, scaled-dot-product attention
-    (4·B·H·T·S·D, causal masking not discounted, as FlopCounterMode), grouped expert matmuls; other ops 0.
-    """
-    if node.op != "call_function":
-        return 0.0
-    target, name = node.target, op_short_name(node.target)
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), _arg_val)
-    try:
-        if name == "linear":
-            x, w = args[0], args[1]
-            return 2.0 * math.prod(x.shape[:-1]) * w.shape[0] * w.shape[1]
-        if name in ("scaled_dot_product_attention", "context_attention"):  # context: keys of all cp ranks
-            q, key, value = args[:3]
-            keys = key.shape[-2] * (int(kwargs.get("size", 1)) if name == "context_attention" else 1)
-            return 2.0 * math.prod(q.shape[:-1]) * keys * (q.shape[-1] + value.shape[-1])
-        if name == "grouped_mm_fallback":
-            x, w = args[0], args[1]
-            return 2.0 * x.shape[0] * w.shape[1] * w.shape[2]
-        if name == "matmul":
-            x, w = args[0], args[1]
-            return 2.0 * math.prod(x.shape) * w.shape[-1]
-        formula = flop_registry.get(getattr(target, "overloadpacket", None))
-        if formula is not None:
-            return float(formula(*args, out_val=node.meta.get("val"), **kwargs))
-    except (AttributeError, IndexError, TypeError, ValueError, AssertionError):
-        return 0.0
-    return 0.0
-
-
-def _is_compute(node: fx.Node) -> bool:
-    """An op that runs a kernel (not a view, a getitem or a collective, whose cost is the link's)."""
-    if node.op == "call_module":
-        return False
-    if node.op != "call_function" or node.target is operator.getitem:
-        return False
-    name = op_short_name(node.target)
-    return not is_view(node.target) and ("meshc.comm" not in node.meta or name in COMPUTE_WITH_COMM) \
-        and "wait_tensor" != name
 
 
 @dataclass
@@ -138,9 +90,8 @@ class GraphCost:
 
 
 def _forward_seconds(flops: float, nbytes: float, ops: int, hw: Hardware) -> float:
-    """One forward of ops with these FLOPs and bytes: the roofline terms, plus a third of each op's overhead
-    (hardware.op_overhead is measured per op forward and backward), at the profile's compute scale."""
-    return (flops / hw.flops + nbytes / hw.mem_bandwidth + ops * hw.op_overhead / 3) * hw.compute_scale
+    """One forward of ops with these FLOPs and bytes on `hw` (roofline.Rates.forward_seconds)."""
+    return hw.rates({}).forward_seconds(flops, nbytes, ops)
 
 
 def _splits_backward(node: fx.Node) -> bool:
@@ -168,7 +119,7 @@ def graph_cost(gm: fx.GraphModule) -> GraphCost:
     cost.saved += float(sum(saved.values()))
     closure = _from_received(gm.graph, grads)
     cost.receives_grad = bool(closure)
-    weight_ops = [n for n in closure if _is_compute(n) and any(x in grads and x not in closure for x in n.all_input_nodes)]
+    weight_ops = [n for n in closure if is_compute(n) and any(x in grads and x not in closure for x in n.all_input_nodes)]
     cost.weight_ops = len(weight_ops)
     for n in weight_ops:
         if not _splits_backward(n):
@@ -239,7 +190,7 @@ def _saves(user: fx.Node, value: fx.Node, grads: set[fx.Node]) -> bool:
 
 
 def _add_node(node: fx.Node, cost: GraphCost) -> None:
-    if not _is_compute(node):
+    if not is_compute(node):
         return
     cost.flops += node_flops(node)
     cost.bytes += sum(val_nbytes(a) for a in node.all_input_nodes) + val_nbytes(node)
@@ -325,7 +276,7 @@ def _remat_block(gm: fx.GraphModule, node: fx.Node, acts: set[fx.Node], cost: Gr
         kept = policy == "selective" and (op_short_name(inner.target) in MATMULS or tp_comm)
         if kept:
             saved[inner] = val_nbytes(inner)
-        elif _is_compute(inner):
+        elif is_compute(inner):
             cost.recompute_flops += node_flops(inner)
             cost.recompute_bytes += sum(val_nbytes(a) for a in inner.all_input_nodes) + val_nbytes(inner)
             cost.recompute_ops += 1

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import sympy
 
 from meshc.compiler.ir.errors import MeshcTypeError, MeshcValueError
+from meshc.compiler.ir.roofline import Rates
 
 GiB = 2**30
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "broadcast")
@@ -183,10 +184,12 @@ class Hardware:
     def link(self, stride: int, n: int) -> Link:
         return self.inter if self.spans_nodes(stride, n) else self.intra
 
-    def stage_rates(self, sizes: dict) -> tuple[float, float]:
-        """(FLOP/s, bytes/s of a pipeline send) for balancing the stages of a mesh of these sizes."""
+    def rates(self, sizes: dict) -> Rates:
+        """The roofline's rates on this device, and a pipeline send's bytes/s on a mesh of these sizes: what the
+        cost model prices a graph with and the pipeline split balances stages by (compiler/ir/roofline.py)."""
         dp, tp, pp = sizes.get("dp", 1), sizes.get("tp", 1), sizes.get("pp", 1)
-        return self.flops, self.link(dp * tp, pp).alpha_beta("send")[1]
+        send = self.link(dp * tp, pp).alpha_beta("send")[1] if pp > 1 else float("inf")
+        return Rates(self.flops, self.mem_bandwidth, self.op_overhead, self.compute_scale, send)
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

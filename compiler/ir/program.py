@@ -112,7 +112,7 @@ class Program:
     fixed_placements: dict | None = None  # FQN -> placements decided earlier (a job's other programs)
     step_comms: list = field(default_factory=list)  # CommRecords of the optimizer step (ZeRO-1/2)
     stage_info: list = field(default_factory=list)  # pipeline_split's description of the stages
-    stage_rates: tuple | None = None  # (FLOP/s, pp send bytes/s) pipeline_split balances stages by; None: FLOPs only
+    stage_rates: Any = None  # roofline.Rates pipeline_split balances stages by (the hardware profile's); None: FLOPs only
     step_loss: bool = False  # a job's step puts the loss inside its own program (meshc.compile, one stage): the
     #                          logits this graph returns are read there, not gathered (the vocabulary decision)
     fusion: dict = field(default_factory=dict)  # fuse_comm: kernel -> FusionResult (fused, eligible, left)

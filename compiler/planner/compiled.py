@@ -23,7 +23,7 @@ def estimate_plan(traced, plan: Plan, hardware: Hardware) -> Estimate:
     from meshc.compiler.driver import run_passes
     from meshc.compiler.pipeline.rank_plan import PipelinePlan
 
-    program = run_passes(traced.replace(plan=plan, stage_rates=hardware.stage_rates(traced.mesh.sizes), hardware=hardware,
+    program = run_passes(traced.replace(plan=plan, stage_rates=hardware.rates(traced.mesh.sizes), hardware=hardware,
                                         decisions={}))
     pipelined = program.mesh.size("pp") > 1 or plan.microbatches > 1
     estimate = compiled_estimate(program, hardware, PipelinePlan(program, plan) if pipelined else None)
