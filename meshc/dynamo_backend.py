@@ -28,6 +28,7 @@ from meshc.compiler.ir.errors import MeshcInternalError, MeshcRuntimeError, Mesh
 from meshc.runtime.global_param import ShardedParam, local
 from meshc.runtime.mesh import Mesh, last_mesh
 from meshc.runtime.sharding import full_tensor, local_shard
+from meshc.runtime.inductor import InductorPrograms
 from meshc.runtime.zero.context import ZeroContext, ZeroStats
 
 from meshc.compiler.ir import torch_compat as compat
@@ -77,12 +78,10 @@ class MeshcBackend:
                                   f"zero={self.plan.zero}, microbatches={self.plan.microbatches}; ZeRO-1/2 and "
                                   "micro-batches need the whole training step: use meshc.compile(model, mesh, ...) "
                                   "instead")
-        if self.plan.inductor and self.plan.zero == 3:
-            raise MeshcValueError("meshc.backend: expected inductor=False with zero=3, got both; Inductor traces into "
-                                  "ZeRO-3's per-bucket gathers and saved-tensor hooks and recompiles them per bucket "
-                                  "(measured: TorchDynamo's recompile limit hit, those parts falling back to eager); "
-                                  "use zero=3 with eager regions, inductor=True with zero=0, or "
-                                  "meshc.compile(model, mesh, ...)")
+        if self.plan.inductor and self.plan.zero == 3 and self.plan.offload_params:
+            raise MeshcValueError("meshc.backend: expected inductor=False with offload_params, got both; its pages are "
+                                  "released as the gathers read them, outside the graph Inductor compiles")
+        self.inductor = InductorPrograms()  # what Inductor compiled for the regions (inductor=True)
         self.placements: dict[str, dict] = {}  # FQN -> placements, decided by the first graph using it
         self.block_graphs: dict[str, set[frozenset]] = {}
         self.swaps: dict[str, list] = {}  # FQN -> [spec, Parameter, shard leaf]: swapped after the first backward
@@ -156,8 +155,10 @@ class MeshcBackend:
                 raise MeshcInternalError(f"meshc.backend: expected every parameter and buffer of the lowered region "
                                          f"to come from a graph input or a traced constant, got none for {missing[:3]}")
             run = program.gm
-            if self.plan.inductor:  # the collectives stay calls; Inductor generates code for what lies between
-                run = torch.compile(program.gm, backend=_counting_inductor, dynamic=False)
+            if self.plan.inductor:  # the region's per-rank program lowered as meshc.compile lowers it (AOTAutograd,
+                # compile_fx: runtime/inductor.py), its collectives kept as calls, ZeRO-3's gathers recomputed
+                run = self.inductor.runner(program.gm, "region")
+                _LAST.inductor_graphs.append(program.gm)
             self._lowered[key] = (program, slots, run, filled)
         return self._lowered[key]
 
@@ -342,7 +343,8 @@ class _Runner:
                 inputs.append(arg)
             else:
                 values[slot] = self.backend.local(arg, fqn)
-        zero = ZeroContext({}, ZeroStats(), overlap=False) if self.backend.plan.zero == 3 else contextlib.nullcontext()
+        hooks = self.backend.plan.zero == 3 and not self.backend.plan.inductor  # compiled: the gathers are graph nodes
+        zero = ZeroContext({}, ZeroStats(), overlap=False) if hooks else contextlib.nullcontext()
         with zero, self.backend._counting or contextlib.nullcontext():
             outs = run(*values, *inputs)
         n = len(program.mutated_buffers)
@@ -352,12 +354,6 @@ class _Runner:
                 if isinstance(out, torch.Tensor) and out.requires_grad:
                     out.register_hook(self.backend.queue_eager_check)
         return compat.tree_unflatten(list(outs[n:]), program.out_spec)
-
-
-def _counting_inductor(gm: fx.GraphModule, example_inputs: list) -> Any:
-    """Inductor, recording each graph it compiles in last_compiled()."""
-    _LAST.inductor_graphs.append(gm)
-    return compat.inductor_compile(gm, example_inputs)
 
 
 def _functions_as_ops(gm: fx.GraphModule) -> None:

@@ -103,6 +103,7 @@ def backend_rank(model: str, steps: int, batch: int, sizes: dict, plan: dict, gr
     last = meshc.last_compiled()
     out = {"losses": losses, "grads0": grads0, "census": census, "short_logits": logits, "params": backend.state_dict(m),
            "programs": len(last.programs), "report": str(last.explain()),
+           "inductor": {"forward": backend.inductor.stats.forward, "backward": backend.inductor.stats.backward},
            "sharded": sum(type(p).__name__ == "ShardedParam" for p in m.parameters()),
            "shards_in_optimizer": [tuple(p.shape) for g in opt.param_groups for p in g["params"]]}
     if compare:
