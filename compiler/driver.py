@@ -128,12 +128,13 @@ def with_decisions(program: Program) -> Program:
     from meshc.compiler.cost.buckets import decide_buckets
     from meshc.compiler.cost.fusion import decide
     from meshc.compiler.cost.hardware import for_device
-    from meshc.compiler.cost.inductor import decide_inductor
+    from meshc.compiler.cost.inductor import decide_inductor, yield_to_inductor
     from meshc.compiler.cost.vocab import decide_vocab_parallel
 
     hw = program.hardware or for_device(program.mesh.device_type)
     decisions = {**decide(program, hw), "bucket_mb": decide_buckets(program, hw),
                  "vocab_parallel": decide_vocab_parallel(program, hw)}
+    decisions = yield_to_inductor(program, decisions)
     decisions["inductor"] = decide_inductor(program, hw, decisions)
     return program.replace(hardware=hw, decisions=decisions)
 

@@ -48,6 +48,23 @@ def blockers(program: Program, decisions: dict) -> list[str]:
     return out
 
 
+def yield_to_inductor(program: Program, decisions: dict) -> dict:
+    """The decisions with the cost model's own choices that would keep Inductor out given way to it where it is to
+    compile (Plan.inductor True, or None on CUDA): collective matmul left to the cost model (Plan.collective_matmul
+    None) is turned off, its rings' point-to-point transfers being untraceable, while sequence parallelism's gathers
+    and reduce-scatters stay functional collectives that Inductor's scheduler overlaps. A value the user set stays
+    (and is refused beside inductor=True by decide_inductor)."""
+    plan = program.plan
+    wanted = plan.inductor is True or (plan.inductor is None and program.mesh.device_type == "cuda")
+    ring = decisions.get("collective_matmul")
+    if not wanted or plan.collective_matmul is not None or ring is None or not ring.value:
+        return decisions
+    return {**decisions, "collective_matmul": Decision(False, "Inductor compiles this plan's programs: sequence "
+                                                              "parallelism's collectives stay graph nodes it schedules "
+                                                              "for overlap (the rings' transfers are not traceable); "
+                                                              f"the cost model had said: {ring.why}")}
+
+
 def decide_inductor(program: Program, hw: Hardware, decisions: dict) -> Decision:
     """Decision for Plan.inductor (module docstring); raises where True is asked of a plan with a blocker."""
     plan = program.plan

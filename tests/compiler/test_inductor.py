@@ -10,7 +10,7 @@ import torch
 
 import meshc
 from meshc.compiler.cost import hardware
-from meshc.compiler.cost.inductor import decide_inductor
+from meshc.compiler.cost.inductor import decide_inductor, yield_to_inductor
 from meshc.compiler.ir.errors import MeshcTypeError, MeshcValueError
 from meshc.compiler.ir.mesh_spec import MeshSpec
 from meshc.compiler.trace.export import trace
@@ -64,6 +64,24 @@ def test_collective_matmul_blocks_and_pipelines_without_a_split_backward_do_not(
         _decide(traced, {"tp": 2}, inductor=True, sequence_parallel=True, decisions=ring)
     for schedule in ("gpipe", "1f1b"):
         assert _decide(traced, {"pp": 2}, inductor=True, microbatches=4, schedule=schedule).value is True
+
+
+def test_the_cost_models_collective_matmul_gives_way_to_inductor(traced):
+    """A ring the cost model chose (Plan.collective_matmul None) is turned off where Inductor is to compile, saying
+    why; one the user asked for stays, and is refused beside inductor=True; without Inductor nothing changes."""
+    ring = {"collective_matmul": meshc.compiler.ir.plan.Decision(True, "cost model: rings predicted faster")}
+
+    def resolved(device, **plan):
+        program = traced.replace(plan=meshc.Plan(sequence_parallel=True, **plan),
+                                 mesh=MeshSpec({"tp": 2}, device_type=device))
+        return yield_to_inductor(program, ring)["collective_matmul"]
+
+    for device, plan in (("cuda", {}), ("cpu", {"inductor": True})):
+        kept = resolved(device, **plan)
+        assert kept.value is False and "Inductor compiles" in kept.why and "rings predicted faster" in kept.why
+    assert resolved("cpu").value is True  # the CPU default runs FX code: the ring stays
+    assert resolved("cuda", inductor=False).value is True
+    assert resolved("cuda", collective_matmul=True).value is True  # the user's: decide_inductor refuses it if forced
 
 
 def test_inductor_field_is_validated():
