@@ -13,7 +13,8 @@ A blocker is a part of the plan whose run-time behaviour lives outside the graph
 (make_fx under AOTAutograd, on fake tensors) would record something else than what runs: ZeRO-3's offload_params
 (pages of parameter shards released as their gathers read them), the zero-bubble schedules' split of a stage's
 backward into input and weight halves (autograd nodes edited at run time), expert routing's data-dependent all-to-all
-sizes, context parallelism's point-to-point rings, collective matmul's rings. ZeRO-2/3 and remat compile: their
+sizes, context parallelism's ring attention (point-to-point transfers; its all-gather and all-to-all methods
+compile), collective matmul's rings. ZeRO-2/3 and remat compile: their
 gathers, reduce-scatters and recomputation are graph nodes and partitioner marks (passes/zero.py, passes/remat.py,
 runtime/inductor.py).
 """
@@ -38,9 +39,9 @@ def blockers(program: Program, decisions: dict) -> list[str]:
                    "time (autograd nodes); use gpipe, 1f1b or interleaved")
     if mesh.size("ep") > 1:
         out.append(f"expert parallelism (ep={mesh.size('ep')}) sizes its all-to-all from the routing (data-dependent)")
-    if mesh.size("cp") > 1:
-        out.append(f"context parallelism (cp={mesh.size('cp')}) passes key/value blocks around a ring of "
-                   "point-to-point transfers")
+    if mesh.size("cp") > 1 and plan.cp_attention == "ring":
+        out.append(f"context parallelism's ring attention (cp={mesh.size('cp')}) passes key/value blocks around a "
+                   "ring of point-to-point transfers; use cp_attention='all_gather' or 'all_to_all'")
     matmul = decisions.get("collective_matmul")
     if mesh.size("tp") > 1 and plan.sequence_parallel and matmul is not None and matmul.value:
         out.append("collective matmul passes activation chunks around a ring of point-to-point transfers; "

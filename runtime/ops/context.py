@@ -94,7 +94,7 @@ def context_attention(q, k, v, mask=None, *, causal: bool, scale: float | None, 
     Returns (b, hq, s, dv)."""
     _check(q, k, v, mask, causal, method, size)
     b, hq, s, _ = q.shape
-    if compat.is_fake(q):
+    if compat.is_fake(q) and method == "ring":  # shapes being propagated: the ring's transfers are not traceable
         return q.new_empty((b, hq, s, v.shape[-1]))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if method == "ring":
