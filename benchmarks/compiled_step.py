@@ -11,6 +11,8 @@ vocab 1024), batch 8 x 128 tokens, mean cross-entropy, AdamW (lr 1e-3, torch's d
   meshc FX         meshc.compile(model, mesh, plan=Plan(inductor=False)), job.step + the same optimizer
   meshc Inductor   the same with Plan(inductor=True): the per-rank program lowered by Inductor, forward and backward
   ... ZeRO-1       the two meshc rows again with Plan(zero=1) (fp32 masters sharded over dp = 1)
+  ... ZeRO-3       and with Plan(zero=3) (parameters as flat shards over dp = 1, gathered per bucket: as FX code through
+                   the runtime's saved-tensor hooks, compiled as graph nodes recomputed in backward)
 Every row starts from the same weights and trains on the same batch. Times: the first step (tracing and
 compiling included), then the median step of `--rounds` interleaved rounds, each running every row once
 untimed then `--per-round` timed steps (a shared machine's load drifts: rows measured close together see the
@@ -81,7 +83,8 @@ def meshc_step(model, x, y, mesh, **plan):
 
 ROWS = [("eager", {"eager": False}), ("torch.compile", {"eager": True}),
         ("meshc FX", {"inductor": False}), ("meshc Inductor", {"inductor": True}),
-        ("meshc ZeRO-1 FX", {"inductor": False, "zero": 1}), ("meshc ZeRO-1 Inductor", {"inductor": True, "zero": 1})]
+        ("meshc ZeRO-1 FX", {"inductor": False, "zero": 1}), ("meshc ZeRO-1 Inductor", {"inductor": True, "zero": 1}),
+        ("meshc ZeRO-3 FX", {"inductor": False, "zero": 3}), ("meshc ZeRO-3 Inductor", {"inductor": True, "zero": 3})]
 
 
 def main(argv=None) -> int:
@@ -122,7 +125,9 @@ def main(argv=None) -> int:
     med = {name: statistics.median(t) for (name, _), t in zip(ROWS, times)}
     ratios = {"meshc FX": med["meshc FX"] / med["eager"], "meshc Inductor": med["meshc Inductor"] / med["torch.compile"],
               "meshc ZeRO-1 FX": med["meshc ZeRO-1 FX"] / med["eager"],
-              "meshc ZeRO-1 Inductor": med["meshc ZeRO-1 Inductor"] / med["torch.compile"]}
+              "meshc ZeRO-1 Inductor": med["meshc ZeRO-1 Inductor"] / med["torch.compile"],
+              "meshc ZeRO-3 FX": med["meshc ZeRO-3 FX"] / med["eager"],
+              "meshc ZeRO-3 Inductor": med["meshc ZeRO-3 Inductor"] / med["torch.compile"]}
     rows = [{"row": name, "first step s": f"{first[name]:.1f}", "median step ms": f"{med[name] * 1e3:.1f}",
              "vs eager": f"{med[name] / med['eager']:.2f}", "vs torch.compile": f"{med[name] / med['torch.compile']:.2f}",
              "first loss": f"{losses[name][0]:.4f}", "note": notes.get(name, "")} for name, _ in ROWS]

@@ -39,6 +39,7 @@ from meshc.runtime.zero.param_store import ParamStore
 from meshc.runtime.pipeline.step import Pipelined
 from meshc.runtime.sharding import LocalShard, allocate_local, full_tensor, read_local, take
 from meshc.runtime.ops.experts import RoutingLog, recording
+from meshc.runtime.ops.zero import zero_gather, zero_reduce
 from meshc.runtime.zero.context import ZeroContext, ZeroStats
 
 
@@ -112,9 +113,12 @@ class Job:
     def _zero_context_needed(self, program: Program) -> bool:
         """ZeRO-2/3 run as FX code need the step's ZeroContext (saved-tensor hooks that re-gather, the master shards
         ZeRO-2's reduce writes); compiled, the graphs hold it all: the partitioner recomputes the gathers in backward
-        and the gradient shards are the compiled backward's outputs (runtime/inductor.py)."""
+        and the gradient shards are the compiled backward's outputs (runtime/inductor.py); over an axis of one rank
+        there is nothing to gather (passes/zero.py reads the shards in place)."""
         decision = program.decisions.get("inductor")
-        return self.plan.zero >= 2 and not (decision is not None and decision.value)
+        if self.plan.zero < 2 or (decision is not None and decision.value):
+            return False
+        return any(n.op == "call_function" and n.target in (zero_gather, zero_reduce) for n in program.gm.graph.nodes)
 
     def _release_pages(self):
         """With Plan.offload_params: what drops the pages of parameter shards ZeRO-3's gathers read (offload.py)."""

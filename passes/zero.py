@@ -160,6 +160,11 @@ def _gather_buckets(program: Program, buckets, order) -> None:
         dtype, reduce_dtype = _compute_dtype(program, fqns[0]), _reduce_dtype(program, fqns[0])
         partial = tuple(mesh.group_name(a, program.rank) for a in specs[0].grad_partial if mesh.size(a) > 1)
         first_user = min((u for node in nodes for u in node.users), key=order.__getitem__)
+        if n == 1 and not partial and average in (0, 1) and _replicas(program, axis) is None:
+            _read_in_place(program, bucket, shapes, dtype, first_user)  # one rank on the axis: nothing to gather
+            program.notes.append(f"bucket {index}: {block_of(first_user) or 'model'}, {len(bucket)} params, read in "
+                                 f"place ({axis} has one rank: no gather, no reduce-scatter)")
+            continue
         shard_elems = sum(shard_size(s.local_bytes(mesh.sizes) // s.dtype.itemsize, 1) for s in specs)
         gather_bytes = shard_elems * dtype.itemsize
         scatter_bytes = shard_elems * n * reduce_dtype.itemsize
@@ -196,6 +201,30 @@ def _gather_buckets(program: Program, buckets, order) -> None:
                              f"{gather_bytes * n / 2**20:.2f} MiB gathered"
                              + (" (used last in forward: kept for backward)" if index == kept else ""))
     _flat_placeholders(program, [f for b in buckets for f, _ in b])
+
+
+def _read_in_place(program: Program, bucket, shapes, dtype: torch.dtype, first_user: fx.Node) -> None:
+    """A bucket over an axis of one rank: each flat shard is the whole parameter (no padding), viewed in its shape
+    and cast to the compute dtype where that differs; its gradient flows back through the view into the shard's
+    .grad, as the gather's reduce-scatter over one rank would leave it, without the packing, copies and hooks."""
+    graph = program.gm.graph
+    for (fqn, node), shape in zip(bucket, shapes):
+        val, stored = node.meta.get("val"), program.params[fqn].dtype  # the shard's dtype: the master's
+        with graph.inserting_before(first_user):
+            value = graph.call_function(torch.ops.aten.view.default, (node, list(shape)))
+            value.meta.update({k: v for k, v in node.meta.items() if k in VALUE_META})
+            if val is not None:
+                value.meta["val"] = val.to(stored)
+            if stored != dtype:
+                cast = graph.call_function(torch.ops.aten._to_copy.default, (value,), {"dtype": dtype})
+                cast.meta.update(value.meta)
+                if val is not None:
+                    cast.meta["val"] = val.to(dtype)
+                value = cast
+        value.meta["meshc.why"] = f"ZeRO-3 over one rank: {fqn} read in place"
+        keep = {value, *value.all_input_nodes}
+        node.replace_all_uses_with(value, delete_user_cb=lambda u: u not in keep and (
+            u.op != "call_function" or u.target not in (zero_gather, zero_gather_start, zero_reduce)))
 
 
 def _route(graph: fx.Graph, bucket_node: fx.Node, bucket, mesh) -> None:

@@ -15,9 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING_ROWS = ("eager", "torch.compile", "meshc ZeRO-1", "meshc ZeRO-1 Inductor", "meshc ZeRO-3 Inductor",
-                 "meshc ZeRO-3 fused", "meshc ZeRO-3 unfused", "meshc offload=cpu")
-MESHC_ROWS = ("meshc ZeRO-1", "meshc ZeRO-1 Inductor", "meshc ZeRO-3 Inductor", "meshc ZeRO-3 fused",
-              "meshc ZeRO-3 unfused")
+                 "meshc ZeRO-3", "meshc offload=cpu")
+MESHC_ROWS = ("meshc ZeRO-1", "meshc ZeRO-1 Inductor", "meshc ZeRO-3 Inductor", "meshc ZeRO-3")
 KERNEL_GROUPS = ("norm", "rmsnorm", "gelu", "swiglu", "pack_cast, unpack, grad_prologue")
 
 
@@ -60,8 +59,6 @@ def test_gpu_suite_dry_run(tmp_path):
             assert _number(step_s) > 0 and _number(tokens_s) > 0 and mfu.endswith("%"), cells
     for name in ("eager", "torch.compile", *MESHC_ROWS):  # these run on CPU, so the dry run must measure them
         assert table[name][3] != "-", table[name]
-    assert "Plan(fusion=False)" in table["meshc ZeRO-3 unfused"][-1]
-    assert "zero_copy fused" in table["meshc ZeRO-3 fused"][-1]  # ZeRO-3's copy-in/out is eligible at world 1
     for name in ("meshc ZeRO-1 Inductor", "meshc ZeRO-3 Inductor"):  # really compiled, forward and backward
         assert "Inductor: 1 fw + 1 bw graphs" in table[name][-1], table[name]
     assert "Inductor" not in table["meshc ZeRO-1"][-1]
@@ -86,8 +83,7 @@ def test_gpu_suite_dry_run(tmp_path):
         # reference, ~2e-4 after two updates (measured); 2e-3 still fails a lost, doubled or mis-scaled update,
         # each of which moves the loss by a good part of the ~0.07 one step takes off.
         assert all(abs(a - b) < 2e-3 for a, b in zip(rows[name]["losses"], ref)), (name, rows[name]["losses"], ref)
-    # Fused and unfused run the same math (the ZeRO copy kernels cast to bf16 exactly as .to() does).
-    assert all(abs(a - b) < 1e-4 for a, b in zip(rows["meshc ZeRO-3 fused"]["losses"],
-                                                  rows["meshc ZeRO-3 unfused"]["losses"]))
+    # ZeRO-3 over one rank reads its shards in place: the same math as ZeRO-1's
+    assert all(abs(a - b) < 1e-4 for a, b in zip(rows["meshc ZeRO-3"]["losses"], rows["meshc ZeRO-1"]["losses"]))
     # torch.compile runs the eager row's bf16 program: the same losses up to op-order rounding.
     assert all(abs(a - b) < 2e-3 for a, b in zip(rows["torch.compile"]["losses"], rows["eager"]["losses"]))
