@@ -62,6 +62,7 @@ class Job:
         self._params = self._store.masters
         self.zero_stats = ZeroStats()
         self.inductor = InductorPrograms()  # what Inductor compiled for this job (stats: graphs, seconds)
+        self._holds_zero: dict[int, bool] = {}  # id(program) -> whether its graph gathers or reduces ZeRO buckets
         self._buffers: dict[str, torch.Tensor] = {}
         self._pending_buffers: set[str] = set()
         for fqn, spec in program.buffers.items():
@@ -118,7 +119,10 @@ class Job:
         decision = program.decisions.get("inductor")
         if self.plan.zero < 2 or (decision is not None and decision.value):
             return False
-        return any(n.op == "call_function" and n.target in (zero_gather, zero_reduce) for n in program.gm.graph.nodes)
+        if id(program) not in self._holds_zero:  # read once per program, not on every step
+            self._holds_zero[id(program)] = any(n.op == "call_function" and n.target in (zero_gather, zero_reduce)
+                                                for n in program.gm.graph.nodes)
+        return self._holds_zero[id(program)]
 
     def _release_pages(self):
         """With Plan.offload_params: what drops the pages of parameter shards ZeRO-3's gathers read (offload.py)."""
