@@ -192,7 +192,11 @@ class Job:
         if self.plan.zero >= 2:  # what this step's gathers did, as a step without pipeline stages reports it
             self.zero_stats = ZeroStats()
         compiled = program.decisions["inductor"].value
-        runnable = (lambda stage: self.inductor.runner(stage.gm, f"stage {stage.index}", masters=self._params.__getitem__)) \
+        # a zero-bubble schedule runs each stage's backward as two halves: compiled as two graphs
+        split = compiled and any(getattr(op, "kind", None) == "I"
+                                 for op in self._pipe.layout.schedule.program(self.mesh.coord("pp")))
+        runnable = (lambda stage: self.inductor.runner(stage.gm, f"stage {stage.index}", masters=self._params.__getitem__,
+                                                       activations=len(stage.recv) if split else None)) \
             if compiled else None
         loss = self._pipe.step(flat, targets, loss_fn, values, zero_context if self._zero_context_needed(program) else None,
                                runnable)

@@ -29,6 +29,7 @@ import torch.fx as fx
 from meshc.compiler.ir import fx_ops, torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcRuntimeError
 from meshc.runtime.ops.zero import zero_reduce, zero_reduce_into
+from meshc.runtime.pipeline.compiled_split import DEFERRED, DeferredWeights, split_backward
 
 
 # Communication overlap by scheduling: Inductor's passes move each collective up to where its inputs are ready
@@ -73,9 +74,11 @@ class InductorPrograms:
     _prepared: dict = field(default_factory=dict)  # id(program graph) -> (the graph compiled, master FQNs it takes)
 
     def runner(self, gm: fx.GraphModule, name: str = "program",
-               masters: Callable[[str], torch.Tensor] | None = None) -> Callable[..., Any]:
+               masters: Callable[[str], torch.Tensor] | None = None, activations: int | None = None) -> Callable[..., Any]:
         """`gm`'s calling convention, each distinct input signature compiled by Inductor on first use. A ZeRO-2
-        graph also receives its buckets' master shards, `masters(fqn)`, ahead of its own inputs (with_masters)."""
+        graph also receives its buckets' master shards, `masters(fqn)`, ahead of its own inputs (with_masters).
+        `activations`: a zero-bubble stage's backward is compiled as two halves (pipeline/compiled_split.py), the
+        gradients of its last `activations` inputs (the received activations) in the first."""
         if id(gm) not in self._prepared:
             self._prepared[id(gm)] = with_masters(gm)
         graph, fqns = self._prepared[id(gm)]
@@ -85,14 +88,22 @@ class InductorPrograms:
         def run(*args: Any) -> Any:
             if fqns:
                 args = (*(masters(f) for f in fqns), *args)
-            key = (id(graph), torch.is_grad_enabled(), tuple(_signature(a) for a in args))
-            fn = self._compiled.get(key)
-            if fn is None:
-                fn = self._compiled[key] = self._compile(graph, list(args), name)
-            return fn(*args)
+            key = (id(graph), torch.is_grad_enabled(), activations, tuple(_signature(a) for a in args))
+            entry = self._compiled.get(key)
+            if entry is None:
+                deferred = None if activations is None else \
+                    DeferredWeights(frozenset(range(len(args) - activations, len(args))))
+                entry = self._compiled[key] = (self._compile(graph, list(args), name, deferred), deferred)
+            fn, deferred = entry
+            outs = fn(*args)
+            node = compat.compiled_function_node(outs) if deferred is not None else None
+            if node is not None:  # backward_input finds the split here (compiled_split.py)
+                node.metadata[DEFERRED] = deferred
+            return outs
         return run
 
-    def _compile(self, gm: fx.GraphModule, args: list, name: str) -> Callable[..., Any]:
+    def _compile(self, gm: fx.GraphModule, args: list, name: str,
+                 deferred: DeferredWeights | None = None) -> Callable[..., Any]:
         def on_graph(graph: fx.GraphModule, is_backward: bool, seconds: float, code: str) -> None:
             if is_backward:
                 self.stats.backward += 1
@@ -109,7 +120,8 @@ class InductorPrograms:
             # compile_fx may rewrite the graph it is handed; the program's own graph stays as the passes left it
             bound = any(compat.recomputed(node) for node in gm.graph.nodes)
             fn = compat.inductor_compile(copy.deepcopy(gm), args, on_graph=on_graph,
-                                         config_patches=OVERLAP_MEMORY_BOUND if bound else OVERLAP)
+                                         config_patches=OVERLAP_MEMORY_BOUND if bound else OVERLAP,
+                                         split_backward=split_backward(deferred) if deferred is not None else None)
         except Exception as error:  # noqa: BLE001 - re-raised with what to do; the cause chained
             raise MeshcRuntimeError(f"inductor: expected Inductor to compile the {name} of this rank, got "
                                     f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}; "

@@ -11,19 +11,18 @@
 
 A blocker is a part of the plan whose run-time behaviour lives outside the graph, so that tracing the program
 (make_fx under AOTAutograd, on fake tensors) would record something else than what runs: ZeRO-3's offload_params
-(pages of parameter shards released as their gathers read them), the zero-bubble schedules' split of a stage's
-backward into input and weight halves (autograd nodes edited at run time), expert routing's data-dependent all-to-all
+(pages of parameter shards released as their gathers read them), expert routing's data-dependent all-to-all
 sizes, context parallelism's ring attention (point-to-point transfers; its all-gather and all-to-all methods
 compile), collective matmul's rings. ZeRO-2/3 and remat compile: their
 gathers, reduce-scatters and recomputation are graph nodes and partitioner marks (passes/zero.py, passes/remat.py,
-runtime/inductor.py).
+runtime/inductor.py); so do the zero-bubble schedules, whose stages' backward graphs are cut into an input and a
+weight half, each compiled (runtime/pipeline/compiled_split.py).
 """
 from __future__ import annotations
 
 from meshc.compiler.cost.hardware import Hardware
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.ir.schedule import ALIASES
-from meshc.compiler.ir.plan import SPLIT_BACKWARD, Decision
+from meshc.compiler.ir.plan import Decision
 from meshc.compiler.ir.program import Program
 
 
@@ -34,9 +33,6 @@ def blockers(program: Program, decisions: dict) -> list[str]:
     if plan.zero == 3 and plan.offload_params:
         out.append("offload_params releases the pages of parameter shards as their gathers read them (run-time "
                    "state); drop offload_params")
-    if (mesh.size("pp") > 1 or plan.microbatches > 1) and ALIASES.get(str(plan.schedule).lower()) in SPLIT_BACKWARD:
-        out.append(f"schedule={plan.schedule!r} splits each stage's backward into input and weight halves at run "
-                   "time (autograd nodes); use gpipe, 1f1b or interleaved")
     if mesh.size("ep") > 1:
         out.append(f"expert parallelism (ep={mesh.size('ep')}) sizes its all-to-all from the routing (data-dependent)")
     if mesh.size("cp") > 1 and plan.cp_attention == "ring":

@@ -162,23 +162,72 @@ def graph_break() -> None:
     torch._dynamo.graph_break()
 
 
-def inductor_compile(gm, example_inputs, on_graph=None, config_patches=None):
+def inductor_compile(gm, example_inputs, on_graph=None, config_patches=None, split_backward=None):
     """TorchInductor on one FX graph (what torch.compile(backend="inductor") calls): where inputs require
     gradients, AOTAutograd traces the joint graph, partitions it and Inductor compiles the forward now and the
     backward at the first backward. `on_graph(gm, is_backward, seconds, code)` is told of each graph compiled, with
     the Python code Inductor generated for it (CompiledFxGraph.source_code: the order its kernels and collectives
-    run in; "" where torch gives none)."""
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    run in; "" where torch gives none).
 
-    if on_graph is None:
+    `split_backward(graph, inputs, compile_part)`, where given, takes AOTAutograd's partitioned backward graph
+    (inputs: the saved values and the tangents; outputs: one gradient per forward input) and returns the boxed
+    callable that runs in its place, built from parts it compiles with `compile_part(part_gm, part_inputs)` (each
+    an Inductor backward graph, told to on_graph; called with one list of tensors). AOTAutograd's own cache of
+    whole forward-backward pairs is off for such a compile (it would hand back the backward unsplit), and so are
+    donated buffers (below). Public
+    alternative: none; torch.compile has no hook between the partitioner and Inductor's backward compile."""
+    import contextlib
+
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.output_code import MockFXGraphCacheOutput
+
+    if on_graph is None and split_backward is None:
         return compile_fx(gm, example_inputs, config_patches=config_patches)
 
-    def inner(graph, inputs, **kwargs):
+    def told(graph, inputs, **kwargs):
         t0 = time.perf_counter()
         out = compile_fx_inner(graph, inputs, **kwargs)
-        on_graph(graph, bool(kwargs.get("is_backward")), time.perf_counter() - t0, getattr(out, "source_code", ""))
+        if on_graph is not None:
+            on_graph(graph, bool(kwargs.get("is_backward")), time.perf_counter() - t0, getattr(out, "source_code", ""))
         return out
-    return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=config_patches)
+
+    def inner(graph, inputs, **kwargs):
+        if not (kwargs.get("is_backward") and split_backward is not None):
+            return told(graph, inputs, **kwargs)
+        # each part's inputs are its own: the whole graph's static (parameter) input positions do not carry over
+        part_kwargs = {**kwargs, "static_input_idxs": []}
+        run = split_backward(graph, inputs, lambda part, part_inputs: told(part, part_inputs, **part_kwargs))
+        return MockFXGraphCacheOutput(gm=run)  # an OutputCode that calls `run` with the list of inputs
+
+    # a split backward is called under retain_graph (backward_split.backward_input): no saved buffer is donated to
+    # it for reuse, which AOTAutograd allows only to a backward run once without retain_graph
+    patch = functorch_config.patch(enable_autograd_cache=False, donated_buffer=False) if split_backward is not None \
+        else contextlib.nullcontext()
+    with patch:
+        return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=config_patches)
+
+
+def split_backward_retained():
+    """A context in which a backward compiled with split_backward may run under retain_graph: AOTAutograd refuses
+    that where its forward metadata does not say "no donated buffers" ([]), and a split compile leaves it unset
+    (None: Inductor donates none, see inductor_compile) unless its first backward happened to retain the graph.
+    Public alternative: none; `torch._functorch.config.donated_buffer` is the switch AOTAutograd's message names."""
+    from torch._functorch import config as functorch_config
+
+    return functorch_config.patch(donated_buffer=False)
+
+
+def compiled_function_node(outputs):
+    """The autograd node of an AOTAutograd-compiled call (CompiledFunctionBackward) that `outputs` come from, or
+    None: their grad_fn, or the one a view of an output was taken from. Public alternative: none (the node's class
+    is created per compiled function; its name() is what identifies it)."""
+    for t in outputs:
+        node = getattr(t, "grad_fn", None)
+        for candidate in [node, *((n for n, _ in node.next_functions) if node is not None else ())]:
+            if candidate is not None and candidate.name() == "CompiledFunctionBackward":
+                return candidate
+    return None
 
 
 # ------------------------------------------------------------------ op overloads and nn.Module internals

@@ -20,6 +20,9 @@ matmul, user Functions) computes all its gradients whatever the engine asks, so 
 in W phase 1: values stay right, but there I + W > B (the cost model prices the second run: GraphCost.unsplit_*,
 compiler/cost/compiled.py).
 
+A stage compiled by Inductor is one autograd node; its backward graph is cut in two compiled graphs instead
+(compiled_split.py): I runs the first, W the second, and W's gradients enter phase 2 along the node's edges.
+
 Phase 1 runs one autograd call per group of intermediates that share an edge target outside C. Autograd
 decides what a call needs by node, not by edge: in a group of several intermediates, one's activation
 gradient may lead to another's target, so that call also recomputes activation gradients between them (the
@@ -28,11 +31,15 @@ parameter use its own node (compiler/pipeline/backward_graphs.py), which keeps e
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+
+from meshc.compiler.ir import torch_compat as compat
+from meshc.runtime.pipeline.compiled_split import DEFERRED, WEIGHT_HALF
 
 
 @dataclass
@@ -43,9 +50,11 @@ class WeightWork:
     kept: dict = field(default_factory=dict)  # Node -> tuple of gradients (None where none flowed), in run order
     edges: dict = field(default_factory=dict)  # Node -> [(target Node, input_nr)] leaving the closure, same order
     direct: list = field(default_factory=list)  # [(output tensor, gradient)] whose node is outside C
+    compiled: list = field(default_factory=list)  # compiled stage calls whose backward left its W half, run order
 
     def empty(self) -> bool:
-        return not self.direct and not any(any(g is not None for g in k) for k in self.kept.values())
+        return not self.direct and not self.compiled and \
+            not any(any(g is not None for g in k) for k in self.kept.values())
 
 
 def grad_node(t: torch.Tensor) -> Node | None:
@@ -65,15 +74,20 @@ def backward_input(outs: list[torch.Tensor], grads: list, inputs: list[torch.Ten
     for o, g in zip(outs, grads):
         if grad_node(o) not in closure:
             work.direct.append((o, g))
+    split = [node for node in closure if DEFERRED in node.metadata]  # compiled stages: two graphs of their own
     for node in closure:
         leaving = [(n, i) for n, i in node.next_functions if n is not None and n not in closure]
-        if leaving:
+        if leaving and node not in split:
             work.edges[node] = leaving
     handles = [node.register_prehook(_keeper(work.kept, node)) for node in work.edges]
+    handles += [node.register_prehook(_deferrer(work.compiled, node)) for node in split]
     try:
         pairs = [(o, g) for o, g in zip(outs, grads) if grad_node(o) in closure]
-        got = iter(torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], retain_graph=True,
-                                       allow_unused=True) if pairs and leaves else [None] * len(leaves))
+        # W phase 1 calls the intermediates again; a compiled stage's W holds what it reads itself
+        retain = bool(work.edges)
+        with compat.split_backward_retained() if retain and split else contextlib.nullcontext():
+            got = iter(torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], retain_graph=retain,
+                                           allow_unused=True) if pairs and leaves else [None] * len(leaves))
     finally:
         for h in handles:
             h.remove()
@@ -90,11 +104,16 @@ def backward_weight(work: WeightWork) -> None:
     seeds: dict = {}  # (Node, input_nr) -> gradient
     for group in _groups(work.edges):
         _phase_one(group, work, seeds)
+    for node in work.compiled:  # a compiled stage's W graph: its gradients go along the node's own edges
+        for edge, g in zip(node.next_functions, node.metadata.pop(WEIGHT_HALF)()):
+            if g is not None and edge[0] is not None:
+                seeds[edge] = g if edge not in seeds else seeds[edge] + g
     roots = [GradientEdge(n, i) for n, i in seeds] + [o for o, _ in work.direct]
     values = list(seeds.values()) + [g for _, g in work.direct]
     work.kept.clear()
     work.edges.clear()
     work.direct.clear()
+    work.compiled.clear()
     if roots:
         torch.autograd.backward(roots, values)
 
@@ -120,6 +139,13 @@ def _phase_one(group: list[Node], work: WeightWork, seeds: dict) -> None:
     for edge, g in zip(targets, got):
         if g is not None:
             seeds[edge] = g if edge not in seeds else seeds[edge] + g
+
+
+def _deferrer(compiled: list, node: Node):
+    def hook(grad_outputs):
+        node.metadata[DEFERRED].defer_to(node)
+        compiled.append(node)
+    return hook
 
 
 def _keeper(kept: dict, node: Node):

@@ -28,7 +28,9 @@ CASES = [
     ("llama", {"dp": 2}, {}),  # gradients averaged by all-reduces inside the compiled backward
     ("reference", {"dp": 2}, {"zero": 1}),  # the same graphs; the reduce-scatter at the step, states sharded on dp
     ("gpt2", {"tp": 2}, {"sequence_parallel": True, "collective_matmul": False}),  # f/g pairs, SP's gathers
-    ("llama", {"pp": 2}, {"microbatches": 4, "schedule": "1f1b"}),  # each stage's program compiled, run per micro-batch
+    # each stage's program compiled, run per micro-batch; zero-bubble V: two stages per rank, each backward as two
+    # compiled graphs (input half, weight half), the W halves run later (1F1B: the dp x pp case below)
+    ("llama", {"pp": 2}, {"microbatches": 4, "schedule": "zbv"}),
     # ZeRO-3 as graph nodes: each bucket's all-gather in the forward graph, recomputed in backward (never saved for
     # it), the gradients' reduce-scatters in the backward graph; with tp and SP's own gathers; under a pipeline
     ("llama", {"dp": 2}, {"zero": 3}),
@@ -61,6 +63,9 @@ def test_inductor_compiled_ranks_match_single_process(case):
         parity.assert_matches(rank, out, ref, STEPS)
         if "tp" in mesh:  # the blocks' weights really split over tp, not only matching
             assert parity.block_coverage(out["local_shapes"], built, mesh["tp"]) >= 0.9, out["report"]
+        if plan.get("schedule") == "zbv":  # each stage's backward compiled as an input and a weight half (the
+            # first stage's as its weight half alone: it has no input gradient); under 1F1B one graph per forward
+            assert compiled["backward"] == 2 * compiled["forward"] - (rank == 0), compiled
         if plan.get("remat") == "full" and "tp" in mesh:  # Megatron's full recompute repeats the tp all-reduces
             calls = {kind: len(c) for kind, c in compiled["collectives"]}
             assert calls["backward"] > calls["forward"], compiled["collectives"]
