@@ -196,7 +196,7 @@ class Job:
         split = compiled and any(getattr(op, "kind", None) == "I"
                                  for op in self._pipe.layout.schedule.program(self.mesh.coord("pp")))
         runnable = (lambda stage: self.inductor.runner(stage.gm, f"stage {stage.index}", masters=self._params.__getitem__,
-                                                       activations=len(stage.recv) if split else None)) \
+                                                       weights=len(stage.params) + len(stage.buffers) if split else None)) \
             if compiled else None
         loss = self._pipe.step(flat, targets, loss_fn, values, zero_context if self._zero_context_needed(program) else None,
                                runnable)

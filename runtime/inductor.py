@@ -29,6 +29,7 @@ import torch.fx as fx
 from meshc.compiler.ir import fx_ops, torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcRuntimeError
 from meshc.runtime.ops.zero import zero_reduce, zero_reduce_into
+from meshc.runtime import regions
 from meshc.runtime.pipeline.compiled_split import DEFERRED, DeferredWeights, split_backward
 
 
@@ -61,10 +62,14 @@ class CompileStats:
     code: list = field(default_factory=list)  # per graph compiled: "forward"/"backward", the code Inductor generated
     saved_gathered: list = field(default_factory=list)  # per forward graph: {group: gathered values saved for backward}
     forward_out_bytes: list = field(default_factory=list)  # per forward graph: bytes it returns (outputs + saved)
+    regions: int = 0  # compiled regions of programs cut around ops that run eagerly (regions.py)
+    eager: list = field(default_factory=list)  # those ops, by node name
 
     def line(self) -> str:
+        cut = f"; {self.regions} region(s) around {len(self.eager)} op(s) run as FX code ({', '.join(self.eager[:4])}" \
+              f"{', ...' if len(self.eager) > 4 else ''})" if self.eager else ""
         return (f"{self.programs} program(s) compiled: {self.forward} forward and {self.backward} backward graph(s), "
-                f"{self.seconds:.1f} s in Inductor")
+                f"{self.seconds:.1f} s in Inductor{cut}")
 
 
 @dataclass
@@ -72,18 +77,41 @@ class InductorPrograms:
     stats: CompileStats = field(default_factory=CompileStats)
     _compiled: dict = field(default_factory=dict)
     _prepared: dict = field(default_factory=dict)  # id(program graph) -> (the graph compiled, master FQNs it takes)
+    _cuts: dict = field(default_factory=dict)  # id(program graph) -> its regions' top module (regions.py), or None
 
     def runner(self, gm: fx.GraphModule, name: str = "program",
-               masters: Callable[[str], torch.Tensor] | None = None, activations: int | None = None) -> Callable[..., Any]:
+               masters: Callable[[str], torch.Tensor] | None = None, weights: int | None = None) -> Callable[..., Any]:
         """`gm`'s calling convention, each distinct input signature compiled by Inductor on first use. A ZeRO-2
         graph also receives its buckets' master shards, `masters(fqn)`, ahead of its own inputs (with_masters).
-        `activations`: a zero-bubble stage's backward is compiled as two halves (pipeline/compiled_split.py), the
-        gradients of its last `activations` inputs (the received activations) in the first."""
+        `weights`: a zero-bubble stage, whose first `weights` inputs are parameters and buffers: its backward is
+        compiled as two halves (pipeline/compiled_split.py), the gradients of its other inputs (activations) in
+        the first. A program with ops no traced graph holds runs as regions (regions.py), each compiled alone."""
+        names = None if weights is None else {p.name for p in _placeholders(gm)[weights:]}
+        return self._runner(gm, name, masters, names)
+
+    def _runner(self, gm: fx.GraphModule, name: str, masters: Callable[[str], torch.Tensor] | None,
+                activation_names: set | None) -> Callable[..., Any]:
+        if id(gm) not in self._cuts:
+            top = self._cuts[id(gm)] = regions.cut(gm)
+            # a region's activations: its inputs computed from the program's (a weight's view is not one: its
+            # gradient is the weight half's)
+            inner = None if activation_names is None else _dependents(gm, activation_names)
+            for k, region in enumerate(top.regions if top is not None else ()):
+                run = self._runner(getattr(top, region), f"{name}, region {k}", masters, inner)
+                delattr(top, region)
+                setattr(top, region, run)  # the top module's code calls self.<region>(...)
+            if top is not None:
+                self.stats.regions += len(top.regions)
+                self.stats.eager += top.eager
+        if self._cuts[id(gm)] is not None:
+            return self._cuts[id(gm)]
         if id(gm) not in self._prepared:
             self._prepared[id(gm)] = with_masters(gm)
         graph, fqns = self._prepared[id(gm)]
         if fqns and masters is None:
             raise MeshcInternalError(f"inductor: expected the master shards of the {name}'s ZeRO-2 buckets, got none")
+        activations = None if activation_names is None else frozenset(
+            len(fqns) + i for i, p in enumerate(_placeholders(gm)) if p.name in activation_names)
 
         def run(*args: Any) -> Any:
             if fqns:
@@ -91,8 +119,7 @@ class InductorPrograms:
             key = (id(graph), torch.is_grad_enabled(), activations, tuple(_signature(a) for a in args))
             entry = self._compiled.get(key)
             if entry is None:
-                deferred = None if activations is None else \
-                    DeferredWeights(frozenset(range(len(args) - activations, len(args))))
+                deferred = None if activations is None else DeferredWeights(activations)
                 entry = self._compiled[key] = (self._compile(graph, list(args), name, deferred), deferred)
             fn, deferred = entry
             outs = fn(*args)
@@ -197,3 +224,16 @@ def _signature(a: Any) -> Any:
     if isinstance(a, torch.Tensor):
         return (tuple(a.shape), a.dtype, a.device.type, a.requires_grad)
     return repr(a)
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _dependents(gm: fx.GraphModule, names: set) -> set:
+    """Names of the nodes of `gm` computed from its placeholders named in `names` (those included)."""
+    out = set(names)
+    for n in gm.graph.nodes:
+        if any(a.name in out for a in n.all_input_nodes):
+            out.add(n.name)
+    return out

@@ -11,12 +11,12 @@
 
 A blocker is a part of the plan whose run-time behaviour lives outside the graph, so that tracing the program
 (make_fx under AOTAutograd, on fake tensors) would record something else than what runs: ZeRO-3's offload_params
-(pages of parameter shards released as their gathers read them), expert routing's data-dependent all-to-all
-sizes, context parallelism's ring attention (point-to-point transfers; its all-gather and all-to-all methods
-compile), collective matmul's rings. ZeRO-2/3 and remat compile: their
-gathers, reduce-scatters and recomputation are graph nodes and partitioner marks (passes/zero.py, passes/remat.py,
-runtime/inductor.py); so do the zero-bubble schedules, whose stages' backward graphs are cut into an input and a
-weight half, each compiled (runtime/pipeline/compiled_split.py).
+(pages of parameter shards released as their gathers read them by the run-time ZeRO context). ZeRO-2/3 and remat
+compile: their gathers, reduce-scatters and recomputation are graph nodes and partitioner marks (passes/zero.py,
+passes/remat.py, runtime/inductor.py); so do the zero-bubble schedules, whose stages' backward graphs are cut into an
+input and a weight half, each compiled (runtime/pipeline/compiled_split.py). Ops no traced graph holds (expert
+parallelism's dispatch and combine, sized by the routing; ring attention's and collective matmul's point-to-point
+rings) run as FX code between compiled regions of their program (runtime/regions.py).
 """
 from __future__ import annotations
 
@@ -28,29 +28,20 @@ from meshc.compiler.ir.program import Program
 
 def blockers(program: Program, decisions: dict) -> list[str]:
     """What in this program's plan keeps Inductor from compiling it (empty: nothing)."""
-    plan, mesh = program.plan, program.mesh
+    plan = program.plan
     out = []
     if plan.zero == 3 and plan.offload_params:
         out.append("offload_params releases the pages of parameter shards as their gathers read them (run-time "
                    "state); drop offload_params")
-    if mesh.size("ep") > 1:
-        out.append(f"expert parallelism (ep={mesh.size('ep')}) sizes its all-to-all from the routing (data-dependent)")
-    if mesh.size("cp") > 1 and plan.cp_attention == "ring":
-        out.append(f"context parallelism's ring attention (cp={mesh.size('cp')}) passes key/value blocks around a "
-                   "ring of point-to-point transfers; use cp_attention='all_gather' or 'all_to_all'")
-    matmul = decisions.get("collective_matmul")
-    if mesh.size("tp") > 1 and plan.sequence_parallel and matmul is not None and matmul.value:
-        out.append("collective matmul passes activation chunks around a ring of point-to-point transfers; "
-                   "use collective_matmul=False")
     return out
 
 
 def yield_to_inductor(program: Program, decisions: dict) -> dict:
     """The decisions with the cost model's own choices that would keep Inductor out given way to it where it is to
     compile (Plan.inductor True, or None on CUDA): collective matmul left to the cost model (Plan.collective_matmul
-    None) is turned off, its rings' point-to-point transfers being untraceable, while sequence parallelism's gathers
-    and reduce-scatters stay functional collectives that Inductor's scheduler overlaps. A value the user set stays
-    (and is refused beside inductor=True by decide_inductor)."""
+    None) is turned off: its rings' point-to-point transfers would run as FX code between compiled regions, cutting
+    each block's graph twice, while sequence parallelism's gathers and reduce-scatters stay functional collectives
+    that Inductor's scheduler overlaps. A value the user set stays (its rings then run between regions)."""
     plan = program.plan
     wanted = plan.inductor is True or (plan.inductor is None and program.mesh.device_type == "cuda")
     ring = decisions.get("collective_matmul")
@@ -58,7 +49,8 @@ def yield_to_inductor(program: Program, decisions: dict) -> dict:
         return decisions
     return {**decisions, "collective_matmul": Decision(False, "Inductor compiles this plan's programs: sequence "
                                                               "parallelism's collectives stay graph nodes it schedules "
-                                                              "for overlap (the rings' transfers are not traceable); "
+                                                              "for overlap (the rings' transfers would run as FX code "
+                                                              "between compiled regions); "
                                                               f"the cost model had said: {ring.why}")}
 
 

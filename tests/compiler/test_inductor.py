@@ -42,8 +42,6 @@ def test_default_is_off_on_cpu_and_on_on_cuda(traced):
 
 BLOCKED = [  # (mesh, plan, what the error names)
     ({"dp": 2}, {"zero": 3, "offload": "nvme", "offload_dir": "/tmp", "offload_params": True}, "offload_params"),
-    ({"dp": 2, "ep": 2}, {}, "ep=2"),
-    ({"dp": 2, "cp": 2}, {}, "cp=2"),
 ]
 
 
@@ -56,11 +54,14 @@ def test_a_plan_with_run_time_state_is_refused_when_forced_and_left_eager_by_def
     assert default.value is False and named in default.why
 
 
-def test_collective_matmul_blocks_and_pipelines_do_not(traced):
+def test_rings_routing_and_pipelines_compile(traced):
+    """What once kept Inductor out now compiles: ep's routing, ring attention and collective matmul as FX code
+    between compiled regions (runtime/regions.py), the zero-bubble schedules as two backward graphs per stage."""
     ring = {"collective_matmul": meshc.compiler.ir.plan.Decision(True, "Plan.collective_matmul=True")}
-    with pytest.raises(MeshcValueError, match="collective matmul"):
-        _decide(traced, {"tp": 2}, inductor=True, sequence_parallel=True, decisions=ring)
-    for schedule in ("gpipe", "1f1b", "zb-h1", "zbv"):  # zero-bubble: two backward graphs per stage
+    assert _decide(traced, {"tp": 2}, inductor=True, sequence_parallel=True, decisions=ring).value is True
+    assert _decide(traced, {"dp": 2, "ep": 2}, device="cuda").value is True
+    assert _decide(traced, {"dp": 2, "cp": 2}, device="cuda", cp_attention="ring").value is True
+    for schedule in ("gpipe", "1f1b", "zb-h1", "zbv"):
         assert _decide(traced, {"pp": 2}, inductor=True, microbatches=4, schedule=schedule).value is True
 
 

@@ -33,8 +33,9 @@ CASES = [  # (model, sequence, mesh, plans run one after the other in one launch
     ("llama", 256, {"dp": 1, "cp": 4}, [{"cp_attention": m} for m in ("ring", "all_gather", "all_to_all")]),
     ("qwen2", 64, {"dp": 2, "cp": 2, "tp": 2}, [{"cp_attention": "all_gather"}]),
     ("gpt_long", 64, {"dp": 2, "cp": 2}, [{"zero": 3, "cp_attention": "all_to_all"}]),  # 2 batches × 2 halves; ZeRO-3 over 4
-    # compiled by Inductor: the all-gather and all-to-all methods are functional collectives (the ring is not)
-    ("llama", 64, {"dp": 1, "cp": 2}, [{"cp_attention": m, "inductor": True} for m in ("all_gather", "all_to_all")]),
+    # compiled by Inductor: the all-gather and all-to-all methods are functional collectives; the ring's point-to-point
+    # transfers run as FX code between compiled regions (runtime/regions.py)
+    ("llama", 64, {"dp": 1, "cp": 2}, [{"cp_attention": m, "inductor": True} for m in ("all_gather", "all_to_all", "ring")]),
     ("mistral", 64, {"dp": 1, "cp": 2}, [{}]),  # a sliding-window mask: read per block by global position
     ("llama_eager", 64, {"dp": 1, "cp": 2, "pp": 2}, [{"microbatches": 2}]),  # written-out attention, found
 ]
@@ -60,7 +61,7 @@ def _cp_rank(model: str, seq: int, mesh_sizes: dict, plans: list[dict]) -> list[
         graphs = [job.graph()]  # this rank's program (its one pipeline stage under pp)
         kv = [tuple(n.args[1].meta["val"].shape) for g in graphs for n in g.graph.nodes if n.target is context_attention]
         outs.append({"losses": losses, "grads0": grads0, "params": job.state_dict(), "census": census, "kv": kv,
-                     "compiled": (job.inductor.stats.forward, job.inductor.stats.backward),
+                     "compiled": (job.inductor.stats.forward, job.inductor.stats.backward, job.inductor.stats.regions),
                      "report": str(job.explain()), "local": {f: p.numel() for f, p in job.named_parameters()}})
     return outs
 
@@ -95,8 +96,10 @@ def test_context_parallel_matches_single_process(case):
             else:
                 assert out["census"] == {"forward": 0, "backward": 0}, (rank, out["census"])  # no ring, nothing counted
             assert "cp" in out["report"]
-            if plan.get("inductor"):  # Inductor really compiled the program, forward and backward
+            if plan.get("inductor"):  # Inductor really compiled the program, forward and backward (the ring: in
+                # regions around each block's attention, which the census above saw run)
                 assert out["compiled"][0] >= 1 and out["compiled"][1] >= 1, (rank, out["compiled"])
+                assert (out["compiled"][2] >= 3) == (plan["cp_attention"] == "ring"), (rank, out["compiled"])
             if plan.get("zero") == 3:  # ZeRO-3 shards over dp × cp, as Megatron's distributed optimizer: ceil(numel / 4)
                 whole = {f: p.numel() for f, p in zoo.build(model).named_parameters()}
                 assert out["local"] == {f: -(-n // (mesh["dp"] * cp)) for f, n in whole.items()}, rank

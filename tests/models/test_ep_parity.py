@@ -27,7 +27,10 @@ EXPERTS = {"mixtral": 4, "mixtral4": 4, "mixtral_gathered": 4, "deepseek_v3": 4,
 CASES = [  # Mixtral at plain dp=2 × ep=2 also runs through the torch.compile door (tests/compiler/test_backend.py)
     ("deepseek_v3", {"dp": 2, "ep": 2}, {}),  # a dense first layer, a shared expert beside the routed ones
     ("olmoe", {"dp": 2, "ep": 2}, {"remat": "full"}),  # recompute runs the dispatch again in backward
-    ("mixtral", {"dp": 2, "ep": 2, "tp": 2}, {}),
+    # compiled: the routing (dispatch, the expert matmuls its row counts size, combine) runs as FX code between
+    # regions Inductor compiles (runtime/regions.py); under a zero-bubble schedule, each region's backward in halves
+    ("mixtral", {"dp": 2, "ep": 2, "tp": 2}, {"inductor": True}),
+    ("mixtral4", {"dp": 2, "ep": 2, "pp": 2}, {"microbatches": 2, "schedule": "zb-h1", "inductor": True}),
     ("mixtral", {"dp": 4, "ep": 2}, {"zero": 3}),  # experts over ep, replicas over edp; the rest ZeRO-3 over dp
     ("mixtral4", {"dp": 2, "ep": 2, "pp": 2}, {"microbatches": 2}),
     ("mixtral_gathered", {"dp": 2, "ep": 2}, {}),  # each row's expert weights gathered by id (batched_mm)
@@ -66,6 +69,10 @@ def test_expert_parallel_matches_single_process(case):
                 split = mesh["ep"]
             assert math.prod(shape) * split == math.prod(whole[fqn]), (rank, fqn, shape)
         assert "ep:S(0)" in out["report"] and "all_to_all" in out["report"]
+        if plan.get("inductor"):  # each block's routing between compiled regions, forward and backward compiled
+            compiled = out["inductor"]
+            assert compiled["regions"] >= 3 and compiled["backward"] >= compiled["regions"], compiled
+            assert [n for n in compiled["eager"] if n.startswith(("dispatch", "combine"))] == compiled["eager"]
 
 
 def _mixed_rank(stage: int) -> dict:

@@ -32,7 +32,8 @@ CASES = [(m, mesh, {}) for m in ("reference", "gpt2", "llama", "bert", "mixtral"
     ("llama", {"tp": 4}, {"sequence_parallel": True}),
     ("llama", {"tp": 2}, {"vocab_parallel": True}),
     ("bert", {"tp": 2}, {"sequence_parallel": True}),
-    ("llama", {"tp": 2}, {"sequence_parallel": True, "collective_matmul": True}),
+    # compiled: the rings (point-to-point) run as FX code between regions Inductor compiles (runtime/regions.py)
+    ("llama", {"tp": 2}, {"sequence_parallel": True, "collective_matmul": True, "inductor": True}),
     ("reference", {"tp": 4}, {"sequence_parallel": True, "collective_matmul": True}),
     # an encoder-decoder (shared embedding, cross-attention, relative position bias, a DynamicCache): it crashed
     # inside the compiler once (issue 13)
@@ -60,6 +61,10 @@ def test_tp_matches_single_process(case):
     results = run_ranks(parity.meshc_rank, world, model, STEPS, BATCH, mesh, {**FAST, **plan}, timeout=240)
     for rank, out in enumerate(results):
         parity.assert_matches(rank, out, ref, STEPS)
+        if plan.get("inductor"):  # each ring between compiled regions, whose forward and backward Inductor compiled
+            compiled = out["inductor"]
+            assert compiled["eager"] and all("matmul" in n for n in compiled["eager"]), compiled["eager"]
+            assert len(compiled["eager"]) < compiled["regions"] <= compiled["forward"], compiled
     built = zoo.build(model)
     for rank, out in enumerate(results):  # what the ranks really hold, not what the report says
         covered = parity.block_coverage(out["local_shapes"], built, mesh["tp"])
