@@ -30,7 +30,7 @@ from meshc.compiler.ir import fx_ops, torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcRuntimeError
 from meshc.runtime.ops.zero import zero_reduce, zero_reduce_into
 from meshc.runtime import regions
-from meshc.runtime.pipeline.compiled_split import DEFERRED, DeferredWeights, split_backward
+from meshc.runtime.compiled_split import DEFERRED, DeferredWeights, split_backward
 
 
 # Communication overlap by scheduling: Inductor's passes move each collective up to where its inputs are ready
@@ -84,7 +84,7 @@ class InductorPrograms:
         """`gm`'s calling convention, each distinct input signature compiled by Inductor on first use. A ZeRO-2
         graph also receives its buckets' master shards, `masters(fqn)`, ahead of its own inputs (with_masters).
         `weights`: a zero-bubble stage, whose first `weights` inputs are parameters and buffers: its backward is
-        compiled as two halves (pipeline/compiled_split.py), the gradients of its other inputs (activations) in
+        compiled as two halves (runtime/compiled_split.py), the gradients of its other inputs (activations) in
         the first. A program with ops no traced graph holds runs as regions (regions.py), each compiled alone."""
         names = None if weights is None else {p.name for p in _placeholders(gm)[weights:]}
         return self._runner(gm, name, masters, names)

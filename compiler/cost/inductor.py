@@ -14,7 +14,7 @@ A blocker is a part of the plan whose run-time behaviour lives outside the graph
 (pages of parameter shards released as their gathers read them by the run-time ZeRO context). ZeRO-2/3 and remat
 compile: their gathers, reduce-scatters and recomputation are graph nodes and partitioner marks (passes/zero.py,
 passes/remat.py, runtime/inductor.py); so do the zero-bubble schedules, whose stages' backward graphs are cut into an
-input and a weight half, each compiled (runtime/pipeline/compiled_split.py). Ops no traced graph holds (expert
+input and a weight half, each compiled (runtime/compiled_split.py). Ops no traced graph holds (expert
 parallelism's dispatch and combine, sized by the routing; ring attention's and collective matmul's point-to-point
 rings) run as FX code between compiled regions of their program (runtime/regions.py).
 """

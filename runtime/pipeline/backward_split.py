@@ -21,7 +21,7 @@ in W phase 1: values stay right, but there I + W > B (the cost model prices the 
 compiler/cost/compiled.py).
 
 A stage compiled by Inductor is one autograd node; its backward graph is cut in two compiled graphs instead
-(compiled_split.py): I runs the first, W the second, and W's gradients enter phase 2 along the node's edges.
+(runtime/compiled_split.py): I runs the first, W the second, and W's gradients enter phase 2 along the node's edges.
 
 Phase 1 runs one autograd call per group of intermediates that share an edge target outside C. Autograd
 decides what a call needs by node, not by edge: in a group of several intermediates, one's activation
@@ -39,7 +39,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from meshc.compiler.ir import torch_compat as compat
-from meshc.runtime.pipeline.compiled_split import DEFERRED, WEIGHT_HALF
+from meshc.runtime.compiled_split import DEFERRED, WEIGHT_HALF
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Zero-bubble's backward halves for a stage Inductor compiled (runtime/pipeline/compiled_split.py), in one process.
+"""Zero-bubble's backward halves for a stage Inductor compiled (runtime/compiled_split.py), in one process.
 
 On GPT-2's last stage at pp=2: AOTAutograd's backward graph cut in two puts each of its ops in exactly one half
 (nothing computed twice), every matmul of W produces a weight's gradient and none of I does; run, I gives the
@@ -12,9 +12,9 @@ import torch
 
 from meshc.runtime import inductor
 from meshc.runtime.inductor import InductorPrograms
-from meshc.runtime.pipeline import compiled_split
+from meshc.runtime import compiled_split
 from meshc.runtime.pipeline.backward_split import backward_input, backward_weight
-from meshc.runtime.pipeline.compiled_split import split_graph
+from meshc.runtime.compiled_split import split_graph
 from tests.runtime.test_backward_split import MATMULS, _last_stage, _values
 
 

@@ -9,7 +9,7 @@ graphs, each compiled.
 
 Nothing is computed twice: each node of the backward graph is in exactly one half (tests/runtime/
 test_compiled_split.py counts the matmuls). An interpreted stage splits its backward at the autograd graph instead
-(backward_split.py); a compiled stage is one autograd node whose backward would otherwise compute every gradient in
+(pipeline/backward_split.py); a compiled stage is one autograd node whose backward would otherwise compute every gradient in
 I and again in W.
 
 How the halves run: the compiled call's autograd node carries its DeferredWeights (node.metadata[DEFERRED]).
