@@ -26,6 +26,7 @@ import torch
 from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.compile import CompiledRank, compile_program, compile_rank, passes_for_rank
 from meshc.compiler.report.explain import Report, explain
+from meshc.compiler.cost.compiled import estimate_compiled
 from meshc.compiler.cost.hardware import detect as detect_hardware
 from meshc.compiler.ir.errors import MeshcValueError, warn
 from meshc.compiler.ir.program import Program
@@ -494,11 +495,17 @@ class Job:
         return str(write_report(path, self.compiled, self.explain(), hardware=hardware or detect_hardware(),
                                 measured=measured, trace=trace, graph_ranks=graph_ranks))
 
-    def trace(self, path):
+    def trace(self, path, *, hardware=None):
         """A context manager that records the steps run inside it on every rank (runtime/monitor/trace.py: each step,
         pipeline action, send and receive, collective and wait) and, on exit, writes them as one Chrome-trace
-        JSON to `path` from rank 0 (open it in ui.perfetto.dev or chrome://tracing). Every rank enters it."""
-        return tracing.record(self.mesh, path)
+        JSON to `path` from rank 0 (open it in ui.perfetto.dev or chrome://tracing). Every rank enters it. The
+        file's otherData puts each rank's measured exposed communication per step beside the cost model's
+        prediction for `hardware` (a profile; default: this machine's, detected)."""
+        def predicted() -> dict:
+            time = estimate_compiled(self.compiled, hardware or detect_hardware()).time
+            # a pipeline's receives wait for the other stage too: the measured p2p time is the simulated bubble
+            return {part: time[part] * 1e3 for part in ("tp", "ep", "cp", "pp", "dp", "bubble") if part in time}
+        return tracing.record(self.mesh, path, predicted)
 
     def graph(self, rank: int | None = None, stage: int | None = None) -> torch.fx.GraphModule:
         """The transformed GraphModule that `rank` (default: this one) runs: the whole program, or with pipeline

@@ -21,6 +21,11 @@ What it records, all with wall-clock timestamps in µs (one host's ranks share t
   wait         each wait_tensor on a collective's result, and the end-of-step wait on pipeline sends;
   trace        the tracer's own work inside a step: copying a graph with module marks, once per graph.
 
+Beside the events, the file's otherData holds each rank's communication per step that no compute hid
+(`exposed_ms`: waits on collectives, the collective calls themselves, pipeline transfers; `exposed`) and the cost
+model's prediction of the same for the job's plan on the hardware profile (`predicted_ms`, by axis: tp, ep, cp, pp,
+dp, and the pipeline's bubble, in which a stage's receives wait for the other stage), side by side.
+
 Collectives are seen at dispatch (as runtime/monitor/census.py counts them), so the mode costs a Python call per
 ATen op while it is on, and a module mark a Python call per boundary; nothing is recorded, and nothing
 costs, outside `job.trace(...)`.
@@ -181,9 +186,31 @@ def _with_marks(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+COMM = ("wait", "collective", "p2p")  # the categories of time a rank spends communicating, not computing
+
+
+def exposed(events: list[dict]) -> dict:
+    """One rank's communication per step, ms, averaged over the steps recorded: the time it waited for collectives'
+    results (wait), spent inside collective calls (collective: the issue, and on a backend that runs them in the
+    call, the whole transfer), and in pipeline receives and the sends' end-of-step wait (p2p); what no compute hid.
+    `step` is the steps' own span; `exposed` the three summed."""
+    steps = [ev for ev in events if ev["cat"] == "step"]
+    out = {"steps": len(steps), "step": 0.0, **{cat: 0.0 for cat in COMM}}
+    for s in steps:
+        out["step"] += s["dur"] / 1e3
+        for ev in events:
+            if ev["cat"] in COMM and s["ts"] <= ev["ts"] <= s["ts"] + s["dur"]:
+                out[ev["cat"]] += ev["dur"] / 1e3
+    n = max(len(steps), 1)
+    out.update({k: v / n for k, v in out.items() if k != "steps"})
+    out["exposed"] = sum(out[cat] for cat in COMM)
+    return out
+
+
 @contextlib.contextmanager
-def record(mesh, path):
-    """Trace this rank while inside; on exit every rank's events go to rank 0, which writes `path` (JSON)."""
+def record(mesh, path, predicted=None):
+    """Trace this rank while inside; on exit every rank's events go to rank 0, which writes `path` (JSON), with
+    each rank's exposed communication per step (`exposed`) beside `predicted()`: the cost model's (ms by axis)."""
     path = Path(path)
     if path.suffix.lower() != ".json":
         raise MeshcValueError(f"job.trace: expected a path ending in .json, got {str(path)!r}; name it trace.json")
@@ -199,10 +226,10 @@ def record(mesh, path):
     else:
         everyone = [(events, mesh.coords())]
     if mesh.rank == 0:
-        write(path, everyone)
+        write(path, everyone, predicted() if predicted is not None else None)
 
 
-def write(path: Path, everyone: list) -> None:
+def write(path: Path, everyone: list, predicted: dict | None = None) -> None:
     """The merged Trace Event Format file: one process per rank, events sorted by time within each thread."""
     out = []
     for rank, (events, coords) in enumerate(everyone):
@@ -214,5 +241,7 @@ def write(path: Path, everyone: list) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.partial")
     tmp.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms",
-                               "otherData": {"producer": "meshc job.trace", "ranks": len(everyone)}}))
+                               "otherData": {"producer": "meshc job.trace", "ranks": len(everyone),
+                                             "exposed_ms": {str(r): exposed(ev) for r, (ev, _) in enumerate(everyone)},
+                                             "predicted_ms": predicted}}))
     os.replace(tmp, path)

@@ -54,6 +54,17 @@ def test_trace_two_ranks(tmp_path):
     results = run_ranks(_traced_rank, 2, str(path), timeout=120)
     data = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
     events = [ev for ev in data["traceEvents"] if ev["ph"] == "X"]
+    # exposed communication per step, measured, beside the cost model's prediction (ms): each rank waits for the
+    # other stage's activations or gradients (p2p) and the loss's all-reduce, within its steps
+    exposed, predicted = data["otherData"]["exposed_ms"], data["otherData"]["predicted_ms"]
+    for rank in ("0", "1"):
+        mine = exposed[rank]
+        assert mine["steps"] == STEPS and 0 < mine["p2p"] and mine["collective"] > 0, mine
+        assert mine["exposed"] == pytest.approx(mine["wait"] + mine["collective"] + mine["p2p"])
+        assert mine["exposed"] < mine["step"], mine
+        spans = [ev for ev in events if ev["pid"] == int(rank) and ev["cat"] == "p2p"]
+        assert mine["p2p"] == pytest.approx(sum(ev["dur"] for ev in spans) / 1e3 / STEPS)
+    assert set(predicted) == {"tp", "ep", "cp", "pp", "dp", "bubble"} and predicted["bubble"] > 0, predicted
     names = {ev["pid"]: ev["args"]["name"] for ev in data["traceEvents"] if ev["name"] == "process_name"}
     assert names == {0: "rank 0 (pp=0 dp=0 tp=0)", 1: "rank 1 (pp=1 dp=0 tp=0)"}
     for rank, expected in enumerate(results):
