@@ -14,8 +14,10 @@ graph.
 
 A call whose tensors differ from the compiled ones in shape, dtype, requires_grad or grad mode compiles again
 (generated code is specialized to what it was compiled for); each compilation is counted with its seconds.
-Inductor's FX-graph and AOTAutograd caches are torch's own (TORCHINDUCTOR_CACHE_DIR): identical programs on
-several ranks, or in a second run, are compiled once.
+Inductor's FX graph cache (TORCHINDUCTOR_CACHE_DIR) serves every graph: a graph compiled before, by another rank or
+in another run, is not generated and built again (AOTAutograd still traces and partitions it, so each is counted
+and told to on_graph). It needs the example inputs as fake tensors with a ShapeEnv (compat.inductor_compile), as
+TorchDynamo gives them; with real ones Inductor bypassed it, so that before 2026-12-06 nothing was ever reused.
 """
 from __future__ import annotations
 

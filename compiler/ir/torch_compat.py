@@ -173,15 +173,14 @@ def inductor_compile(gm, example_inputs, on_graph=None, config_patches=None, spl
     (inputs: the saved values and the tangents; outputs: one gradient per forward input) and returns the boxed
     callable that runs in its place, built from parts it compiles with `compile_part(part_gm, part_inputs)` (each
     an Inductor backward graph, told to on_graph; called with one list of tensors). AOTAutograd's own cache of
-    whole forward-backward pairs is off for such a compile (it would hand back the backward unsplit), and so are
+    whole forward-backward pairs is off (it would hand back the backward unsplit), and for such a compile so are
     donated buffers (below). Public
     alternative: none; torch.compile has no hook between the partitioner and Inductor's backward compile."""
-    import contextlib
-
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._inductor.output_code import MockFXGraphCacheOutput
 
+    example_inputs = _with_shape_env(example_inputs)
     if on_graph is None and split_backward is None:
         return compile_fx(gm, example_inputs, config_patches=config_patches)
 
@@ -200,12 +199,27 @@ def inductor_compile(gm, example_inputs, on_graph=None, config_patches=None, spl
         run = split_backward(graph, inputs, lambda part, part_inputs: told(part, part_inputs, **part_kwargs))
         return MockFXGraphCacheOutput(gm=run)  # an OutputCode that calls `run` with the list of inputs
 
-    # a split backward is called under retain_graph (backward_split.backward_input): no saved buffer is donated to
-    # it for reuse, which AOTAutograd allows only to a backward run once without retain_graph
-    patch = functorch_config.patch(enable_autograd_cache=False, donated_buffer=False) if split_backward is not None \
-        else contextlib.nullcontext()
+    # AOTAutograd's cache of whole forward-backward pairs would skip `inner` (on_graph's counts, the split) on a hit:
+    # off, while Inductor's FX graph cache (the generated code, the costly part) serves each graph `inner` compiles.
+    # A split backward is called under retain_graph (backward_split.backward_input): no saved buffer is donated to
+    # it for reuse, which AOTAutograd allows only to a backward run once without retain_graph.
+    patch = functorch_config.patch(enable_autograd_cache=False, donated_buffer=split_backward is None)
     with patch:
         return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=config_patches)
+
+
+def _with_shape_env(example_inputs):
+    """The example inputs as fake tensors of a FakeTensorMode with a ShapeEnv (static shapes, no symbol in it), as
+    TorchDynamo hands them to Inductor: without a ShapeEnv Inductor bypasses its FX graph cache ("No shape env") and
+    compiles every graph from scratch, in every rank and every run. Inputs a fake tensor cannot stand for (a
+    tensor subclass) leave them as they are. Public alternative: none (torch.compile makes them itself)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in example_inputs if isinstance(t, torch.Tensor)):
+        return example_inputs
+    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)  # the shapes as they are: no symbol
+    return [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
 
 
 def split_backward_retained():
