@@ -79,7 +79,8 @@ class InductorPrograms:
     stats: CompileStats = field(default_factory=CompileStats)
     _compiled: dict = field(default_factory=dict)
     _prepared: dict = field(default_factory=dict)  # id(program graph) -> (the graph compiled, master FQNs it takes)
-    _cuts: dict = field(default_factory=dict)  # id(program graph) -> its regions' top module (regions.py), or None
+    # id(program graph) -> (the graph, kept so that its id is not reused; its regions' top module or None)
+    _cuts: dict = field(default_factory=dict)
 
     def runner(self, gm: fx.GraphModule, name: str = "program",
                masters: Callable[[str], torch.Tensor] | None = None, weights: int | None = None) -> Callable[..., Any]:
@@ -94,7 +95,8 @@ class InductorPrograms:
     def _runner(self, gm: fx.GraphModule, name: str, masters: Callable[[str], torch.Tensor] | None,
                 activation_names: set | None) -> Callable[..., Any]:
         if id(gm) not in self._cuts:
-            top = self._cuts[id(gm)] = regions.cut(gm)
+            top = regions.cut(gm)
+            self._cuts[id(gm)] = (gm, top)
             # a region's activations: its inputs computed from the program's (a weight's view is not one: its
             # gradient is the weight half's)
             inner = None if activation_names is None else _dependents(gm, activation_names)
@@ -105,8 +107,8 @@ class InductorPrograms:
             if top is not None:
                 self.stats.regions += len(top.regions)
                 self.stats.eager += top.eager
-        if self._cuts[id(gm)] is not None:
-            return self._cuts[id(gm)]
+        if self._cuts[id(gm)][1] is not None:
+            return self._cuts[id(gm)][1]
         if id(gm) not in self._prepared:
             self._prepared[id(gm)] = with_masters(gm)
         graph, fqns = self._prepared[id(gm)]
