@@ -302,6 +302,8 @@ def _init_world(timeout: timedelta) -> torch.device:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
+    if dist.get_backend() == "gloo":
+        compat.safe_cpu_all_gather()  # torch's functional all-gather corrupts gloo's heap with several in flight
     return torch.device("cpu")
 
 

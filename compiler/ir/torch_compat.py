@@ -65,6 +65,38 @@ def all_to_all_single(t: torch.Tensor, output_splits: list[int], input_splits: l
     return c10d_functional.wait_tensor(out)
 
 
+# torch 2.13's functional all-gather on gloo (all_gather_into_tensor, through ProcessGroupGloo's coalesced all-gather)
+# corrupts the heap when several are in flight at once: four gloo ranks issuing nine gathers before their waits, as a
+# compiled ZeRO-3 backward does, abort with "malloc(): unaligned tcache chunk detected" within a few hundred rounds
+# (tests/runtime/test_gloo_gather.py; the same rounds with all_gather_into_tensor_out, c10d's async
+# all_gather_single, functional all_reduce, reduce_scatter or all_to_all_single in flight: none in 4000 rounds).
+# On CPU tensors the op therefore runs as c10d's all_gather_single, async, its work registered for wait_tensor.
+_GATHER_LIBS: list = []
+
+
+def _gather_on_cpu(t: torch.Tensor, group_size: int, group_name) -> torch.Tensor:
+    group = group_name if isinstance(group_name, dist.ProcessGroup) else _c10d._resolve_process_group(group_name)
+    out = t.new_empty((t.shape[0] * group_size, *t.shape[1:]))
+    work = dist.all_gather_single(out, t.contiguous(), group=group, async_op=True)
+    torch._C._distributed_c10d._register_work(out, work)  # what wait_tensor(out) waits for
+    return out
+
+
+def _gathers_on_cpu(ts: list[torch.Tensor], group_size: int, group_name) -> list[torch.Tensor]:
+    return [_gather_on_cpu(t, group_size, group_name) for t in ts]
+
+
+def safe_cpu_all_gather() -> None:
+    """Route the functional all-gathers of CPU tensors (gloo) through c10d's all_gather_single (above); once per
+    process. Public alternative: none (the kernel is torch's own; torch.library replaces it for the CPU key only)."""
+    if _GATHER_LIBS:
+        return
+    lib = torch.library.Library("_c10d_functional", "IMPL")
+    lib.impl("all_gather_into_tensor", _gather_on_cpu, "CPU")
+    lib.impl("all_gather_into_tensor_coalesced", _gathers_on_cpu, "CPU")
+    _GATHER_LIBS.append(lib)  # the registration lasts as long as the Library object
+
+
 def is_view(t: torch.Tensor) -> bool:
     """Whether `t` is a view of another tensor (Tensor._base; no public spelling)."""
     return t._base is not None
