@@ -157,6 +157,7 @@ class MeshcBackend:
             run = program.gm
             if self.plan.inductor:  # the region's per-rank program lowered as meshc.compile lowers it (AOTAutograd,
                 # compile_fx: runtime/inductor.py), its collectives kept as calls, ZeRO-3's gathers recomputed
+                self.inductor.aliases = self.mesh.aliases
                 run = self.inductor.runner(program.gm, "region")
                 _LAST.inductor_graphs.append(program.gm)
             self._lowered[key] = (program, slots, run, filled)

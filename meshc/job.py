@@ -17,6 +17,7 @@ for initialization), never the user's weights.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import weakref
 from typing import Any, Callable, Iterator
@@ -62,7 +63,7 @@ class Job:
         self._store = ParamStore(program, tensors, mesh, keep=keep)
         self._params = self._store.masters
         self.zero_stats = ZeroStats()
-        self.inductor = InductorPrograms()  # what Inductor compiled for this job (stats: graphs, seconds)
+        self.inductor = InductorPrograms(aliases=mesh.aliases)  # what Inductor compiled (stats: graphs, seconds)
         self._holds_zero: dict[int, bool] = {}  # id(program) -> whether its graph gathers or reduces ZeRO buckets
         self._buffers: dict[str, torch.Tensor] = {}
         self._pending_buffers: set[str] = set()
@@ -194,8 +195,7 @@ class Job:
             self.zero_stats = ZeroStats()
         compiled = program.decisions["inductor"].value
         # a zero-bubble schedule runs each stage's backward as two halves: compiled as two graphs
-        split = compiled and any(getattr(op, "kind", None) == "I"
-                                 for op in self._pipe.layout.schedule.program(self.mesh.coord("pp")))
+        split = compiled and self._splits_backward
         runnable = (lambda stage: self.inductor.runner(stage.gm, f"stage {stage.index}", masters=self._params.__getitem__,
                                                        weights=len(stage.params) + len(stage.buffers) if split else None)) \
             if compiled else None
@@ -205,6 +205,11 @@ class Job:
         holder = (lambda f: store.compute.get(f)) if self.plan.zero == 1 else (lambda f: store.masters.get(f))
         self._pipe.sum_tied(holder, lambda f: _grad_shape(store, specs[f], self.mesh), lambda f: _grad_dtype(store, specs[f]))
         return loss
+
+    @functools.cached_property
+    def _splits_backward(self) -> bool:
+        """Whether this rank's schedule runs each stage's backward as two halves (a zero-bubble one: I and W)."""
+        return any(getattr(op, "kind", None) == "I" for op in self._pipe.layout.schedule.program(self.mesh.coord("pp")))
 
     def _average(self, value: torch.Tensor, axis: str) -> torch.Tensor:
         n = self.mesh.size(axis)

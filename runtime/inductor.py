@@ -32,6 +32,7 @@ from meshc.compiler.ir import fx_ops, torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcRuntimeError
 from meshc.runtime.ops.zero import zero_reduce, zero_reduce_into
 from meshc.runtime import regions
+from meshc.runtime.compile_once import compiling_once, graph_key
 from meshc.runtime.compiled_split import DEFERRED, DeferredWeights, split_backward
 
 
@@ -60,6 +61,7 @@ class CompileStats:
     backward: int = 0
     seconds: float = 0.0
     programs: int = 0  # graph + input signature pairs compiled (each gives one forward, and one backward once run)
+    cache_hits: int = 0  # graphs Inductor's FX graph cache served (compiled before: by another rank, or another run)
     collectives: list = field(default_factory=list)  # per graph compiled: "forward"/"backward", its collectives in order
     code: list = field(default_factory=list)  # per graph compiled: "forward"/"backward", the code Inductor generated
     saved_gathered: list = field(default_factory=list)  # per forward graph: {group: gathered values saved for backward}
@@ -71,7 +73,7 @@ class CompileStats:
         cut = f"; {self.regions} region(s) around {len(self.eager)} op(s) run as FX code ({', '.join(self.eager[:4])}" \
               f"{', ...' if len(self.eager) > 4 else ''})" if self.eager else ""
         return (f"{self.programs} program(s) compiled: {self.forward} forward and {self.backward} backward graph(s), "
-                f"{self.seconds:.1f} s in Inductor{cut}")
+                f"{self.seconds:.1f} s in Inductor, {self.cache_hits} from its cache{cut}")
 
 
 @dataclass
@@ -81,6 +83,8 @@ class InductorPrograms:
     _prepared: dict = field(default_factory=dict)  # id(program graph) -> (the graph compiled, master FQNs it takes)
     # id(program graph) -> (the graph, kept so that its id is not reused; its regions' top module or None)
     _cuts: dict = field(default_factory=dict)
+    _runners: dict = field(default_factory=dict)  # (id(program graph), weights) -> its runner (one per micro-batch)
+    aliases: dict = field(default_factory=dict)  # group name -> the axis's alias on every rank (Mesh.aliases)
 
     def runner(self, gm: fx.GraphModule, name: str = "program",
                masters: Callable[[str], torch.Tensor] | None = None, weights: int | None = None) -> Callable[..., Any]:
@@ -89,8 +93,11 @@ class InductorPrograms:
         `weights`: a zero-bubble stage, whose first `weights` inputs are parameters and buffers: its backward is
         compiled as two halves (runtime/compiled_split.py), the gradients of its other inputs (activations) in
         the first. A program with ops no traced graph holds runs as regions (regions.py), each compiled alone."""
-        names = None if weights is None else {p.name for p in _placeholders(gm)[weights:]}
-        return self._runner(gm, name, masters, names)
+        key = (id(gm), weights)
+        if key not in self._runners:  # a pipeline asks again for every micro-batch; gm is kept alive by _cuts
+            names = None if weights is None else {p.name for p in _placeholders(gm)[weights:]}
+            self._runners[key] = self._runner(gm, name, masters, names)
+        return self._runners[key]
 
     def _runner(self, gm: fx.GraphModule, name: str, masters: Callable[[str], torch.Tensor] | None,
                 activation_names: set | None) -> Callable[..., Any]:
@@ -135,24 +142,31 @@ class InductorPrograms:
 
     def _compile(self, gm: fx.GraphModule, args: list, name: str,
                  deferred: DeferredWeights | None = None) -> Callable[..., Any]:
+        named = {alias: name for name, alias in self.aliases.items()}  # what the stats say: the groups' own names
+
         def on_graph(graph: fx.GraphModule, is_backward: bool, seconds: float, code: str) -> None:
             if is_backward:
                 self.stats.backward += 1
             else:
                 self.stats.forward += 1
             self.stats.seconds += seconds
-            self.stats.collectives.append(("backward" if is_backward else "forward", _collectives(graph)))
-            self.stats.code.append(("backward" if is_backward else "forward", code))
+            kind = "backward" if is_backward else "forward"
+            self.stats.collectives.append((kind, [_renamed(c, named) for c in _collectives(graph)]))
+            self.stats.code.append((kind, _renamed(code, named)))
             if not is_backward:
-                self.stats.saved_gathered.append(saved_gathered(graph))
+                self.stats.saved_gathered.append({named.get(g, g): n for g, n in saved_gathered(graph).items()})
                 self.stats.forward_out_bytes.append(sum(fx_ops.val_nbytes(a)
                                                         for a in graph.graph.output_node().all_input_nodes))
         try:
             # compile_fx may rewrite the graph it is handed; the program's own graph stays as the passes left it
             bound = any(compat.recomputed(node) for node in gm.graph.nodes)
-            fn = compat.inductor_compile(copy.deepcopy(gm), args, on_graph=on_graph,
-                                         config_patches=OVERLAP_MEMORY_BOUND if bound else OVERLAP,
-                                         split_backward=split_backward(deferred) if deferred is not None else None)
+            graph = rename_groups(copy.deepcopy(gm), self.aliases)
+            options = OVERLAP_MEMORY_BOUND if bound else OVERLAP
+            with compiling_once(graph_key(graph, args, (options, deferred is not None, torch.is_grad_enabled()))):
+                hits = compat.inductor_cache_hits()
+                fn = compat.inductor_compile(graph, args, on_graph=on_graph, config_patches=options,
+                                             split_backward=split_backward(deferred) if deferred is not None else None)
+                self.stats.cache_hits += compat.inductor_cache_hits() - hits
         except Exception as error:  # noqa: BLE001 - re-raised with what to do; the cause chained
             raise MeshcRuntimeError(f"inductor: expected Inductor to compile the {name} of this rank, got "
                                     f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}; "
@@ -181,6 +195,26 @@ def with_masters(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
         node.args = (*node.args, *(slots[f] for f in node.kwargs["fqns"]))
     gm.recompile()
     return gm, fqns
+
+
+def rename_groups(gm: fx.GraphModule, aliases: dict[str, str]) -> fx.GraphModule:
+    """`gm` with every process-group name its calls take replaced by the axis's alias (Mesh.aliases), in place."""
+    if not aliases:
+        return gm
+    swap = (lambda a: aliases.get(a, a) if isinstance(a, str) else a)
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.args = fx.node.map_aggregate(node.args, swap)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+    gm.recompile()
+    return gm
+
+
+def _renamed(text: str, named: dict[str, str]) -> str:
+    """Compiled code or a collective's line with each alias back to its group's own name."""
+    for alias, name in named.items():
+        text = text.replace(f"'{alias}'", f"'{name}'").replace(f"({alias})", f"({name})")
+    return text
 
 
 def _collectives(graph: fx.GraphModule) -> list[str]:

@@ -56,6 +56,7 @@ class Mesh:
                     self._gradient_group = group
         self.spec = MeshSpec(self.sizes, self._exchange_group_names(shape), device_type=device.type,
                              backend=self.backend)
+        self.aliases = self._register_aliases(self._groups)
         self._device_mesh = None
         self._hybrids: dict[int, Mesh] = {1: self}  # by Plan.replicas, shared by the meshes hybrid() returns
 
@@ -74,6 +75,8 @@ class Mesh:
             out.sizes = dict(shape.sizes)
             out.spec = MeshSpec(out.sizes, out._exchange_group_names(shape), device_type=self.device.type,
                                 backend=self.backend)
+            out.aliases = {**self.aliases, **out._register_aliases({a: out._groups[a] for a in ("dps", "dpr")
+                                                                     if a in out._groups})}
             out._device_mesh, out._hybrids = None, self._hybrids
             self._hybrids[replicas] = out
         return self._hybrids[replicas]
@@ -114,6 +117,16 @@ class Mesh:
     def group_name(self, axis: str, rank: int | None = None) -> str:
         """The registered name of `rank`'s process group along `axis` (what functional collectives take)."""
         return self.spec.group_name(axis, self.rank if rank is None else rank)
+
+    def axis_of_groups(self) -> dict[str, str]:
+        """The axis of every group by name, its alias (Mesh.aliases) included: what a collective's group_name says."""
+        out: dict[str, str] = {}
+        for axis in self.sizes:
+            for row in self.all_groups(axis):
+                out.setdefault(self.group_name(axis, row[0]), axis)
+        for name, alias in getattr(self, "aliases", {}).items():
+            out.setdefault(alias, out.get(name, alias))
+        return out
 
     def group(self, axis: str) -> dist.ProcessGroup:
         """This rank's process group along `axis`."""
@@ -219,6 +232,20 @@ class Mesh:
             for axis, (members, name) in theirs.items():
                 names[(axis, members)] = name
         return names
+
+
+    def _register_aliases(self, groups: dict[str, dist.ProcessGroup]) -> dict[str, str]:
+        """A second name for this rank's group on each axis, the same on every rank ("dp@5": the axis, then the
+        first name of those axes' groups, known to all): {group name: alias}. Compiled programs call collectives by alias,
+        so that ranks whose programs differ only in which group of an axis they use hand Inductor one graph, which
+        its FX graph cache compiles once for all of them (runtime/inductor.py)."""
+        first = min((n for (axis, _), n in self.spec.group_names.items() if axis in groups), key=lambda n: (len(n), n))
+        out = {}
+        for axis, group in groups.items():
+            alias = f"{axis}@{first}"
+            compat.register_group_alias(alias, group)
+            out[group.group_name] = alias
+        return out
 
 
 def _members(group: dist.ProcessGroup) -> tuple[int, ...]:

@@ -143,6 +143,27 @@ def resolve_process_group(group_name: str) -> dist.ProcessGroup:
     return _c10d._resolve_process_group(group_name)
 
 
+def register_group_alias(alias: str, group: dist.ProcessGroup) -> None:
+    """Register `group` under a second name, which functional collectives then resolve to it (until the world is
+    destroyed). Public alternative: none (torch names each group itself, by creation order)."""
+    torch._C._distributed_c10d._register_process_group(alias, group)
+
+
+def inductor_cache_hits() -> int:
+    """How many graphs this process's Inductor has loaded from its FX graph cache so far. Public alternative: none
+    (torch counts them in its internal counters)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"]
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's cache folder (TORCHINDUCTOR_CACHE_DIR, else its default). Public alternative: none."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
 def dcp_storage_info(relative_path: str, offset: int, length: int):
     """DCP's record of where one chunk lies in a data file (torch.distributed.checkpoint.filesystem's
     _StorageInfo; no public name), rebuilt from meshc's JSON metadata instead of DCP's pickle."""
@@ -196,10 +217,10 @@ def graph_break() -> None:
 
 def inductor_compile(gm, example_inputs, on_graph=None, config_patches=None, split_backward=None):
     """TorchInductor on one FX graph (what torch.compile(backend="inductor") calls): where inputs require
-    gradients, AOTAutograd traces the joint graph, partitions it and Inductor compiles the forward now and the
-    backward at the first backward. `on_graph(gm, is_backward, seconds, code)` is told of each graph compiled, with
-    the Python code Inductor generated for it (CompiledFxGraph.source_code: the order its kernels and collectives
-    run in; "" where torch gives none).
+    gradients, AOTAutograd traces the joint graph, partitions it and Inductor compiles the forward and backward.
+    `on_graph(gm, is_backward, seconds, code)` is told of each graph compiled (as handed to Inductor), with the
+    Python code Inductor generated for it (CompiledFxGraph.source_code: the order its kernels and collectives run
+    in; "" where torch gives none).
 
     `split_backward(graph, inputs, compile_part)`, where given, takes AOTAutograd's partitioned backward graph
     (inputs: the saved values and the tangents; outputs: one gradient per forward input) and returns the boxed
@@ -207,20 +228,25 @@ def inductor_compile(gm, example_inputs, on_graph=None, config_patches=None, spl
     an Inductor backward graph, told to on_graph; called with one list of tensors). AOTAutograd's own cache of
     whole forward-backward pairs is off (it would hand back the backward unsplit), and for such a compile so are
     donated buffers (below). Public
-    alternative: none; torch.compile has no hook between the partitioner and Inductor's backward compile."""
+    alternative: none; torch.compile has no hook between the partitioner and Inductor's backward compile.
+
+    The backward is compiled with its forward, not at the first backward (runtime/compile_once.py holds a lock
+    around the whole compile)."""
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._inductor.output_code import MockFXGraphCacheOutput
 
     example_inputs = _with_shape_env(example_inputs)
     if on_graph is None and split_backward is None:
-        return compile_fx(gm, example_inputs, config_patches=config_patches)
+        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+            return compile_fx(gm, example_inputs, config_patches=config_patches)
 
     def told(graph, inputs, **kwargs):
         t0 = time.perf_counter()
+        before = _snapshot(graph) if on_graph is not None else None  # Inductor's passes rewrite `graph` (not on a hit)
         out = compile_fx_inner(graph, inputs, **kwargs)
         if on_graph is not None:
-            on_graph(graph, bool(kwargs.get("is_backward")), time.perf_counter() - t0, getattr(out, "source_code", ""))
+            on_graph(before, bool(kwargs.get("is_backward")), time.perf_counter() - t0, getattr(out, "source_code", ""))
         return out
 
     def inner(graph, inputs, **kwargs):
@@ -235,9 +261,18 @@ def inductor_compile(gm, example_inputs, on_graph=None, config_patches=None, spl
     # off, while Inductor's FX graph cache (the generated code, the costly part) serves each graph `inner` compiles.
     # A split backward is called under retain_graph (backward_split.backward_input): no saved buffer is donated to
     # it for reuse, which AOTAutograd allows only to a backward run once without retain_graph.
-    patch = functorch_config.patch(enable_autograd_cache=False, donated_buffer=split_backward is None)
+    patch = functorch_config.patch(enable_autograd_cache=False, donated_buffer=split_backward is None,
+                                   force_non_lazy_backward_lowering=True)
     with patch:
         return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=config_patches)
+
+
+def _snapshot(gm):
+    """A copy of `gm`'s graph as AOTAutograd handed it to Inductor, whose passes then rewrite it in place (an
+    all_reduce becomes all_reduce_) unless its FX graph cache had it: on_graph sees the same graph either way."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
 
 
 def _with_shape_env(example_inputs):

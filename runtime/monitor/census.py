@@ -24,10 +24,7 @@ _KINDS = {
 class CommCensus(compat.dispatch_mode_base()):
     def __init__(self, mesh):
         super().__init__()
-        self.axis_of = {}
-        for axis in mesh.sizes:
-            for row in mesh.all_groups(axis):
-                self.axis_of.setdefault(mesh.group_name(axis, row[0]), axis)
+        self.axis_of = mesh.axis_of_groups()
         self.calls: list[tuple[str, str, int]] = []  # (kind, axis, bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -65,10 +65,7 @@ class StepTrace(compat.dispatch_mode_base()):
         super().__init__()
         self.mesh = mesh
         self.rank = mesh.rank
-        self.axis_of = {}
-        for axis in mesh.sizes:
-            for row in mesh.all_groups(axis):
-                self.axis_of.setdefault(mesh.group_name(axis, row[0]), axis)
+        self.axis_of = mesh.axis_of_groups()
         self.events: list[dict] = []
         self.tid = threading.get_ident() % 2**31
         self._token = None
