@@ -38,7 +38,7 @@ def graph_key(gm: fx.GraphModule, args: list, options: object) -> str:
             value = _attr(gm, node.target)
             h.update(f"{node.target}={_meta(value)}".encode())
             if isinstance(value, torch.Tensor) and value.device.type != "meta":
-                h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     h.update(repr(options).encode())
     return h.hexdigest()[:40]
 
