@@ -66,8 +66,8 @@ def all_to_all_single(t: torch.Tensor, output_splits: list[int], input_splits: l
 
 
 # torch 2.13's functional all-gather on gloo (all_gather_into_tensor, through ProcessGroupGloo's coalesced all-gather)
-# corrupts the heap when several are in flight at once: four gloo ranks issuing nine gathers before their waits, as a
-# compiled ZeRO-3 backward does, abort with "malloc(): unaligned tcache chunk detected" within a few hundred rounds
+# corrupts the heap when several are in flight at once: two gloo ranks issuing nine gathers before their waits, as a
+# compiled ZeRO-3 backward does, abort with "malloc(): unaligned tcache chunk detected" within about 200 rounds
 # (tests/runtime/test_gloo_gather.py; the same rounds with all_gather_into_tensor_out, c10d's async
 # all_gather_single, functional all_reduce, reduce_scatter or all_to_all_single in flight: none in 4000 rounds).
 # On CPU tensors the op therefore runs as c10d's all_gather_single, async, its work registered for wait_tensor.
