@@ -32,11 +32,11 @@ def graph_key(gm: fx.GraphModule, args: list, options: object) -> str:
     rank's own offsets may live there) and the options; equal keys on two ranks mean equal compiles."""
     h = hashlib.sha256(gm.code.encode())
     for a in args:
-        h.update(repr(_meta(a)).encode())
+        h.update(repr(signature(a)).encode())
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             value = _attr(gm, node.target)
-            h.update(f"{node.target}={_meta(value)}".encode())
+            h.update(f"{node.target}={signature(value)}".encode())
             if isinstance(value, torch.Tensor) and value.device.type != "meta":
                 h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     h.update(repr(options).encode())
@@ -60,7 +60,9 @@ def compiling_once(key: str):
         lock.release()
 
 
-def _meta(a: object) -> object:
+def signature(a: object) -> object:
+    """What compiled code is specialized to in an input: a tensor's shape, strides (the code asserts them), dtype,
+    device and requires_grad; anything else by its repr."""
     if isinstance(a, torch.Tensor):
         return (tuple(a.shape), tuple(a.stride()), a.dtype, a.device.type, a.requires_grad)
     return repr(a)

@@ -12,7 +12,7 @@ generated code and schedules for overlap (OVERLAP below); meshc's autograd-aware
 (runtime/ops/collectives.py) are traced through, their backward's collectives landing in the compiled backward
 graph.
 
-A call whose tensors differ from the compiled ones in shape, dtype, requires_grad or grad mode compiles again
+A call whose tensors differ from the compiled ones in shape, strides, dtype, requires_grad or grad mode compiles again
 (generated code is specialized to what it was compiled for); each compilation is counted with its seconds.
 Inductor's FX graph cache (TORCHINDUCTOR_CACHE_DIR) serves every graph: a graph compiled before, by another rank or
 in another run, is not generated and built again (AOTAutograd still traces and partitions it, so each is counted
@@ -32,7 +32,7 @@ from meshc.compiler.ir import fx_ops, torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcRuntimeError
 from meshc.runtime.ops.zero import zero_reduce, zero_reduce_into
 from meshc.runtime import regions
-from meshc.runtime.compile_once import compiling_once, graph_key
+from meshc.runtime.compile_once import compiling_once, graph_key, signature
 from meshc.runtime.compiled_split import DEFERRED, DeferredWeights, split_backward
 
 
@@ -127,7 +127,7 @@ class InductorPrograms:
         def run(*args: Any) -> Any:
             if fqns:
                 args = (*(masters(f) for f in fqns), *args)
-            key = (id(graph), torch.is_grad_enabled(), activations, tuple(_signature(a) for a in args))
+            key = (id(graph), torch.is_grad_enabled(), activations, tuple(signature(a) for a in args))
             entry = self._compiled.get(key)
             if entry is None:
                 deferred = None if activations is None else DeferredWeights(activations)
@@ -256,12 +256,6 @@ def saved_gathered(graph: fx.GraphModule) -> dict[str, int]:
         if a in group_of:
             out[group_of[a]] = out.get(group_of[a], 0) + 1
     return out
-
-
-def _signature(a: Any) -> Any:
-    if isinstance(a, torch.Tensor):
-        return (tuple(a.shape), a.dtype, a.device.type, a.requires_grad)
-    return repr(a)
 
 
 def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
