@@ -124,7 +124,7 @@ class Mesh:
         for axis in self.sizes:
             for row in self.all_groups(axis):
                 out.setdefault(self.group_name(axis, row[0]), axis)
-        for name, alias in getattr(self, "aliases", {}).items():
+        for name, alias in self.aliases.items():
             out.setdefault(alias, out.get(name, alias))
         return out
 
@@ -232,7 +232,6 @@ class Mesh:
             for axis, (members, name) in theirs.items():
                 names[(axis, members)] = name
         return names
-
 
     def _register_aliases(self, groups: dict[str, dist.ProcessGroup]) -> dict[str, str]:
         """A second name for this rank's group on each axis, the same on every rank ("dp@5": the axis, then the
