@@ -78,9 +78,10 @@ class MeshcBackend:
                                   f"zero={self.plan.zero}, microbatches={self.plan.microbatches}; ZeRO-1/2 and "
                                   "micro-batches need the whole training step: use meshc.compile(model, mesh, ...) "
                                   "instead")
-        if self.plan.inductor and self.plan.zero == 3 and self.plan.offload_params:
-            raise MeshcValueError("meshc.backend: expected inductor=False with offload_params, got both; its pages are "
-                                  "released as the gathers read them, outside the graph Inductor compiles")
+        if self.plan.offload is not None:
+            raise MeshcValueError(f"meshc.backend: expected offload=None, got offload={self.plan.offload!r}; offload "
+                                  "streams the optimizer's states through the optimizer job.optimizer makes, and this "
+                                  "door steps the user's own: use meshc.compile(model, mesh, ...) instead")
         self.inductor = InductorPrograms()  # what Inductor compiled for the regions (inductor=True)
         self.placements: dict[str, dict] = {}  # FQN -> placements, decided by the first graph using it
         self.block_graphs: dict[str, set[frozenset]] = {}

@@ -95,7 +95,7 @@ class Job:
         gm = self._runnable(program)
         if self._zero_context_needed(program):  # gathered parameters recomputed in backward; ZeRO-2 master gradients
             self.zero_stats = ZeroStats()
-            with ZeroContext(self._params, self.zero_stats, release=self._release_pages()):
+            with ZeroContext(self._params, self.zero_stats):
                 outs = gm(*values, *flat)
         else:
             outs = gm(*values, *flat)
@@ -125,16 +125,6 @@ class Job:
             self._holds_zero[id(program)] = any(n.op == "call_function" and n.target in (zero_gather, zero_reduce)
                                                 for n in program.gm.graph.nodes)
         return self._holds_zero[id(program)]
-
-    def _release_pages(self):
-        """With Plan.offload_params: what drops the pages of parameter shards ZeRO-3's gathers read (offload.py)."""
-        if self.plan.offload_params:
-            from meshc.runtime.zero.offload import of as offload_of
-
-            for opt in self.live_optimizers():
-                if (off := offload_of(opt)) is not None:
-                    return off.release
-        return None
 
     def _input(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -190,7 +180,7 @@ class Job:
                     [buffers[f] for f in stage.buffers])
 
         def zero_context():
-            return ZeroContext(self._params, self.zero_stats, release=self._release_pages())
+            return ZeroContext(self._params, self.zero_stats)
         if self.plan.zero >= 2:  # what this step's gathers did, as a step without pipeline stages reports it
             self.zero_stats = ZeroStats()
         compiled = program.decisions["inductor"].value

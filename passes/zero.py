@@ -151,6 +151,7 @@ def _gather_buckets(program: Program, buckets, order) -> None:
     waits: list[fx.Node] = []
     last_use = [max(order[u] for _, node in b for u in node.users) for b in buckets]
     kept = last_use.index(max(last_use)) if program.plan.zero_keep_last else -1
+    offloaded = program.plan.offload_params  # the shards live in the offload's file: their pages dropped once read
     for index, bucket in enumerate(buckets):
         fqns = [f for f, _ in bucket]
         nodes = [node for _, node in bucket]
@@ -173,7 +174,7 @@ def _gather_buckets(program: Program, buckets, order) -> None:
             wait = graph.call_function(zero_gather, (None, *nodes), {
                 "bucket": index, "shapes": shapes, "group": group, "size": n, "dtype": dtype,
                 "partial": partial, "reduce_dtype": reduce_dtype, "keep": index == kept, "average": average,
-                "replicas": _replicas(program, axis)})
+                "replicas": _replicas(program, axis), "offloaded": offloaded})
         wait.meta["meshc.why"] = f"{why}: wait for the gathered parameters, copy them out; backward " \
                                  f"reduce-scatters their gradients"
         k = len(bucket)
@@ -187,7 +188,8 @@ def _gather_buckets(program: Program, buckets, order) -> None:
         wait.meta["meshc.bucket"] = fqns
         anchor = waits[-1] if waits else wait  # issue this gather one bucket ahead
         with graph.inserting_before(anchor) if not waits else graph.inserting_after(anchor):
-            start = graph.call_function(zero_gather_start, tuple(nodes), {"group": group, "size": n, "dtype": dtype})
+            start = graph.call_function(zero_gather_start, tuple(nodes), {"group": group, "size": n, "dtype": dtype,
+                                                                          "offloaded": offloaded})
         start.meta["meshc.why"] = f"{why}: all-gather issued before the previous bucket's block computes"
         start.meta["meshc.comm"] = [CommRecord("all_gather", axis, gather_bytes, "forward", f"{why}: parameters",
                                                tensors=k)]

@@ -28,6 +28,7 @@ import torch
 
 from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcRuntimeError
+from meshc.runtime.ops.pages import pack_dropping
 
 # The ZeRO context of the step being run (runtime/zero/context.ZeroContext), if any: the gather registers
 # its buckets with it and the ZeRO-2 reduce finds the master shards through it. Set by that context alone.
@@ -154,14 +155,13 @@ class PendingGrads:
 
 # ---------------------------------------------------------------------------------------- ZeRO-3
 def zero_gather_start(*shards: torch.Tensor, group: str, size: int, dtype: torch.dtype,
-                      fused: bool = False) -> torch.Tensor:
-    """Issue the all-gather of a bucket of flat shards (cast to the compute dtype); not yet waited."""
+                      fused: bool = False, offloaded: bool = False) -> torch.Tensor:
+    """Issue the all-gather of a bucket of flat shards (cast to the compute dtype); not yet waited. `offloaded`
+    shards (Plan.offload_params) are read by meshc_offload::pack_dropping, which then drops their pages (ops/pages.py)."""
     with torch.no_grad():
         flat = [s.detach() for s in shards]
-        local = _pack(flat, [s.numel() for s in flat], dtype, 1, fused)
-        context = active_context()
-        if context is not None:  # the shards were read: an offloading context lets their pages go (offload.py)
-            context.packed(flat)
+        sizes = [s.numel() for s in flat]
+        local = pack_dropping(flat, dtype) if offloaded else _pack(flat, sizes, dtype, 1, fused)
         return compat.all_gather_start(local, size, group)
 
 
@@ -196,19 +196,20 @@ class BucketMeta:
     fused: bool = False  # copy-in, copy-out and the gradient prologue run as meshc kernels
     average: int = 0  # what the summed gradients are divided by: dp (0: n, the group is dp itself)
     replicas: str | None = None  # hybrid sharding: the dpr group the reduce-scattered shard is all-reduced over
+    offloaded: bool = False  # the shards live in the offload's file (Plan.offload_params): read by pack_dropping
 
 
 def zero_gather(raw: torch.Tensor, *shards: torch.Tensor, bucket: int, shapes: tuple, group: str, size: int,
                 dtype: torch.dtype, partial: tuple = (), reduce_dtype: torch.dtype = torch.float32,
                 keep: bool = False, fused: bool = False, average: int = 0,
-                replicas: str | None = None) -> tuple[torch.Tensor, ...]:
+                replicas: str | None = None, offloaded: bool = False) -> tuple[torch.Tensor, ...]:
     """The bucket's full parameters from its gathered buffer; backward reduce-scatters their gradients.
 
     With `keep`, autograd keeps them for backward (the bucket used last in forward) instead of a re-gather.
     """
     numels = [math.prod(s) for s in shapes]
     meta = BucketMeta(bucket, [shard_size(k, size) for k in numels], numels, [tuple(s) for s in shapes], size,
-                      group, tuple(partial), reduce_dtype, shards[0].dtype, dtype, fused, average, replicas)
+                      group, tuple(partial), reduce_dtype, shards[0].dtype, dtype, fused, average, replicas, offloaded)
     context = active_context()
     full = _Gather.apply(raw, meta, context.pending if context is not None else None, *shards)
     if context is not None:

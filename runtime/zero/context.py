@@ -46,9 +46,8 @@ class ZeroContext:
     """One step of a ZeRO program: keeps gathered parameters out of autograd's saved tensors (handles
     instead, re-gathered in backward) and tells zero_reduce where the master shards are."""
 
-    def __init__(self, masters: dict[str, torch.Tensor], stats: ZeroStats, overlap: bool = True, release=None):
+    def __init__(self, masters: dict[str, torch.Tensor], stats: ZeroStats, overlap: bool = True):
         self.masters = masters
-        self.release = release  # called with a bucket's shards once packed for its gather (offload_params)
         self.stats = stats
         # storage (weak, by identity: distinct even for empty storages) -> (bucket, index, token of the entry)
         self.storages: dict = {}
@@ -74,11 +73,6 @@ class ZeroContext:
         deactivate(self._token)
         self.stats.live_after_forward = self.stats.live_bytes
         return False
-
-    def packed(self, shards) -> None:
-        """A bucket's shards were read into its gather's buffer."""
-        if self.release is not None:
-            self.release(shards)
 
     def register(self, meta: BucketMeta, shards: tuple, full: tuple, recompute: bool = True) -> None:
         self.buckets[meta.bucket] = (meta, shards)
@@ -165,9 +159,8 @@ class ZeroContext:
 
     def _start(self, bucket: int) -> torch.Tensor:
         meta, shards = self.buckets[bucket]
-        raw = zero_gather_start(*shards, group=meta.group, size=meta.n, dtype=meta.dtype, fused=meta.fused)
-        self.packed(shards)  # in backward this context is no longer the active one: zero_gather_start did not
-        return raw
+        return zero_gather_start(*shards, group=meta.group, size=meta.n, dtype=meta.dtype, fused=meta.fused,
+                                 offloaded=meta.offloaded)
 
     def _prefetch_before(self, bucket: int) -> None:
         """Backward needs the buckets in reverse: issue the next one's gather now, to overlap this block."""

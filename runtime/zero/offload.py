@@ -33,25 +33,25 @@ offloaded and streamed).
 Parameters (offload_params, ZeRO-3): each master shard gets a place too; its .data is a view of the mapping
 from the optimizer's creation on, and its pieces update in the buffers like its states. ZeRO-3's gathers
 read the shards through the page cache; after packing a bucket the job drops those pages from the process
-(release(), through ZeroContext), as it does for every page of the mapping at the start of each step.
+(meshc_offload::pack_dropping, runtime/ops/pages.py, in the graph whether it runs as FX code or compiled), as release()
+does for every page of the mapping at the start of each step.
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
 from dataclasses import dataclass
 
 import torch
 
 from meshc.compiler.ir.errors import MeshcValueError
 
+from meshc.runtime.ops import pages
 from meshc.runtime.zero.offload_store import FileStore, HostStore
 
 PARAM = "<parameter>"  # the place of an offloaded parameter's own values (offload_params)
 NBUF = 3  # buffers in the pool: one updating, one being read, one being written
 ALIGN = 4096  # bytes: every place starts on a page (any dtype's view is aligned; pages release cleanly)
 MIN_POOL_MB, MAX_POOL_MB, POOL_FRACTION = 1.0, 64.0, 32  # the default pool: 1/32 of the store, 1 to 64 MiB
-MADV_DONTNEED = 4
 
 
 @dataclass
@@ -170,6 +170,8 @@ class StateOffload:
                      for _ in range(min(NBUF, len(self.buckets)))]
         self.stats = OffloadStats(pool_bytes=sum(b.numel() for b in self.pool), store_bytes=total)
         self._map = self.store.mapping()
+        if kind == "nvme":
+            pages.register(self._map)  # its pages may be dropped: by release(), and by ZeRO-3's reads (ops/pages.py)
         if params:
             with torch.no_grad():
                 for p in plist:
@@ -298,17 +300,7 @@ class StateOffload:
     def release(self, tensors) -> None:
         """Drop the pages of `tensors` that lie in the store's mapping from this process (they stay in the file
         and the page cache; the next read faults them in again)."""
-        if self.store.kind != "nvme" or self._map.numel() == 0:
-            return
-        lo, hi = self._map.data_ptr(), self._map.data_ptr() + self._map.numel()
-        for t in tensors:
-            start = t.data_ptr()
-            if not lo <= start < hi:
-                continue
-            end = min(start + t.numel() * t.element_size(), hi)
-            page = 4096
-            first = max(lo, start // page * page)
-            _madvise(first, -(-end // page) * page - first)
+        pages.drop(tensors)
 
     def destination(self, p: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor | None:
         """Where a load should write state `name` of `p`: its view of the store (None if it has no place there)."""
@@ -321,6 +313,7 @@ class StateOffload:
         return self._map.numel() > 0 and t.untyped_storage().data_ptr() == self._map.untyped_storage().data_ptr()
 
     def close(self) -> None:
+        pages.unregister(self._map)
         self.store.close()
 
     def _place(self, p, name: str) -> _Place | None:
@@ -373,14 +366,3 @@ def _copy(value):
 
 def _round(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
-
-
-_LIBC = None
-
-
-def _madvise(address: int, length: int) -> None:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    _LIBC.madvise(address, length, MADV_DONTNEED)  # advice only: a failure leaves the pages resident, nothing else

@@ -11,7 +11,7 @@ import torch
 import meshc
 from meshc.compiler.cost import hardware
 from meshc.compiler.cost.inductor import decide_inductor, yield_to_inductor
-from meshc.compiler.ir.errors import MeshcTypeError, MeshcValueError
+from meshc.compiler.ir.errors import MeshcTypeError
 from meshc.compiler.ir.mesh_spec import MeshSpec
 from meshc.compiler.trace.export import trace
 from tests import zoo
@@ -40,18 +40,12 @@ def test_default_is_off_on_cpu_and_on_on_cuda(traced):
     assert _decide(traced, {"dp": 2}, device="cuda", inductor=False).value is False
 
 
-BLOCKED = [  # (mesh, plan, what the error names)
-    ({"dp": 2}, {"zero": 3, "offload": "nvme", "offload_dir": "/tmp", "offload_params": True}, "offload_params"),
-]
-
-
-@pytest.mark.parametrize("sizes,plan,named", BLOCKED, ids=[b[2] for b in BLOCKED])
-def test_a_plan_with_run_time_state_is_refused_when_forced_and_left_eager_by_default(traced, sizes, plan, named):
-    with pytest.raises(MeshcValueError, match="Plan.inductor") as error:
-        _decide(traced, sizes, device="cuda", inductor=True, **plan)
-    assert named in str(error.value) and "inductor=None" in str(error.value)
-    default = _decide(traced, sizes, device="cuda", **plan)  # on CUDA the default would be on: the blocker wins
-    assert default.value is False and named in default.why
+def test_offloaded_parameter_shards_compile(traced):
+    """offload_params' page drops are an op of the graph (runtime/ops/pages.py): the plan decides like any other."""
+    offload = {"zero": 3, "offload": "nvme", "offload_dir": "/tmp", "offload_params": True}
+    assert _decide(traced, {"dp": 2}, device="cuda", **offload).value is True
+    assert _decide(traced, {"dp": 2}, inductor=True, **offload).value is True
+    assert _decide(traced, {"dp": 2}, **offload).value is False  # CPU's default
 
 
 def test_rings_routing_and_pipelines_compile(traced):
