@@ -23,7 +23,10 @@ COLLECTIVE_MATMULS = (all_gather_matmul, matmul_reduce_scatter)
 
 class Counting(compat.dispatch_mode_base()):
     """Counts the meshc custom ops (the fused kernels: meshc::bias_gelu, meshc::pack_cast, ...) dispatched inside
-    the `with`, forward and backward."""
+    the `with`, forward and backward. Higher-order operators pass through it too (Inductor's code calls
+    run_and_save_rng_state where a recomputed block draws random numbers), run as they are."""
+
+    supports_higher_order_operators = True
 
     def __init__(self):
         super().__init__()
@@ -53,7 +56,8 @@ def record(job, mesh, ops: Counting | None = None) -> dict:
     """This rank's effects: held bytes (job.held_bytes), the pipeline actions of the last step as (kind, stage,
     micro-batch), what the graphs it runs call (remat regions; collective matmuls and fused-kernel sites, inside
     the regions too: a kernel node, or a ZeRO gather/reduce flagged fused), the kernels `ops` counted in a step,
-    the local parameter shapes, the rank's mesh coordinates and what Inductor compiled for it."""
+    the local parameter shapes, the rank's mesh coordinates and what Inductor compiled for it (its remat is blocks
+    marked for the partitioner, not regions)."""
     actions = [a[:3] for a in job.pipeline_actions() or []]
     graphs = _graphs(job, actions)
     calls = [n for gm in graphs for n in _nodes(gm) if n.op == "call_function"]
@@ -64,6 +68,9 @@ def record(job, mesh, ops: Counting | None = None) -> dict:
                                 or n.kwargs.get("fused") is True),
             "collective_matmuls": sum(1 for n in calls if n.target in COLLECTIVE_MATMULS),
             "remat": sum(len(_regions(gm)) for gm in graphs),
+            # compiled, remat is the partitioner's: each checkpointed block's nodes marked with its region number
+            "remat_marked": len({n.meta["ac_graph_id"] for gm in graphs for n in gm.graph.nodes
+                                 if "ac_graph_id" in n.meta}),
             "inductor": dataclasses.asdict(job.inductor.stats),  # graphs Inductor compiled (forward, backward)
             "local_shapes": {fqn: tuple(p.shape) for fqn, p in job.named_parameters()}}
 

@@ -14,6 +14,7 @@ any two factors appears in some case, not the full product of 124,416) over
     collective_matmul off, on
     microbatches      1, 2, 4
     offload           none, nvme (optimizer states), nvme+params (and ZeRO-3's parameter shards)
+    inductor          off (FX code), on (every per-rank program compiled by Inductor)
 
 generated here by a deterministic greedy all-pairs search (`covering_array`). A pair counts as covered
 only by a case where both values take effect (`in_effect`: sequence and vocab parallelism and collective
@@ -22,14 +23,20 @@ run together; cases may still carry settings the mesh makes moot (they must trai
 Combinations meshc does not support (`expected_refusal`) are left out of the pairs, and each such rule
 gets one case of its own, which must be refused by Plan(...) or meshc.compile with a MeshcError whose
 message names the option. Anything else raised (in job.step, the optimizer step, or a non-meshc error
-at construction) is a failure.
+at construction) is a failure. The inductor factor is crossed with the others in a second, small array:
+the first covers every pair of the other factors with Inductor off; the second adds, greedily, cases with
+Inductor on until every value in effect of every factor has met it (9 cases, the fewest possible: six
+schedules need six pp cases, and dp2, tp2 and dp2xtp2 three more). Together they cover every pair of the
+twelve factors, and the compiled cases cost seconds of Inductor each, not the whole array's.
 
-The array has 56 cases: 48 that must train (19 on dp2xpp2, where alone ZeRO stages meet pipeline
+The first array has 56 cases: 48 that must train (19 on dp2xpp2, where alone ZeRO stages meet pipeline
 schedules on a real dp axis; 8 on pp2, 7 on tp2xpp2, 6 on dp2xtp2, 5 on dp2, 3 on tp2; 18 of them with
 offload; 5 or 6 with each schedule on a pp mesh) and 8 refusals (one per rule in RULES). They run on the reference Transformer (2 layers, dim 32, vocab 64) for 2 AdamW
 steps on a global batch of 8: one run_ranks spawn per mesh, whose ranks compile and train each of that
 mesh's cases in turn, so six process start-ups in all. About 80 s on 2 CPU cores (up to 2.5 min when the
-machine is busy with other work).
+machine is busy with other work); the nine compiled cases add 136 s with Inductor's cache empty (190 s for the
+file against 55 s without them, 2026-12-06), 70 s with it warm. Each compiled case also asserts that Inductor
+compiled its ranks' forward and backward graphs, and its remat as blocks marked for the partitioner.
 
 Beyond parity (which holds when an option does nothing), every trained case asserts on every rank that its
 options took effect, measured around the real steps (`_took_effect`, tests/effects.py): bytes offloaded, the
@@ -176,12 +183,21 @@ PAIR_BITS = {key: i for i, key in enumerate(
     (a, va, b, vb) for a, b in itertools.combinations(FACTORS, 2) for va in FACTORS[a] for vb in FACTORS[b])}
 
 
-def covering_array() -> list[dict]:
-    """Greedy all-pairs: repeatedly take the first case (in product order) covering the most pairs not yet
-    covered, until every pair that some supported case covers is covered; then one case per refusal rule
-    (the first in product order that breaks only that rule)."""
-    product = [dict(zip(FACTORS, values)) for values in itertools.product(*FACTORS.values())]
-    valid = [(c, _pairs(c)) for c in product if expected_refusal(c) is None]
+def _values(case: dict) -> int:
+    """The case's values in effect, as a bit set over VALUE_BITS: the pairs each makes with inductor on."""
+    bits = 0
+    for f in FACTORS:
+        if in_effect(case, f):
+            bits |= 1 << VALUE_BITS[(f, case[f])]
+    return bits
+
+
+VALUE_BITS = {key: i for i, key in enumerate((f, v) for f in FACTORS for v in FACTORS[f])}
+
+
+def _greedy(valid: list[tuple[dict, int]]) -> list[dict]:
+    """Repeatedly the first case (in product order) covering the most bits not yet covered, until every bit some
+    case covers is."""
     wanted = 0
     for _, bits in valid:
         wanted |= bits
@@ -190,12 +206,26 @@ def covering_array() -> list[dict]:
         case, bits = max(valid, key=lambda cb: (cb[1] & ~covered).bit_count())
         chosen.append(case)
         covered |= bits
+    return chosen
+
+
+def covering_array() -> list[dict]:
+    """Greedy all-pairs over FACTORS with Inductor off; then the pairs of Plan.inductor=True with every value in
+    effect of every factor, greedily, in cases compiled by Inductor (the pairs among the other factors are the
+    first part's, so that the whole is a covering array of FACTORS and the inductor factor, its compiled part
+    small: compiled cases cost seconds of Inductor each); then one case per refusal rule (the first in product
+    order that breaks only that rule)."""
+    product = [dict(zip(FACTORS, values)) for values in itertools.product(*FACTORS.values())]
+    supported = [c for c in product if expected_refusal(c) is None]
+    fx = _greedy([(c, _pairs(c)) for c in supported])
+    compiled = _greedy([(c, _values(c)) for c in supported])
     refused = {}
     for c in product:
         broken = broken_rules(c)
         if len(broken) == 1:
             refused.setdefault(broken[0], c)
-    return chosen + [refused[rule] for rule in RULES]
+    return ([{**c, "inductor": False} for c in fx] + [{**c, "inductor": True} for c in compiled] +
+            [{**refused[rule], "inductor": False} for rule in RULES])
 
 
 def plan_kwargs(case: dict) -> dict:
@@ -206,7 +236,7 @@ def plan_kwargs(case: dict) -> dict:
     if case["offload"] != "none":  # each rank's scratch file is unlinked at once: nothing is left in the folder
         kwargs.update(offload="nvme", offload_dir=tempfile.gettempdir(), offload_params=case["offload"] == "nvme+params",
                       offload_buffer_mb=0.05)  # several buckets, parameters cut into pieces
-    return {**kwargs, "trace": "non-strict", "verify": True}
+    return {**kwargs, "inductor": case["inductor"], "trace": "non-strict", "verify": True}
 
 
 def case_id(case: dict) -> str:
@@ -215,10 +245,12 @@ def case_id(case: dict) -> str:
     parts += [name for name, flag in (("sp", case["sequence_parallel"]), ("vocab", case["vocab_parallel"]),
                                       ("nofusion", not case["fusion"]), ("cm", case["collective_matmul"])) if flag]
     parts += [] if case["offload"] == "none" else [case["offload"]]
+    parts += ["inductor"] if case["inductor"] else []
     return "-".join(parts)
 
 
 CASES = covering_array()
+N_COMPILED = 9  # cases with Inductor on: every value in effect of every factor once at least
 
 
 # ------------------------------------------------------------------------------ one rank, many plans
@@ -262,17 +294,21 @@ def _rank_runs(mesh_sizes: dict, plans: list[dict]) -> list[dict]:
 
 # ------------------------------------------------------------------------------ the tests
 def test_the_array_covers_every_pair():
-    covered = 0
+    """Every pair of values in effect of two factors, and every value in effect with Inductor on and off."""
+    covered, compiled, fx = 0, 0, 0
     for c in CASES:
         if expected_refusal(c) is None:
             covered |= _pairs(c)
-    reachable = 0
-    for values in itertools.product(*FACTORS.values()):
-        c = dict(zip(FACTORS, values))
+            compiled |= _values(c) if c["inductor"] else 0
+            fx |= 0 if c["inductor"] else _values(c)
+    reachable, values = 0, 0
+    for v in itertools.product(*FACTORS.values()):
+        c = dict(zip(FACTORS, v))
         if expected_refusal(c) is None:
             reachable |= _pairs(c)
-    assert covered == reachable
-    assert len(CASES) == len({case_id(c) for c in CASES}) == 56, [case_id(c) for c in CASES]
+            values |= _values(c)
+    assert covered == reachable and compiled == values == fx
+    assert len(CASES) == len({case_id(c) for c in CASES}) == 56 + N_COMPILED, [case_id(c) for c in CASES]
     assert [expected_refusal(c) for c in CASES[-len(RULES):]] == [option for option, _ in RULES.values()]
 
 
@@ -353,8 +389,14 @@ def _took_effect(case: dict, results: list[dict]) -> None:
         assert ran["actions"] == want, f"{where} ran {ran['actions']}, its schedule is {want}"
         assert (ran["kernels"] > 0) == (ran["kernel_sites"] > 0) and (case["fusion"] or not ran["kernel_sites"]), \
             f"{where}: {ran['kernels']} kernel calls in a step, {ran['kernel_sites']} fused sites in its graphs"
+        remat = ran["remat_marked"] if case["inductor"] else ran["remat"]  # compiled: blocks marked for the partitioner
         if case_id(case) not in REMAT_GAPS:  # those: some ranks checkpoint no block (the xfail test below)
-            assert (ran["remat"] > 0) == (case["remat"] != "none"), f"{where}: {ran['remat']} remat regions"
+            assert (remat > 0) == (case["remat"] != "none"), f"{where}: {remat} remat regions"
+        compiled = ran["inductor"]
+        if case["inductor"]:  # Inductor compiled the rank's programs: forward graphs and, once run, backward ones
+            assert compiled["forward"] >= 1 and compiled["backward"] >= 1, f"{where}: Inductor compiled {compiled}"
+        else:
+            assert compiled["forward"] == 0, f"{where}: Inductor compiled {compiled['forward']} graphs, inductor off"
         if not (case["collective_matmul"] and tp > 1):
             assert ran["collective_matmuls"] == 0, f"{where}: collective matmuls without Plan.collective_matmul"
         local = sum(math.prod(s) for s in ran["local_shapes"].values())
