@@ -35,6 +35,7 @@ from meshc.compiler.pipeline.rank_plan import PipelinePlan
 from meshc.compiler.report.html import write_report
 
 from meshc.runtime.inductor import InductorPrograms
+from meshc.runtime import regions
 from meshc.runtime.monitor import failures
 from meshc.runtime.monitor import trace as tracing
 from meshc.runtime.zero.param_store import ParamStore
@@ -116,14 +117,18 @@ class Job:
     def _zero_context_needed(self, program: Program) -> bool:
         """ZeRO-2/3 run as FX code need the step's ZeroContext (saved-tensor hooks that re-gather, the master shards
         ZeRO-2's reduce writes); compiled, the graphs hold it all: the partitioner recomputes the gathers in backward
-        and the gradient shards are the compiled backward's outputs (runtime/inductor.py); over an axis of one rank
-        there is nothing to gather (passes/zero.py reads the shards in place)."""
-        decision = program.decisions.get("inductor")
-        if self.plan.zero < 2 or (decision is not None and decision.value):
+        and the gradient shards are the compiled backward's outputs (runtime/inductor.py), except for gathers that
+        run as FX code between compiled regions, read by eager ops only (expert weights: runtime/regions.py), which
+        need the context as FX code does; over an axis of one rank there is nothing to gather (passes/zero.py reads
+        the shards in place)."""
+        if self.plan.zero < 2:
             return False
         if id(program) not in self._holds_zero:  # read once per program, not on every step
-            self._holds_zero[id(program)] = any(n.op == "call_function" and n.target in (zero_gather, zero_reduce)
-                                                for n in program.gm.graph.nodes)
+            decision = program.decisions.get("inductor")
+            gm = program.gm
+            self._holds_zero[id(program)] = bool(regions.eager_gathers(gm, regions.eager_nodes(gm))) \
+                if decision is not None and decision.value else \
+                any(n.op == "call_function" and n.target in (zero_gather, zero_reduce) for n in gm.graph.nodes)
         return self._holds_zero[id(program)]
 
     def _input(self, x: Any) -> Any:

@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from meshc.compiler.ir import fx_ops, torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcRuntimeError
-from meshc.runtime.ops.zero import zero_reduce, zero_reduce_into
+from meshc.runtime.ops.zero import no_context, zero_reduce, zero_reduce_into
 from meshc.runtime import regions
 from meshc.runtime.compile_once import compiling_once, graph_key, signature
 from meshc.runtime.compiled_split import DEFERRED, DeferredWeights, split_backward
@@ -162,7 +162,8 @@ class InductorPrograms:
             bound = any(compat.recomputed(node) for node in gm.graph.nodes)
             graph = rename_groups(copy.deepcopy(gm), self.aliases)
             options = OVERLAP_MEMORY_BOUND if bound else OVERLAP
-            with compiling_once(graph_key(graph, args, (options, deferred is not None, torch.is_grad_enabled()))):
+            with compiling_once(graph_key(graph, args, (options, deferred is not None, torch.is_grad_enabled()))), \
+                    no_context():  # the step's ZeRO context serves gathers run as FX code, not the traced ones
                 hits = compat.inductor_cache_hits()
                 fn = compat.inductor_compile(graph, args, on_graph=on_graph, config_patches=options,
                                              split_backward=split_backward(deferred) if deferred is not None else None)

@@ -14,6 +14,12 @@ Each node gets a level: compiled nodes even, eager ones odd, each as early as it
 then sinks to the region just before its first user (a ZeRO-3 gather into the region that reads it, not the first
 one, which would hold every gathered bucket to the end of the forward). torch.fx's split_module makes one submodule
 per level, called in order by the top module.
+
+A ZeRO-3 gather whose parameters only eager ops read (expert parallelism's expert weights, read by the routed
+matmuls) runs as FX code too, with the views taken of its parameters alone (`eager_gathers`), sunk like a compiled
+node to the eager stretch that reads it: compiled, its parameters would leave the region as outputs and the eager
+matmuls' autograd would save them whole until backward. As FX code, the step's ZeRO context (runtime/zero/context.py)
+swaps them for handles in the saved tensors and gathers them again in backward, as a program run as FX code does.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from torch.fx.passes.split_module import split_module
 
 from meshc.compiler.ir import torch_compat as compat
 from meshc.runtime.ops import collective_matmul, context, experts
+from meshc.runtime.ops.zero import zero_gather
 
 _ALWAYS = (experts.dispatch, experts.combine, experts.local_ids, collective_matmul.all_gather_matmul,
            collective_matmul.matmul_reduce_scatter)
@@ -52,11 +59,29 @@ def eager_nodes(gm: fx.GraphModule) -> set[fx.Node]:
             routed.add(n)
         if n in routed or runs_eagerly(n) or (n.target is operator.getitem and n.args[0] in out):
             out.add(n)
+    return out | eager_gathers(gm, out)
+
+
+def eager_gathers(gm: fx.GraphModule, eager: set[fx.Node]) -> set[fx.Node]:
+    """ZeRO-3 gathers whose parameters only `eager` nodes read: each with its start, the pieces of its tuple and
+    the nodes computed from those alone (views, transposes), where every reader outside them is eager."""
+    out: set[fx.Node] = set()
+    for g in gm.graph.nodes:
+        if g.op != "call_function" or g.target is not zero_gather:
+            continue
+        chain = {g}
+        for n in gm.graph.nodes:  # in graph order: a node computed from the chain alone joins it
+            if n not in chain and n.op == "call_function" and n.all_input_nodes and set(n.all_input_nodes) <= chain:
+                chain.add(n)
+        readers = {u for n in chain for u in n.users if u not in chain}
+        if readers and readers <= eager:
+            out |= chain | {g.args[0]}
     return out
 
 
 def levels(gm: fx.GraphModule, eager: set[fx.Node]) -> dict[fx.Node, int]:
     """Each computing node's region: even levels compiled, odd ones eager (module docstring)."""
+    movable = eager_gathers(gm, eager) & eager
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     level: dict[fx.Node, int] = {n: 0 for n in gm.graph.nodes if n.op in ("placeholder", "get_attr")}
     for n in nodes:
@@ -65,13 +90,19 @@ def levels(gm: fx.GraphModule, eager: set[fx.Node]) -> dict[fx.Node, int]:
             level[n] = max([v + 1 if v % 2 == 0 else v for v in ins], default=1)
         else:
             level[n] = max([v if v % 2 == 0 else v + 1 for v in ins], default=0)
-    for n in reversed(nodes):
-        if n in eager or n.target is operator.getitem or _writes(n) or any(_writes(u) for u in n.users) or \
-                not n.users or any(u.op == "output" for u in n.users):
-            continue  # a piece of a tuple stays beside it (a region returns tensors, not tuples); an in-place write
-            # stays beside what it writes (moved to a later region, it would bump a tensor an earlier one saved)
-        first = min(level[u] if level[u] % 2 == 0 else level[u] - 1 for u in n.users)
-        level[n] = max(level[n], first)
+    for n in reversed(nodes):  # sink: to the last region of its kind before its first reader
+        if n.target is operator.getitem or (n in eager and n not in movable):
+            continue  # a piece of a tuple follows its tuple (below: a region returns tensors, not tuples)
+        readers = [r for u in n.users for r in (u.users if u.target is operator.getitem else [u])]
+        if not readers or any(r.op == "output" for r in readers) or _writes(n) or \
+                any(_writes(r) for r in [*n.users, *readers]):
+            continue  # an in-place write stays beside what it writes (moved to a later region, it would bump a
+            # tensor an earlier one saved)
+        kind = level[n] % 2
+        level[n] = max(level[n], min(level[r] if level[r] % 2 == kind else level[r] - 1 for r in readers))
+    for n in nodes:
+        if n.target is operator.getitem:
+            level[n] = level[n.args[0]]
     return level
 
 

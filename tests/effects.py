@@ -71,7 +71,8 @@ def record(job, mesh, ops: Counting | None = None) -> dict:
             # compiled, remat is the partitioner's: each checkpointed block's nodes marked with its region number
             "remat_marked": len({n.meta["ac_graph_id"] for gm in graphs for n in gm.graph.nodes
                                  if "ac_graph_id" in n.meta}),
-            "inductor": dataclasses.asdict(job.inductor.stats),  # graphs Inductor compiled (forward, backward)
+            "inductor": dataclasses.asdict(job.inductor.stats),
+            "zero_stats": dataclasses.asdict(job.zero_stats),  # the last step's ZeRO context (gathers run as FX code)  # graphs Inductor compiled (forward, backward)
             "local_shapes": {fqn: tuple(p.shape) for fqn, p in job.named_parameters()}}
 
 

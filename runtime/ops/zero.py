@@ -20,6 +20,7 @@ of its shards of every parameter in the bucket.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import math
 from dataclasses import dataclass
@@ -43,6 +44,18 @@ def active_context():
 def activate(context) -> contextvars.Token:
     """Make `context` the active ZeRO context (the runtime's ZeroContext on entering a step)."""
     return _ACTIVE.set(context)
+
+
+@contextlib.contextmanager
+def no_context():
+    """No ZeRO context inside: a graph traced for Inductor (runtime/inductor.py) in the middle of a step whose
+    gathers run as FX code must record the graph's own ZeRO ops (gradients returned, not handed to the context's
+    pending reduce-scatters), since the compiled code runs without Python."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 def deactivate(token: contextvars.Token) -> None:

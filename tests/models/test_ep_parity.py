@@ -31,7 +31,8 @@ CASES = [  # Mixtral at plain dp=2 × ep=2 also runs through the torch.compile d
     # regions Inductor compiles (runtime/regions.py); under a zero-bubble schedule, each region's backward in halves
     ("mixtral", {"dp": 2, "ep": 2, "tp": 2}, {"inductor": True}),
     ("mixtral4", {"dp": 2, "ep": 2, "pp": 2}, {"microbatches": 2, "schedule": "zb-h1", "inductor": True}),
-    ("mixtral", {"dp": 4, "ep": 2}, {"zero": 3}),  # experts over ep, replicas over edp; the rest ZeRO-3 over dp
+    # experts over ep, replicas over edp; the rest ZeRO-3 over dp; compiled: the experts' gathers run as FX code
+    ("mixtral", {"dp": 4, "ep": 2}, {"zero": 3, "inductor": True}),
     ("mixtral4", {"dp": 2, "ep": 2, "pp": 2}, {"microbatches": 2}),
     ("mixtral_gathered", {"dp": 2, "ep": 2}, {}),  # each row's expert weights gathered by id (batched_mm)
     # (E, in, out) experts with per-expert biases gathered by the sorted ids, interleaved gate/up
@@ -73,6 +74,11 @@ def test_expert_parallel_matches_single_process(case):
             compiled = out["inductor"]
             assert compiled["regions"] >= 3 and compiled["backward"] >= compiled["regions"], compiled
             assert [n for n in compiled["eager"] if n.startswith(("dispatch", "combine"))] == compiled["eager"]
+            if plan.get("zero") == 3:  # the experts' buckets, read by the routed matmuls only, gathered as FX code:
+                zero = out["zero_stats"]  # never saved whole for backward (handles), gathered again there
+                layers = sum(1 for f in held if f.endswith("gate_up_proj"))
+                assert zero["gathers_forward"] == zero["gathers_backward"] == layers, (rank, zero)
+                assert zero["live_after_forward"] == 0 and zero["kept_bytes"] == 0, (rank, zero)
 
 
 def _mixed_rank(stage: int) -> dict:
