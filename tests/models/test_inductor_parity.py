@@ -26,7 +26,7 @@ STEPS, BATCH = 3, 8
 FAST = {"trace": "non-strict", "inductor": True}
 CASES = [
     ("llama", {"dp": 2}, {}),  # gradients averaged by all-reduces inside the compiled backward
-    ("reference", {"dp": 2}, {"zero": 1}),  # the same graphs; the reduce-scatter at the step, states sharded on dp
+    # (ZeRO-1 compiled, and each schedule, remat policy and offload: the plan matrix's nine compiled cases)
     ("gpt2", {"tp": 2}, {"sequence_parallel": True, "collective_matmul": False}),  # f/g pairs, SP's gathers
     # each stage's program compiled, run per micro-batch; zero-bubble V: two stages per rank, each backward as two
     # compiled graphs (input half, weight half), the W halves run later (1F1B: the dp x pp case below)
@@ -79,15 +79,10 @@ def test_inductor_compiled_ranks_match_single_process(case):
             reduces = [c for kind, calls in compiled["collectives"] if kind == "backward" for c in calls
                        if c == f"reduce_scatter_tensor({out['dp_group']})"]
             assert reduces, f"rank {rank}: no gradient reduce-scatter in the compiled backward"
-        elif plan.get("zero"):  # ZeRO-1: the optimizer's states (what job.optimizer shards) about 1/dp of the whole model's
-            states = out["held"]["optimizer"]
-            whole = 2 * 4 * sum(p.numel() for p in built.parameters())  # AdamW's two fp32 states per element
-            assert states <= whole / mesh["dp"] * 1.05, f"rank {rank}: {states} bytes of states, whole {whole}"
     if "pp" not in mesh:  # every rank compiled the same collectives in the same order: none duplicated or moved
         sequences = [_by_axis(out) for out in results]  # group names differ between dp groups: compare axes
         assert all(seq == sequences[0] for seq in sequences), sequences
-        if plan.get("zero") != 1:  # ZeRO-1 reduce-scatters at the optimizer step, outside the graphs
-            assert any(calls for _, calls in sequences[0]), "no collective inside the compiled graphs"
+        assert any(calls for _, calls in sequences[0]), "no collective inside the compiled graphs"
         # one compile per graph across ranks (runtime/compile_once.py): the dp ranks of a tp slice hand Inductor the
         # same graphs, and every rank after the first to compile one reads it from the cache
         graphs = results[0]["inductor"]["forward"] + results[0]["inductor"]["backward"]
