@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcRuntimeError, MeshcValueError
+from meshc.runtime import regions
 from meshc.runtime.global_param import ShardedParam, local
 from meshc.runtime.mesh import Mesh, last_mesh
 from meshc.runtime.sharding import full_tensor, local_shard
@@ -321,6 +322,7 @@ class _Runner:
         self._roles: dict[tuple, list] = {}  # ids of the parameter and buffer inputs -> roles
         self.programs: dict[Any, tuple[Program, list, Any, list, list]] = {}
         self.checked: set[int] = set()
+        self.eager_gathers: dict[int, bool] = {}  # program id -> whether ZeRO-3 gathers of it run as FX code
 
     def roles_for(self, args) -> list[tuple[str, str]]:
         ids = tuple(id(a) for (kind, _), a in zip(self.kinds, args) if kind != "input")
@@ -336,6 +338,17 @@ class _Runner:
             self.programs[key] = (*self.backend.lowered(self.gm, roles, list(args)), roles)
         return self.programs[key]
 
+    def zero_hooks(self, program: Program) -> bool:
+        """ZeRO-3's gathers need the context's saved-tensor hooks where they run as FX code: every gather, or compiled,
+        those only eager ops read (expert weights between compiled regions: runtime/regions.py)."""
+        if self.backend.plan.zero != 3:
+            return False
+        if not self.backend.plan.inductor:
+            return True
+        if id(program) not in self.eager_gathers:
+            self.eager_gathers[id(program)] = bool(regions.eager_gathers(program.gm, regions.eager_nodes(program.gm)))
+        return self.eager_gathers[id(program)]
+
     def __call__(self, *args):
         program, order, run, constants, roles = self.program_for(args)
         values: list[Any] = list(constants)
@@ -345,8 +358,7 @@ class _Runner:
                 inputs.append(arg)
             else:
                 values[slot] = self.backend.local(arg, fqn)
-        hooks = self.backend.plan.zero == 3 and not self.backend.plan.inductor  # compiled: the gathers are graph nodes
-        zero = ZeroContext({}, ZeroStats(), overlap=False) if hooks else contextlib.nullcontext()
+        zero = ZeroContext({}, ZeroStats(), overlap=False) if self.zero_hooks(program) else contextlib.nullcontext()
         with zero, self.backend._counting or contextlib.nullcontext():
             outs = run(*values, *inputs)
         n = len(program.mutated_buffers)
