@@ -346,7 +346,7 @@ class _Runner:
         if not self.backend.plan.inductor:
             return True
         if id(program) not in self.eager_gathers:
-            self.eager_gathers[id(program)] = bool(regions.eager_gathers(program.gm, regions.eager_nodes(program.gm)))
+            self.eager_gathers[id(program)] = regions.gathers_run_eagerly(program.gm)
         return self.eager_gathers[id(program)]
 
     def __call__(self, *args):

@@ -126,9 +126,8 @@ class Job:
         if id(program) not in self._holds_zero:  # read once per program, not on every step
             decision = program.decisions.get("inductor")
             gm = program.gm
-            self._holds_zero[id(program)] = bool(regions.eager_gathers(gm, regions.eager_nodes(gm))) \
-                if decision is not None and decision.value else \
-                any(n.op == "call_function" and n.target in (zero_gather, zero_reduce) for n in gm.graph.nodes)
+            self._holds_zero[id(program)] = regions.gathers_run_eagerly(gm) if decision is not None and decision.value \
+                else any(n.op == "call_function" and n.target in (zero_gather, zero_reduce) for n in gm.graph.nodes)
         return self._holds_zero[id(program)]
 
     def _input(self, x: Any) -> Any:

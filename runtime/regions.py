@@ -79,6 +79,12 @@ def eager_gathers(gm: fx.GraphModule, eager: set[fx.Node]) -> set[fx.Node]:
     return out
 
 
+def gathers_run_eagerly(gm: fx.GraphModule) -> bool:
+    """Does some ZeRO-3 gather of `gm` run as FX code when it is cut into regions (`eager_gathers`)? Then the step
+    needs its ZeRO context, compiled or not."""
+    return any(n.target is zero_gather for n in eager_nodes(gm))
+
+
 def levels(gm: fx.GraphModule, eager: set[fx.Node]) -> dict[fx.Node, int]:
     """Each computing node's region: even levels compiled, odd ones eager (module docstring)."""
     movable = eager_gathers(gm, eager) & eager

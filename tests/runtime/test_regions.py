@@ -89,3 +89,5 @@ def test_zero3_gathers_sit_in_the_region_that_reads_them(fake_mesh):
         assert (g in eager) == is_expert and (start in eager) == is_expert, g.name
     assert len({level[g] for g in gathers}) == 5  # regions 0, 2 and 4 and the two eager stretches
     assert regions.eager_gathers(gm, eager) >= {g for g in gathers if g in eager}
+    assert regions.gathers_run_eagerly(gm)  # the job and the door open the step's ZeRO context for it
+    assert not regions.gathers_run_eagerly(_program(fake_mesh(dp=2), "llama", zero=3))  # no region at all
