@@ -170,7 +170,8 @@ class PendingGrads:
 def zero_gather_start(*shards: torch.Tensor, group: str, size: int, dtype: torch.dtype,
                       fused: bool = False, offloaded: bool = False) -> torch.Tensor:
     """Issue the all-gather of a bucket of flat shards (cast to the compute dtype); not yet waited. `offloaded`
-    shards (Plan.offload_params) are read by meshc_offload::pack_dropping, which then drops their pages (ops/pages.py)."""
+    shards (Plan.offload_params) are read by meshc_offload::pack_dropping, which then drops their pages
+    (ops/pages.py)."""
     with torch.no_grad():
         flat = [s.detach() for s in shards]
         sizes = [s.numel() for s in flat]

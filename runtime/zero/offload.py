@@ -50,7 +50,7 @@ from meshc.runtime.zero.offload_store import FileStore, HostStore
 
 PARAM = "<parameter>"  # the place of an offloaded parameter's own values (offload_params)
 NBUF = 3  # buffers in the pool: one updating, one being read, one being written
-ALIGN = 4096  # bytes: every place starts on a page (any dtype's view is aligned; pages release cleanly)
+ALIGN = pages.PAGE  # bytes: every place starts on a page (any dtype's view is aligned; pages release cleanly)
 MIN_POOL_MB, MAX_POOL_MB, POOL_FRACTION = 1.0, 64.0, 32  # the default pool: 1/32 of the store, 1 to 64 MiB
 
 

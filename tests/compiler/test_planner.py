@@ -131,7 +131,7 @@ def test_offload_io_is_what_a_step_moves(fake_mesh, tmp_path, monkeypatch):
         for _ in range(2):  # the second step: states exist from the start, as in training
             handed.clear()
             job.step(x, x, models.lm_loss)
-            gathered = sum(handed)  # the shards ZeRO-3's gathers read (meshc_offload::pack_dropping), forward and backward
+            gathered = sum(handed)  # the shards ZeRO-3's gathers read (pack_dropping), forward and backward
             opt.step()
             opt.zero_grad()
         stats = offload_mod.of(opt).stats

@@ -323,8 +323,8 @@ def _pages_rank(folder: str) -> dict:
 
 def test_compiled_offload_drops_the_shards_pages_as_fx_code_does(tmp_path):
     """ZeRO-3 with offload_params compiled by Inductor: the gathers' reads of the offloaded shards drop their pages
-    (meshc_offload::pack_dropping, an op of the graph, forward and the backward's recomputed gathers), so after forward and
-    backward the process holds few of the file's pages, as the FX program does; with the drop switched off the
+    (meshc_offload::pack_dropping, an op of the graph, forward and the backward's recomputed gathers), so after forward
+    and backward the process holds few of the file's pages, as the FX program does; with the drop switched off the
     same compiled step holds the shards' pages (the measure can fail). Compiled, offload is bitwise the compiled plan
     without it over 5 steps (the pack is a copy, the rest of the graph the same).
 
@@ -366,9 +366,9 @@ def _present(t: torch.Tensor) -> int:
 
 
 def test_pack_dropping_unmaps_only_the_files_pages(tmp_path):
-    """meshc_offload::pack_dropping returns the shards packed (a copy) and unmaps the pages of those in a registered file
-    mapping; a tensor in anonymous memory is only read (MADV_DONTNEED there would zero it), and so is one in a mapping
-    no longer registered."""
+    """meshc_offload::pack_dropping returns the shards packed (a copy) and unmaps the pages of those in a registered
+    file mapping; a tensor in anonymous memory is only read (MADV_DONTNEED there would zero it), and so is one in a
+    mapping no longer registered."""
     from meshc.runtime.ops import pages
 
     store = FileStore(tmp_path, 0, 64 * 4096, "optimizer_states")
