@@ -164,6 +164,17 @@ def inductor_cache_dir() -> str:
     return cache_dir()
 
 
+def preload_inductor() -> None:
+    """Do once what each process's first Inductor compile does before compiling: import Inductor's compiler
+    (~1 s) and pick the CPU's vector instruction set (a probe subprocess each process, ~1 s; a test build of the
+    first in a cache folder, ~8 s). A forkserver that calls this hands both to every process it forks (the tests'
+    rank forkserver: tests/rank_warmup.py). Public alternative: none."""
+    from torch._inductor import compile_fx  # noqa: F401
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    pick_vec_isa()
+
+
 def dcp_storage_info(relative_path: str, offset: int, length: int):
     """DCP's record of where one chunk lies in a data file (torch.distributed.checkpoint.filesystem's
     _StorageInfo; no public name), rebuilt from meshc's JSON metadata instead of DCP's pickle."""

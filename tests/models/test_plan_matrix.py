@@ -395,6 +395,12 @@ def _took_effect(case: dict, results: list[dict]) -> None:
         compiled = ran["inductor"]
         if case["inductor"]:  # Inductor compiled the rank's programs: forward graphs and, once run, backward ones
             assert compiled["forward"] >= 1 and compiled["backward"] >= 1, f"{where}: Inductor compiled {compiled}"
+            if any(kind == "I" for kind, _, _ in ran["actions"]):  # zero-bubble: each stage's backward compiled as
+                # an input and a weight half, the first stage's as its weight half alone (it has no input gradient)
+                first = any(stage == 0 for _, stage, _ in ran["actions"])
+                assert compiled["backward"] == 2 * compiled["forward"] - first, f"{where}: {compiled}"
+            if case["zero"] == 3 and dp > 1:
+                effects.assert_gathers_recomputed(where, ran, model, dp)
         else:
             assert compiled["forward"] == 0, f"{where}: Inductor compiled {compiled['forward']} graphs, inductor off"
         if not (case["collective_matmul"] and tp > 1):
