@@ -135,7 +135,7 @@ def with_decisions(program: Program) -> Program:
     decisions = {**decide(program, hw), "bucket_mb": decide_buckets(program, hw),
                  "vocab_parallel": decide_vocab_parallel(program, hw)}
     decisions = yield_to_inductor(program, decisions)
-    decisions["inductor"] = decide_inductor(program, hw, decisions)
+    decisions["inductor"] = decide_inductor(program, hw)
     return program.replace(hardware=hw, decisions=decisions)
 
 

@@ -41,7 +41,7 @@ def yield_to_inductor(program: Program, decisions: dict) -> dict:
                                                               f"the cost model had said: {ring.why}")}
 
 
-def decide_inductor(program: Program, hw: Hardware, decisions: dict) -> Decision:
+def decide_inductor(program: Program, hw: Hardware) -> Decision:
     """Decision for Plan.inductor (module docstring)."""
     plan = program.plan
     if plan.inductor is False:

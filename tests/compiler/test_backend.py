@@ -74,11 +74,14 @@ def test_backend_matches_single_process_and_meshc_compile(case):
         want = {k: (v[0] - extra.get(k, (0, 0))[0], v[1] - extra.get(k, (0, 0))[1])
                 for k, v in out["compile_census"].items()}
         assert out["census"] == {k: v for k, v in want.items() if v[0]}, (out["census"], out["compile_census"])
-        # a new input shape recompiles: the same shards serve it, and it computes what one process does
-        short = zoo.batches(1, BATCH)[0][0][:, : zoo.SEQ // 2]
-        want_logits = _reference_logits(model, ref["params"], short)
-        assert (out["short_logits"] - want_logits).abs().max() < 1e-4
-        assert out["programs"] == 2  # the training shape and the short one (the swap to shards reuses programs)
+        # a new input shape recompiles: the same shards serve it, and it computes what one process does (the
+        # FX cases: the swap to shards and the recompile do not depend on Inductor)
+        if out["short_logits"] is not None:
+            short = zoo.batches(1, BATCH)[0][0][:, : zoo.SEQ // 2]
+            want_logits = _reference_logits(model, ref["params"], short)
+            assert (out["short_logits"] - want_logits).abs().max() < 1e-4
+        # the training shape and the short one (the swap to shards reuses programs)
+        assert out["programs"] == (1 if plan.get("inductor") else 2)
         if plan.get("inductor"):  # Inductor really ran the regions, forward and backward, both doors alike
             assert out["inductor"]["forward"] >= 1 and out["inductor"]["backward"] >= 1, out["inductor"]
     if "tp" in mesh or "ep" in mesh or plan.get("zero") == 3:  # parameters really are shards, held by the optimizer

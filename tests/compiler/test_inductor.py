@@ -27,9 +27,9 @@ def traced():
     return program
 
 
-def _decide(program, sizes: dict, device: str = "cpu", decisions: dict | None = None, **plan):
+def _decide(program, sizes: dict, device: str = "cpu", **plan):
     mesh = MeshSpec(sizes, device_type=device)
-    return decide_inductor(program.replace(plan=meshc.Plan(**plan), mesh=mesh), CPU, decisions or {})
+    return decide_inductor(program.replace(plan=meshc.Plan(**plan), mesh=mesh), CPU)
 
 
 def test_default_is_off_on_cpu_and_on_on_cuda(traced):
@@ -51,8 +51,7 @@ def test_offloaded_parameter_shards_compile(traced):
 def test_rings_routing_and_pipelines_compile(traced):
     """What once kept Inductor out now compiles: ep's routing, ring attention and collective matmul as FX code
     between compiled regions (runtime/regions.py), the zero-bubble schedules as two backward graphs per stage."""
-    ring = {"collective_matmul": meshc.compiler.ir.plan.Decision(True, "Plan.collective_matmul=True")}
-    assert _decide(traced, {"tp": 2}, inductor=True, sequence_parallel=True, decisions=ring).value is True
+    assert _decide(traced, {"tp": 2}, device="cuda", sequence_parallel=True, collective_matmul=True).value is True
     assert _decide(traced, {"dp": 2, "ep": 2}, device="cuda").value is True
     assert _decide(traced, {"dp": 2, "cp": 2}, device="cuda", cp_attention="ring").value is True
     for schedule in ("gpipe", "1f1b", "zb-h1", "zbv"):
