@@ -8,8 +8,9 @@ that the pages are dead weight until the next gather, so this op packs the shard
 the flat shards cast and concatenated) and then drops their pages (madvise(MADV_DONTNEED): the values stay in the
 file and the page cache; the next read faults them in again). It is one op in the graph, not a call behind it,
 so the same thing runs whether the program runs as FX code or as Inductor's code, where it is an extern kernel
-called in the gather's place, forward and in the backward's recomputed gather alike. Inductor cannot fuse the pack into its own kernels then: only buckets of
-offloaded shards take this op (passes/zero.py, the gather's `offloaded`).
+called in the gather's place, forward and in the backward's recomputed gather alike. Inductor cannot fuse the pack
+into its own kernels then: only buckets of offloaded shards take this op (passes/zero.py, the gather's
+`offloaded`).
 
 Only pages of a registered mapping are dropped (`register`: the offload's file mapping, held weakly): MADV_DONTNEED
 on anonymous memory would zero it. A tensor is dropped where its storage is a registered mapping's, alive; any
