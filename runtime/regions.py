@@ -4,7 +4,9 @@ run between them as FX code (what a TorchDynamo graph break is to torch.compile)
 Such ops (`runs_eagerly`): expert parallelism's dispatch and combine, whose all-to-all sizes come from the routing
 (`.tolist()` of counts exchanged at run time), and everything between them, whose row count is the routing's; context
 parallelism's ring attention and collective matmul, which pass blocks around a ring of point-to-point transfers
-(`dist.isend`/`irecv`, no functional collective). Each is an autograd Function: its backward runs eagerly too,
+(`dist.isend`/`irecv`, no functional collective); a user autograd.Function that draws random numbers (its
+meshc_fn op's backward recomputes its forward under the generator state the forward saw: a value no traced graph
+restores; compiler/trace/autograd_functions.py). Each is an autograd Function: its backward runs eagerly too,
 between the compiled regions' backward graphs.
 
     top = cut(gm)     # None where the whole program compiles
@@ -30,6 +32,7 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from meshc.compiler.ir import torch_compat as compat
+from meshc.compiler.trace.autograd_functions import function_call, random_draw
 from meshc.runtime.ops import collective_matmul, context, experts
 from meshc.runtime.ops.zero import zero_gather
 
@@ -43,6 +46,8 @@ def runs_eagerly(node: fx.Node) -> bool:
         return False
     if node.target in _ALWAYS:
         return True
+    if function_call(node.target) is not None:  # a user Function drawing random numbers (its backward's recompute
+        return random_draw(node) is not None    # restores the forward's generator state, which no graph can)
     return node.target is context.context_attention and node.kwargs.get("method") == "ring"
 
 

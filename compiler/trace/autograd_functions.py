@@ -28,11 +28,15 @@ from typing import Any
 
 import torch
 
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import TraceError
 
 _OPS: dict[tuple, Any] = {}  # (Function class, constants, positions) -> custom op, for the process's lifetime
 _CALLS: dict[str, Any] = {}  # the op's name ("meshc_fn::X_0") -> call(tensors): the Function's forward, run by apply
 _COUNT = itertools.count()
+_DRAWS: dict[tuple, str | None] = {}  # (op, input shapes and dtypes) -> random_draw's answer
 _PLAIN = (type(None), bool, int, float, str)
 STATE_BYTES = torch.get_rng_state().numel()  # the CPU generator's state, as torch.get_rng_state() returns it
 
@@ -137,8 +141,13 @@ def _define(cls, positions: tuple, constants: tuple, n: int):
     def backward(ctx, grads):
         xs = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in ctx.tensors]
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            torch.set_rng_state(ctx.state)
-            outs = call(xs)
+            if type(ctx.state) is torch.Tensor:  # run: recompute under the forward's generator state
+                torch.set_rng_state(ctx.state)
+                outs = call(xs)
+            else:  # traced (Inductor's joint graph): the state is no value; only a Function drawing no random
+                # numbers is traced (runtime/regions.py runs the others as FX code), checked here
+                with _refusing_random(cls):
+                    outs = call(xs)
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         wanted = [x for x in xs if x.requires_grad]
         if not pairs or not wanted:
@@ -148,6 +157,43 @@ def _define(cls, positions: tuple, constants: tuple, n: int):
 
     op.register_autograd(backward, setup_context=setup_context)
     return op, single
+
+
+def random_draw(node) -> str | None:
+    """The first op drawing random numbers (tagged nondeterministic_seeded) in the forward of the user Function
+    behind the meshc_fn `node`, traced with make_fx on meta tensors at its shapes; "unknown" where it cannot be
+    traced so; None where it draws none. Such a Function cannot be traced into a compiled backward, whose
+    recompute would draw other numbers than the forward drew."""
+    call = function_call(node.target)
+    ins = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args[0]]
+    if call is None or not all(isinstance(t, torch.Tensor) for t in ins):
+        return None if call is None else "unknown"
+    key = (node.target, tuple((tuple(t.shape), t.dtype) for t in ins))
+    if key not in _DRAWS:
+        try:
+            with compat.real_tensors():
+                traced = make_fx(lambda xs: call(xs))([torch.empty(t.shape, dtype=t.dtype, device="meta")
+                                                      for t in ins])
+            _DRAWS[key] = next((str(n.target) for n in traced.graph.nodes if n.op == "call_function"
+                                and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())), None)
+        except Exception:  # noqa: BLE001 - a Function meta tensors cannot run: assume it may draw
+            _DRAWS[key] = "unknown"
+    return _DRAWS[key]
+
+
+@contextlib.contextmanager
+def _refusing_random(cls):
+    """While the block traces a Function's recompute: an op drawing random numbers raises a TraceError."""
+    class Refuse(compat.dispatch_mode_base()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+                raise TraceError(f"inductor: {cls.__qualname__}'s backward would recompute its forward inside a "
+                                 f"compiled graph, drawing other random numbers ({func}) than its forward drew; "
+                                 "run the program as FX code with Plan(inductor=False)")
+            return func(*args, **(kwargs or {}))
+
+    with Refuse():
+        yield
 
 
 def function_call(target) -> Any:

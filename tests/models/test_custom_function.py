@@ -11,6 +11,8 @@ could in principle round one element differently; measured here the runs agree t
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -21,7 +23,8 @@ from tests import parity, zoo
 from tests.harness import run_ranks
 
 STEPS, BATCH = 5, 8
-CASES = [({"dp": 2}, {}), ({"tp": 2}, {}), ({"pp": 2}, {"microbatches": 2})]
+CASES = [({"dp": 2}, {}), ({"tp": 2}, {}), ({"pp": 2}, {"microbatches": 2}),
+         ({"dp": 2}, {"inductor": True})]  # compiled: the Functions' recomputing backward traced into the graph
 
 
 def test_trace_keeps_the_functions_backward():
@@ -70,7 +73,7 @@ def test_a_function_with_an_unsupported_argument_is_refused():
                         rank=0)
 
 
-@pytest.mark.parametrize("case", CASES, ids=["dp2", "tp2", "pp2"])
+@pytest.mark.parametrize("case", CASES, ids=["dp2", "tp2", "pp2", "dp2-inductor"])
 def test_custom_functions_train_at_parity(case):
     mesh, plan = case
     world = mesh.get("dp", 1) * mesh.get("tp", 1) * mesh.get("pp", 1)
@@ -84,6 +87,10 @@ def test_custom_functions_train_at_parity(case):
         assert "tp:S(" in report
     if "pp" in mesh:  # two stages, each rank holding its own
         assert "stage 1 (pp rank 1)" in report
+    if plan.get("inductor"):  # one graph each way, the Functions inside it: none left to run as FX code
+        for rank, out in enumerate(results):
+            compiled = out["inductor"]
+            assert (compiled["forward"], compiled["backward"], compiled["eager"]) == (1, 1, []), (rank, compiled)
 
 
 class _Noisy(torch.autograd.Function):
@@ -114,3 +121,60 @@ def test_a_function_drawing_random_numbers_is_differentiated_with_its_own_number
     model, x = M(), torch.randn(3, 4)
     traced, _, _ = compile_program(model, (x,), {}, mesh=MeshSpec({}), plan=meshc.Plan(check_trace=True), rank=0)
     assert any("check_trace: loss and 2 gradients" in note for note in traced.notes)
+
+
+class _NoisyLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.second(torch.tanh(_Noisy.apply(self.first(x))))
+
+
+def _compiled_noisy_rank() -> dict:
+    torch.manual_seed(0)
+    model, x = _NoisyLinear(), torch.randn(3, 4)
+    job = meshc.compile(model, meshc.mesh(timeout_s=60), example_inputs=(x,),
+                        plan=meshc.Plan(trace="non-strict", inductor=True))
+    torch.manual_seed(1)
+    job.step(x, None, lambda out, _: out.square().sum())
+    torch.manual_seed(1)  # eager, the same numbers drawn
+    model.second(torch.tanh(_Noisy.apply(model.first(x)))).square().sum().backward()
+    return {"grads": job.grad_state_dict(), "eager": {n: p.grad for n, p in model.named_parameters()},
+            "inductor": dataclasses.asdict(job.inductor.stats)}
+
+
+def test_a_compiled_program_runs_a_function_drawing_random_numbers_as_fx_code():
+    """Its backward recomputes its forward under the generator state the forward saw, which no traced graph can
+    restore: the Function runs between two compiled regions (runtime/regions.py), and the gradients of the weights
+    before it (through its noise) are eager's, drawn with the same seed. A gradient through other noise would
+    differ by ~the noise itself (uniform in [0, 1)); the bound allows fp32 reordering (~1e-7)."""
+    (out,) = run_ranks(_compiled_noisy_rank, 1, timeout=240)
+    compiled = out["inductor"]
+    assert compiled["regions"] == 2 and len(compiled["eager"]) == 1 and "noisy" in compiled["eager"][0], compiled
+    assert compiled["forward"] == 2 and compiled["backward"] == 2, compiled
+    assert set(out["grads"]) == set(out["eager"])
+    for name, grad in out["eager"].items():
+        assert torch.allclose(out["grads"][name], grad, rtol=1e-5, atol=1e-6), name
+
+
+def test_a_traced_backward_refuses_a_function_drawing_random_numbers():
+    """The safety net behind the regions: were such a Function's backward traced into a graph (make_fx here, as
+    AOTAutograd traces a joint graph), its recompute would draw new numbers; it raises instead, naming the Function.
+    One drawing none (the straight-through estimator) traces."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from meshc.compiler.trace.autograd_functions import functions_as_ops
+
+    def grad_of(fn):
+        def traced(x):
+            x = x.detach().requires_grad_(True)
+            return torch.autograd.grad(fn.apply(x).sum(), x)
+        return traced
+
+    with functions_as_ops():
+        graph = make_fx(grad_of(zoo.StraightThrough), tracing_mode="fake")(torch.randn(3))
+        assert any("StraightThrough" in str(n.target) for n in graph.graph.nodes)
+        with pytest.raises(meshc.TraceError, match=r"_Noisy.s backward would recompute .*random.*inductor=False"):
+            make_fx(grad_of(_Noisy), tracing_mode="fake")(torch.randn(3))
