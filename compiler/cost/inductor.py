@@ -13,8 +13,8 @@ gathers and reduce-scatters, remat's recomputation (passes/zero.py, passes/remat
 offload_params drops once a gather has read its shards (an op in the graph, runtime/ops/pages.py); the zero-bubble
 schedules' stages get their backward graphs cut into an input and a weight half, each compiled
 (runtime/compiled_split.py). Ops no traced graph holds (expert parallelism's dispatch and combine, sized by the
-routing; ring attention's and collective matmul's point-to-point rings) run as FX code between compiled regions of
-their program (runtime/regions.py).
+routing; ring attention's and collective matmul's point-to-point rings; a user autograd.Function drawing random
+numbers) run as FX code between compiled regions of their program (runtime/regions.py).
 """
 from __future__ import annotations
 
