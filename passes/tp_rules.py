@@ -225,8 +225,9 @@ def matmul_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     if isinstance(pb, Shard) and pb.dim == b_n:  # column parallel: a whole, output's last dim sharded
         if isinstance(pa, Shard):
             req[ap] = R
-        if biasp is not None:
-            req[biasp] = Shard(0, pb.chunks) if _ndim_of(node, biasp) == 1 else R
+        if biasp is not None:  # a bias broadcast over the columns (size 1 there) stays whole, else its columns
+            bias = node.args[biasp[0]]  # are sliced like the output's (baddbmm's ALiBi bias over key positions)
+            req[biasp] = R if _shape(bias)[-1] == 1 else Shard(_ndim(bias) - 1, pb.chunks)
         rewrite = None
         if has_whole(pb.chunks):  # multi-query k and v held whole beside q's shard: one matmul per run of blocks
             rewrite = lambda nd: split_whole_matmul(nd, ctx.placements, ctx.n, bp, b_n, biasp)  # noqa: E731

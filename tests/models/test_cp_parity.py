@@ -103,3 +103,17 @@ def test_context_parallel_matches_single_process(case):
             if plan.get("zero") == 3:  # ZeRO-3 shards over dp × cp, as Megatron's distributed optimizer: ceil(numel / 4)
                 whole = {f: p.numel() for f, p in zoo.build(model).named_parameters()}
                 assert out["local"] == {f: -(-n // (mesh["dp"] * cp)) for f, n in whole.items()}, rank
+
+
+def test_alibi_attention_on_sequence_shards_matches_single_process():
+    """BLOOM adds its ALiBi bias (heads, 1, keys) to the scores inside a baddbmm: written-out attention that no
+    context attention method takes, so its scores' inputs are gathered over cp where the rules ask (the report names
+    each gather) and the rest runs on sequence shards. Before 2026-12-06 the column-parallel matmul rule kept a bias
+    of more than one dim whole beside the keys' shard: the context pass failed with an internal error."""
+    ref = parity.reference("bloom", STEPS, BATCH)
+    results = run_ranks(parity.meshc_rank, 2, "bloom", STEPS, BATCH, {"cp": 2}, {"trace": "non-strict"}, timeout=300)
+    for rank, out in enumerate(results):
+        parity.assert_matches(rank, out, ref, STEPS)
+        # the sequence really is split: the scores' operands gathered over cp, per block (2 blocks)
+        gathers = [ln for ln in out["report"].splitlines() if "all_gather" in ln and " cp " in ln and "baddbmm" in ln]
+        assert len(gathers) == 2, out["report"]

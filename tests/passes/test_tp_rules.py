@@ -114,6 +114,12 @@ COMPUTE = [
      {(0,): S(2)}, False),
     ("addmm column, bias sliced", aten.addmm.default, (T((6,)), T((4, 8)), T((8, 6))), [R, R, S(1)], 2, S(1),
      {(0,): S(0)}, False),
+    # a bias of more dims (BLOOM's ALiBi, (heads, 1, keys), added to scores with their keys sharded over cp):
+    # sliced on its columns like the output; one broadcast over them (size 1) stays whole
+    ("baddbmm column, bias columns sliced", aten.baddbmm.default, (T((4, 1, 6)), T((4, 3, 8)), T((4, 8, 6))),
+     [R, R, S(2)], 2, S(2), {(0,): S(2)}, False),
+    ("baddbmm column, broadcast bias whole", aten.baddbmm.default, (T((4, 3, 1)), T((4, 3, 8)), T((4, 8, 6))),
+     [R, R, S(2)], 2, S(2), {(0,): R}, False),
     # reductions: over the sharded dim a sum becomes a partial sum; other reductions gather
     ("sum over the shard", aten.sum.dim_IntList, (T((4, 6)), [1]), [S(1)], 2, P, {}, False),
     ("sum elsewhere, shard shifts", aten.sum.dim_IntList, (T((4, 6, 2)), [0]), [S(1)], 2, S(0), {}, False),
