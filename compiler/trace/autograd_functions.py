@@ -171,14 +171,33 @@ def random_draw(node) -> str | None:
     key = (node.target, tuple((tuple(t.shape), t.dtype) for t in ins))
     if key not in _DRAWS:
         try:
-            with compat.real_tensors():
-                traced = make_fx(lambda xs: call(xs))([torch.empty(t.shape, dtype=t.dtype, device="meta")
-                                                      for t in ins])
+            traced = trace_on_meta(call, ins)
             _DRAWS[key] = next((str(n.target) for n in traced.graph.nodes if n.op == "call_function"
                                 and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())), None)
         except Exception:  # noqa: BLE001 - a Function meta tensors cannot run: assume it may draw
             _DRAWS[key] = "unknown"
     return _DRAWS[key]
+
+
+def trace_on_meta(call, ins: list, outs: list | None = None) -> torch.fx.GraphModule:
+    """make_fx of a Function's forward (`call`, as function_call gives it) on meta tensors shaped like `ins`, and,
+    where `outs` (its outputs' values) are given, of its backward too (autograd.grad through it, one gradient per
+    output): nothing computed, no memory."""
+    def fwd_bwd(xs, grads):
+        xs = [x.detach().requires_grad_(x.is_floating_point()) for x in xs]
+        ys = call(xs)
+        pairs = [(y, g) for y, g in zip(ys, grads) if y.requires_grad]
+        wanted = [x for x in xs if x.requires_grad]
+        if not pairs or not wanted:
+            return ys
+        got = torch.autograd.grad([y for y, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+        return ys, [g for g in got if g is not None]
+
+    meta = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in ins]
+    with compat.real_tensors():
+        if outs is None:
+            return make_fx(lambda xs: call(xs))(meta)
+        return make_fx(fwd_bwd)(meta, [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in outs])
 
 
 @contextlib.contextmanager

@@ -22,10 +22,8 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import make_fx
 
-from meshc.compiler.ir import torch_compat as compat
-from meshc.compiler.trace.autograd_functions import function_call
+from meshc.compiler.trace.autograd_functions import function_call, trace_on_meta
 from meshc.compiler.ir.program import ELEMENTWISE, OPAQUE
 
 aten = torch.ops.aten
@@ -60,8 +58,7 @@ def opaque_reason(node: fx.Node) -> str | None:
     if any(tuple(t.shape) != shape for t in ins + outs):
         return "its tensors do not all have one shape"
     try:
-        with compat.real_tensors():
-            traced = _trace(call, ins, outs)
+        traced = trace_on_meta(call, ins, outs)
     except Exception as e:  # noqa: BLE001 - a Function meta tensors cannot run stays opaque, with the reason
         return f"its forward and backward could not be traced on meta tensors ({type(e).__name__})"
     for n in traced.graph.nodes:
@@ -73,20 +70,3 @@ def opaque_reason(node: fx.Node) -> str | None:
         if isinstance(val, torch.Tensor) and val.dim() > 0 and tuple(val.shape) != shape:
             return f"its forward or backward makes a {tuple(val.shape)} value from {shape} tensors ({n.target})"
     return None
-
-
-def _trace(call, ins: list, outs: list) -> fx.GraphModule:
-    """make_fx of the Function's forward and its backward (autograd.grad through it) on meta tensors."""
-    def fwd_bwd(xs, grads):
-        xs = [x.detach().requires_grad_(x.is_floating_point()) for x in xs]
-        ys = call(xs)
-        pairs = [(y, g) for y, g in zip(ys, grads) if y.requires_grad]
-        wanted = [x for x in xs if x.requires_grad]
-        if not pairs or not wanted:
-            return ys
-        got = torch.autograd.grad([y for y, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-        return ys, [g for g in got if g is not None]
-
-    meta = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in ins]
-    grads = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in outs]
-    return make_fx(fwd_bwd)(meta, grads)
