@@ -34,6 +34,7 @@ from meshc.compiler.ir.program import Program
 from meshc.compiler.pipeline.rank_plan import PipelinePlan
 from meshc.compiler.report.html import write_report
 
+from meshc import param_groups
 from meshc.runtime.inductor import InductorPrograms
 from meshc.runtime import regions
 from meshc.runtime.monitor import failures
@@ -193,11 +194,13 @@ class Job:
         runnable = (lambda stage: self.inductor.runner(stage.gm, f"stage {stage.index}", masters=self._params.__getitem__,
                                                        weights=len(stage.params) + len(stage.buffers) if split else None)) \
             if compiled else None
-        loss = self._pipe.step(flat, targets, loss_fn, values, zero_context if self._zero_context_needed(program) else None,
-                               runnable)
         specs = program.params
         holder = (lambda f: store.compute.get(f)) if self.plan.zero == 1 else (lambda f: store.masters.get(f))
-        self._pipe.sum_tied(holder, lambda f: _grad_shape(store, specs[f], self.mesh), lambda f: _grad_dtype(store, specs[f]))
+        earlier = self._pipe.set_tied_aside(holder)  # gradient accumulation: only this step's are summed over stages
+        loss = self._pipe.step(flat, targets, loss_fn, values, zero_context if self._zero_context_needed(program) else None,
+                               runnable)
+        self._pipe.sum_tied(holder, lambda f: _grad_shape(store, specs[f], self.mesh), lambda f: _grad_dtype(store, specs[f]),
+                            earlier)
         return loss
 
     @functools.cached_property
@@ -283,9 +286,15 @@ class Job:
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         return iter(self._params.values())
 
-    def optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> torch.optim.Optimizer:
-        """`cls` over this rank's trainable local parameters (any torch.optim optimizer)."""
-        params = [p for p in self._params.values() if p.requires_grad]
+    def optimizer(self, cls: type[torch.optim.Optimizer], params: Any = None, **kwargs: Any) -> torch.optim.Optimizer:
+        """`cls` (any torch.optim optimizer) over this rank's trainable local parameters, or over `params`: parameter
+        groups as torch takes them, each naming its parameters by the model's names (meshc/param_groups.py), e.g.
+        `[{"params": decay_names, "weight_decay": 0.1}, {"params": other_names, "weight_decay": 0.0}]`."""
+        if params is None:
+            params = [p for p in self._params.values() if p.requires_grad]
+        else:
+            names = {n for n, _ in self._model.named_parameters(remove_duplicate=False)}
+            params = param_groups.resolve(params, self._params, self._state_keys, names)
         if self._streams_states():
             opt = _offloaded_optimizer(cls, params, kwargs, self)
         else:

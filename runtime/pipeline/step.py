@@ -46,9 +46,23 @@ class Pipelined:
         self.last_actions = run.actions
         return loss
 
+    def set_tied_aside(self, grad_holder: Callable[[str], torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Take the gradients that earlier steps left on the tied parameters (accumulation: several job.step calls
+        before the optimizer's), so that sum_tied sums this step's alone: they are already summed over the stages,
+        and summing them again would count them once per stage. Returns them, for sum_tied to add back."""
+        earlier = {}
+        if self.mesh.size("pp") == 1:
+            return earlier
+        for f in self.layout.tied:
+            t = grad_holder(f)
+            if t is not None and t.grad is not None:
+                earlier[f], t.grad = t.grad, None
+        return earlier
+
     def sum_tied(self, grad_holder: Callable[[str], torch.Tensor | None], shape_of: Callable[[str], tuple],
-                 dtype_of: Callable[[str], torch.dtype]) -> None:
-        """Sum the gradients of parameters held on several pp ranks (zeros from ranks not holding them)."""
+                 dtype_of: Callable[[str], torch.dtype], earlier: dict[str, torch.Tensor]) -> None:
+        """Sum this step's gradients of parameters held on several pp ranks (zeros from ranks not holding them),
+        then add back those of earlier steps (`earlier`, from set_tied_aside)."""
         tied = self.layout.tied
         if not tied or self.mesh.size("pp") == 1:
             return
@@ -63,7 +77,8 @@ class Pipelined:
         for f, part in zip(tied, parts):
             t = grad_holder(f)
             if t is not None:
-                t.grad = total[offset: offset + part.numel()].view_as(t).clone()
+                step = total[offset: offset + part.numel()].view_as(t)
+                t.grad = earlier[f].add_(step) if f in earlier else step.clone()
             offset += part.numel()
 
 

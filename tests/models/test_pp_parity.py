@@ -158,3 +158,51 @@ def test_untagged_v_schedule_on_one_group_trains_wrong():
                         {"trace": "non-strict", "schedule": "zbv", "microbatches": 4}, timeout=240)
     worst = max(abs(a - b) for a, b in zip(results[0]["losses"], ref["losses"]))
     assert worst > 1e-2, f"one group trained like the reference (losses off by {worst}): the control shows nothing"
+
+
+def _accumulating_rank(model: str, steps: int, batch: int) -> dict:
+    """Two job.step calls per optimizer step (gradient accumulation), each on its own batch with the loss halved."""
+    import meshc
+    import torch
+
+    mesh = meshc.mesh(timeout_s=90, pp=2)
+    data = zoo.batches(2 * steps, batch)
+    job = meshc.compile(zoo.build(model), mesh, example_inputs=(data[0][0],),
+                        plan=meshc.Plan(trace="non-strict", microbatches=2))
+    opt = job.optimizer(torch.optim.SGD, **parity.optimizer_args("sgd")[1])
+    losses = []
+    for i in range(steps):
+        for x, y in data[2 * i: 2 * i + 2]:
+            losses.append(job.step(x, y, lambda out, t: zoo.lm_loss(out, t) / 2).item())
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "params": job.state_dict(), "held": sorted(f for f, _ in job.named_parameters())}
+
+
+def test_accumulated_gradients_of_a_tied_weight_are_summed_over_the_stages_once():
+    """GPT-2's embedding, tied to its head, lives on both stages; each step sums its gradient over them. With two
+    job.step calls before the optimizer's, the second step must sum only its own gradient: summing the accumulated
+    one again counted the first step's twice (losses 1.5e-4 off under SGD, until 2026-12-06). Reference: one
+    process doing the same accumulation. Bounds as the file's."""
+    steps, batch = 2, 8
+    m = zoo.build("gpt2")
+    cls, kwargs = parity.optimizer_args("sgd")
+    opt = cls(m.parameters(), **kwargs)
+    losses = []
+    for i in range(steps):
+        for x, y in zoo.batches(2 * steps, batch)[2 * i: 2 * i + 2]:
+            loss = zoo.lm_loss(m(x), y) / 2
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    ref = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    results = run_ranks(_accumulating_rank, 2, "gpt2", steps, batch, timeout=180)
+    for rank, out in enumerate(results):
+        assert max(abs(a - b) for a, b in zip(out["losses"], losses)) < 2e-5, (rank, out["losses"], losses)
+        diff, where = parity.max_diff(out["params"], ref)
+        assert diff < 5e-5, f"rank {rank}: {where} off by {diff}"
+    # what was split: each stage holds its own blocks, and both hold the tied embedding
+    assert all("transformer.wte.weight" in out["held"] for out in results), [out["held"] for out in results]
+    blocks = [{f for f in out["held"] if ".h." in f} for out in results]
+    assert blocks[0] and blocks[1] and not blocks[0] & blocks[1], blocks
