@@ -80,10 +80,14 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, me
     with _in_dtype(model, plan.param_dtype):
         if plan.param_dtype is not None:
             args, kwargs = _cast_floating((tuple(args), kwargs), plan.param_dtype)
-        if on_meta:  # values never matter to the trace: inputs join the parameters on meta
-            args, kwargs = _to_meta((tuple(args), kwargs))
-        ep, mode = export(model, tuple(args), kwargs, plan.trace)
-    if on_meta:
+        if on_meta and _fakes_on(device):  # values never matter: fake tensors on the device the rank runs on
+            with _as_fakes(model, device) as fake:
+                ep, mode = export(model, *fake((tuple(args), kwargs)), plan.trace)
+        else:
+            if on_meta:  # a device this machine lacks (a simulated mesh): inputs join the parameters on meta
+                args, kwargs = _to_meta((tuple(args), kwargs))
+            ep, mode = export(model, tuple(args), kwargs, plan.trace)
+    if on_meta and not _fakes_on(device):
         _devices_from_meta(ep.graph_module, device)
     program, tensors = _program_from_export(ep, model, mesh, plan, rank, mode, prefix)
     annotate_elementwise(program.gm)  # user Functions the sharding rules may see through
@@ -173,6 +177,48 @@ def _on_meta(model: torch.nn.Module) -> bool:
     return any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
 
 
+def _fakes_on(device: torch.device) -> bool:
+    """Whether a meta-built model is traced on fake tensors of `device` (this machine has it), else on meta."""
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
+
+
+class _as_fakes:
+    """A meta-built model traced on fake tensors of the rank's device: its parameters and buffers swapped for fakes
+    (ties kept) and restored after; the context gives a function that fakes the inputs in the same mode. Model code
+    that reads a tensor's device then takes the branch the rank will run (transformers' experts count tokens with
+    histc on float on a CPU, on int elsewhere: traced on meta, a CPU rank ran histc on int, which CPUs lack)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        from meshc.compiler.ir.torch_compat import fake_tensor_mode
+
+        self.model, self.device, self.mode, self.saved = model, device, fake_tensor_mode(), []
+
+    def _fake(self, t: torch.Tensor) -> torch.Tensor:
+        with self.mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
+
+    def __enter__(self):
+        from meshc.compiler.ir.torch_compat import tree_map
+
+        memo: dict[int, torch.Tensor] = {}
+        for module in self.model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in list(table.items()):
+                    if t is None:
+                        continue
+                    if id(t) not in memo:
+                        fake = self._fake(t)
+                        memo[id(t)] = torch.nn.Parameter(fake, t.requires_grad) if isinstance(t, torch.nn.Parameter) else fake
+                    self.saved.append((table, name, t))
+                    table[name] = memo[id(t)]
+        return lambda tree: tree_map(lambda x: self._fake(x) if isinstance(x, torch.Tensor) else x, tree)
+
+    def __exit__(self, *exc):
+        for table, name, t in self.saved:
+            table[name] = t
+        return False
+
+
 def _to_meta(tree):
     from meshc.compiler.ir.torch_compat import tree_map
 
@@ -221,7 +267,9 @@ def _refuse_meta_constants(model: torch.nn.Module, tensors: dict[str, torch.Tens
     """A tensor the forward creates on the model's device becomes a constant of the graph: built on meta it
     has no value, and no initializer can give it one."""
     own = {id(t) for t in [*model.parameters(), *model.buffers()]}
-    lost = [fqn for fqn, t in tensors.items() if t.device.type == "meta" and id(t) not in own]
+    from meshc.compiler.ir.torch_compat import is_fake
+
+    lost = [fqn for fqn, t in tensors.items() if (t.device.type == "meta" or is_fake(t)) and id(t) not in own]
     if lost:
         raise TraceError(f"trace: expected every tensor the model's forward creates to have a value, got "
                          f"{', '.join(lost)} on the meta device (a tensor made in forward with the parameters' "

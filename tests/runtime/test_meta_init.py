@@ -134,17 +134,54 @@ def test_meta_model_without_values_refuses_to_run():
     assert not job.pending() and job(x).shape == (2, zoo.SEQ, zoo.VOCAB)
 
 
-def test_tensor_made_in_forward_on_meta_is_refused():
-    """A tensor literal created in forward on the parameters' device is a graph constant: built on meta it has no
-    value and no initializer can give it one, so compile refuses it by name instead of running garbage."""
-    class Scaled(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 4)
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
 
-        def forward(self, x):
-            return self.lin(x) * torch.tensor([1.0, 2.0, 3.0, 4.0], device=self.lin.weight.device)
+    def forward(self, x):
+        return self.lin(x) * torch.tensor([1.0, 2.0, 3.0, 4.0], device=self.lin.weight.device)
+
+
+def test_tensor_made_in_forward_on_meta_keeps_its_value():
+    """A tensor literal created in forward on the parameters' device is a graph constant. A meta-built model is traced
+    on fake tensors of the rank's device, which keep a literal's value: the constant holds it, and the job computes
+    what the model does once its weights have values."""
     with torch.device("meta"):
-        model = Scaled()
+        model = _Scaled()
+    job = meshc.compile(model, meshc.mesh(), example_inputs=(torch.randn(2, 4),))
+    job.init_weights(seed=SEED)
+    eager = meshc.init_weights(_Scaled(), seed=SEED)  # on cpu: the same weights, bit for bit
+    x = torch.randn(2, 4)
+    assert torch.equal(job(x), eager(x))
+    assert [v.tolist() for _, v in job.named_buffers()] == [[1.0, 2.0, 3.0, 4.0]]
+
+
+def test_tensor_made_in_forward_without_a_value_is_refused():
+    """Traced for a device this machine lacks (a simulated GPU mesh on a CPU), a meta-built model runs on meta
+    tensors, where the literal has no value and no initializer can give it one: refused by name instead of
+    running garbage."""
+    from meshc.compiler.ir.mesh_spec import MeshSpec
+    from meshc.compiler.trace.export import trace
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without the simulated device")
+    with torch.device("meta"):
+        model = _Scaled()
     with pytest.raises(meshc.TraceError, match=r"lifted_tensor_0 on the meta device.*register it as a buffer"):
-        meshc.compile(model, meshc.mesh(), example_inputs=(torch.randn(2, 4),))
+        trace(model, (torch.randn(2, 4),), mesh=MeshSpec({"dp": 1}, device_type="cuda"), plan=meshc.Plan(), rank=0)
+
+
+def test_new_input_shapes_are_traced_on_the_ranks_device(single_mesh):
+    """A job retraces new input shapes from its meta copy of the model. Traced on meta, model code that reads a
+    tensor's device took the wrong branch: transformers' experts count tokens with histc on float on a CPU and on
+    int elsewhere, and a CPU ran the int one ("histogram_cpu" not implemented for 'torch.int32') on any new
+    shape of Mixtral, until 2026-12-06. Traced on fake tensors of the rank's device, the shorter sequence runs and
+    gives what the model gives (same ops, same order: bitwise)."""
+    model = zoo.build("mixtral")
+    x, _ = zoo.batches(1, 2)[0]
+    job = meshc.compile(model, single_mesh, example_inputs=(x,), plan=meshc.Plan(**FAST))
+    short = x[:, : x.shape[1] // 2]
+    with torch.no_grad():
+        assert torch.equal(job(short).logits, model(short).logits)
+    assert len(job._programs) == 2  # the new shape was traced again, not served by the first program
