@@ -292,6 +292,10 @@ class Job:
         `[{"params": decay_names, "weight_decay": 0.1}, {"params": other_names, "weight_decay": 0.0}]`."""
         if params is None:
             params = [p for p in self._params.values() if p.requires_grad]
+            if not params and not any(p.requires_grad for p in self._model.parameters()):
+                raise MeshcValueError("job.optimizer: expected a trainable parameter, got none: every parameter of the "
+                                      "model has requires_grad=False")
+            params = params or [{"params": []}]  # this rank's are all frozen (a pipeline stage of frozen layers)
         else:
             names = {n for n, _ in self._model.named_parameters(remove_duplicate=False)}
             params = param_groups.resolve(params, self._params, self._state_keys, names)

@@ -206,3 +206,57 @@ def test_accumulated_gradients_of_a_tied_weight_are_summed_over_the_stages_once(
     assert all("transformer.wte.weight" in out["held"] for out in results), [out["held"] for out in results]
     blocks = [{f for f in out["held"] if ".h." in f} for out in results]
     assert blocks[0] and blocks[1] and not blocks[0] & blocks[1], blocks
+
+
+def _frozen_rank(model: str, steps: int, batch: int) -> dict:
+    import meshc
+    import torch
+
+    mesh = meshc.mesh(timeout_s=90, pp=2)
+    m = zoo.build(model)
+    for name, p in m.named_parameters():
+        p.requires_grad_(not _frozen(name))
+    data = zoo.batches(steps, batch)
+    job = meshc.compile(m, mesh, example_inputs=(data[0][0],), plan=meshc.Plan(trace="non-strict", microbatches=2))
+    opt = job.optimizer(torch.optim.AdamW, lr=parity.LR)
+    losses = []
+    for x, y in data:
+        losses.append(job.step(x, y, zoo.lm_loss).item())
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "params": job.state_dict(), "trained": sum(len(g["params"]) for g in opt.param_groups),
+            "held": sorted(f for f, _ in job.named_parameters())}
+
+
+def _frozen(name: str) -> bool:
+    return "embed" in name or ".layers.0." in name
+
+
+def test_a_stage_whose_parameters_are_all_frozen_trains_the_others():
+    """Fine-tuning the last layers: the embedding and the first block frozen, so that pipeline stage 0 has nothing
+    to train. Its optimizer is one over no parameters (torch refuses an empty list: rank 0 died at job.optimizer
+    until 2026-12-06); stage 1 trains at parity with one process freezing the same parameters. Bounds as the
+    file's."""
+    import torch
+
+    steps, batch = 3, 8
+    m = zoo.build("llama")
+    for name, p in m.named_parameters():
+        p.requires_grad_(not _frozen(name))
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=parity.LR)
+    losses = []
+    for x, y in zoo.batches(steps, batch):
+        loss = zoo.lm_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    ref = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    results = run_ranks(_frozen_rank, 2, "llama", steps, batch, timeout=180)
+    for rank, out in enumerate(results):
+        assert max(abs(a - b) for a, b in zip(out["losses"], losses)) < 2e-5, (rank, out["losses"], losses)
+        diff, where = parity.max_diff(out["params"], ref)
+        assert diff < 5e-5, f"rank {rank}: {where} off by {diff}"
+    # what was split: stage 0 holds the frozen embedding and block 0 and trains nothing, stage 1 the rest
+    assert all(_frozen(f) for f in results[0]["held"]) and results[0]["trained"] == 0, results[0]
+    assert not any(_frozen(f) for f in results[1]["held"]) and results[1]["trained"] == len(results[1]["held"])

@@ -93,7 +93,8 @@ def one_rank_job():
     x, _ = zoo.batches(1, 2)[0]
     job = meshc.compile(model, meshc.mesh(), example_inputs=(x,), plan=meshc.Plan(trace="non-strict"))
     yield model, job
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("groups, says", [
@@ -115,3 +116,11 @@ def test_the_models_own_tensors_are_refused_and_the_jobs_are_taken(one_rank_job)
         job.optimizer(torch.optim.SGD, [{"params": list(model.parameters())}], lr=1e-3)
     opt = job.optimizer(torch.optim.SGD, job.parameters(), lr=1e-3)  # one flat list of the job's own, as torch takes it
     assert len(opt.param_groups) == 1 and len(opt.param_groups[0]["params"]) == len(list(job.parameters()))
+
+
+def test_a_model_with_nothing_to_train_is_refused(single_mesh):
+    model = zoo.build(MODEL).requires_grad_(False)
+    x, _ = zoo.batches(1, 2)[0]
+    job = meshc.compile(model, single_mesh, example_inputs=(x,), plan=meshc.Plan(trace="non-strict"))
+    with pytest.raises(MeshcValueError, match="every parameter of the model has requires_grad=False"):
+        job.optimizer(torch.optim.AdamW, lr=1e-3)
