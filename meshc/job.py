@@ -142,8 +142,10 @@ class Job:
     def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
         """Forward and backward on this rank's batch; gradients land on `parameters()`, averaged over dp.
 
-        Returns the loss averaged over dp (detached): the single-process loss of the global batch. The first
-        step checks that every rank runs the same plan; a dead or stalled peer raises failures.RankFailure.
+        `inputs`: a tensor, a tuple of positional inputs, or a dict of keyword inputs (a transformers batch:
+        `{"input_ids": x, "attention_mask": m}`, called as `model(**inputs)`). Returns the loss averaged over dp
+        (detached): the single-process loss of the global batch. The first step checks that every rank runs the
+        same plan; a dead or stalled peer raises failures.RankFailure.
         """
         self._require_values("job.step")
         failures.preflight(self)
@@ -152,15 +154,16 @@ class Job:
             return self._step(inputs, targets, loss_fn)
 
     def _step(self, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        args, kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else \
+            (inputs if isinstance(inputs, tuple) else (inputs,), {})
         if isinstance(targets, torch.Tensor):
             targets = targets.to(self.mesh.device)
         if self._pipe is not None:  # micro-batches through the stages, in the schedule's order
-            return self._average(self._pipeline_step(args, targets, loss_fn), "dp")
+            return self._average(self._pipeline_step(args, kwargs, targets, loss_fn), "dp")
         if self._vocab_parallel():  # the loss joins the graph: cross-entropy on vocabulary shards
-            loss = self._run(self._step_program(args, targets, loss_fn), (*args, targets), {})
+            loss = self._run(self._step_program(args, kwargs, targets, loss_fn), (*args, targets), kwargs)
         else:
-            loss = loss_fn(self(*args), targets)
+            loss = loss_fn(self(*args, **kwargs), targets)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise MeshcValueError(f"job.step: expected loss_fn to return a scalar tensor, got {shape}; "
@@ -174,10 +177,15 @@ class Job:
         decision = self.program.decisions.get("vocab_parallel")
         return bool(decision is not None and decision.value)
 
-    def _pipeline_step(self, args: tuple, targets: Any, loss_fn: Callable) -> torch.Tensor:
+    def _pipeline_step(self, args: tuple, kwargs: dict, targets: Any, loss_fn: Callable) -> torch.Tensor:
         program = self.program
         self._last = program
-        flat = [self._input(x) for x in compat.tree_flatten((args, {}))[0]]
+        inputs, spec = compat.tree_flatten((args, kwargs))
+        if str(spec) != str(program.in_spec):
+            raise MeshcValueError(f"job.step: expected the inputs' structure the pipeline was compiled for, "
+                                  f"{program.in_spec}, got {spec}; pass positional and keyword inputs as in "
+                                  "meshc.compile's example_inputs and example_kwargs")
+        flat = [self._input(x) for x in inputs]
         store, buffers = self._store, self._buffers
 
         def values(stage) -> list:
@@ -548,12 +556,12 @@ class Job:
             self._traced[key], self._programs[key] = traced, program
         return self._programs[key]
 
-    def _step_program(self, args: tuple, targets: Any, loss_fn: Callable) -> Program:
+    def _step_program(self, args: tuple, kwargs: dict, targets: Any, loss_fn: Callable) -> Program:
         """model + loss_fn as one graph (keyed by the loss function object: pass the same one each step)."""
-        key = ("step", loss_fn, _signature((*args, targets), {}))
+        key = ("step", loss_fn, _signature((*args, targets), kwargs))
         if key not in self._programs:
             wrapper = _WithLoss(self._model, loss_fn)
-            traced, program, _ = compile_program(wrapper, (*args, targets), {}, mesh=self.mesh, plan=self.plan,
+            traced, program, _ = compile_program(wrapper, (*args, targets), kwargs, mesh=self.mesh, plan=self.plan,
                                                  prefix="model.", fixed=self._placements)
             self._traced[key], self._programs[key] = traced, program
         return self._programs[key]
@@ -591,16 +599,16 @@ def _meta_twin(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class _WithLoss(torch.nn.Module):
-    """`loss_fn(model(*inputs), targets)` as one module, so that the loss is traced with the model."""
+    """`loss_fn(model(*inputs, **kwargs), targets)` as one module, so that the loss is traced with the model."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
 
-    def forward(self, *args: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         *inputs, targets = args
-        return self.loss_fn(self.model(*inputs), targets)
+        return self.loss_fn(self.model(*inputs, **kwargs), targets)
 
 
 def _share_rng_state(mesh) -> None:
