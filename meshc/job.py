@@ -139,27 +139,34 @@ class Job:
             x = x.to(self.plan.param_dtype)  # mixed precision: compute in the parameters' dtype
         return x
 
-    def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+    def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+             count: Callable[[Any], Any] | None = None) -> torch.Tensor:
         """Forward and backward on this rank's batch; gradients land on `parameters()`, averaged over dp.
 
         `inputs`: a tensor, a tuple of positional inputs, or a dict of keyword inputs (a transformers batch:
         `{"input_ids": x, "attention_mask": m}`, called as `model(**inputs)`). Returns the loss averaged over dp
         (detached): the single-process loss of the global batch. The first step checks that every rank runs the
         same plan; a dead or stalled peer raises failures.RankFailure.
+
+        `count(targets)`: how many items `loss_fn` averages over in these targets (tokens not ignored:
+        `lambda y: (y != -100).sum()`). Given, each rank's (and micro-batch's) mean is weighted by its share of the
+        global count, so the step is the mean over every counted token of the global batch, as one process
+        computes it, however unevenly they fall on dp and cp ranks (prompt tokens masked at the start of each
+        sequence, padding). Without it the ranks' means are averaged, as DDP does.
         """
         self._require_values("job.step")
         failures.preflight(self)
         self._routing = RoutingLog()
         with failures.watching(self.mesh, "job.step"), tracing.region("step", "step"), recording(self._routing):
-            return self._step(inputs, targets, loss_fn)
+            return self._step(inputs, targets, loss_fn, count)
 
-    def _step(self, inputs: Any, targets: Any, loss_fn: Callable) -> torch.Tensor:
+    def _step(self, inputs: Any, targets: Any, loss_fn: Callable, count: Callable | None) -> torch.Tensor:
         args, kwargs = ((), dict(inputs)) if isinstance(inputs, dict) else \
             (inputs if isinstance(inputs, tuple) else (inputs,), {})
         if isinstance(targets, torch.Tensor):
             targets = targets.to(self.mesh.device)
         if self._pipe is not None:  # micro-batches through the stages, in the schedule's order
-            return self._average(self._pipeline_step(args, kwargs, targets, loss_fn), "dp")
+            return self._average(self._pipeline_step(args, kwargs, targets, loss_fn, count), "dp")
         if self._vocab_parallel():  # the loss joins the graph: cross-entropy on vocabulary shards
             loss = self._run(self._step_program(args, kwargs, targets, loss_fn), (*args, targets), kwargs)
         else:
@@ -168,6 +175,8 @@ class Job:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise MeshcValueError(f"job.step: expected loss_fn to return a scalar tensor, got {shape}; "
                                   "reduce the loss to its mean over the batch")
+        if count is not None:
+            loss = loss * self._count_weights(count, [targets])[0]
         loss.backward()
         return self._average(loss.detach(), "dp")
 
@@ -177,7 +186,28 @@ class Job:
         decision = self.program.decisions.get("vocab_parallel")
         return bool(decision is not None and decision.value)
 
-    def _pipeline_step(self, args: tuple, kwargs: dict, targets: Any, loss_fn: Callable) -> torch.Tensor:
+    def _count_weights(self, count: Callable, targets: list) -> list[torch.Tensor]:
+        """Each part's weight (this rank's targets, or its micro-batches'): its count × the dp size / the global
+        count (all-reduced over dp, cp included), so that the dp average of the weighted means is the mean over
+        every counted item."""
+        local = []
+        for t in targets:
+            c = count(t)
+            if not (isinstance(c, (int, float)) or (isinstance(c, torch.Tensor) and c.numel() == 1)):
+                raise MeshcValueError(f"job.step: expected count(targets) to return a number, got "
+                                      f"{tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__}; "
+                                      "count the items loss_fn averages over, e.g. lambda y: (y != -100).sum()")
+            local.append(torch.as_tensor(c, dtype=torch.float64, device=self.mesh.device).reshape(()))
+        local = torch.stack(local)
+        n = self.mesh.size("dp")
+        total = local.sum() if n == 1 else compat.all_reduce_sum(local.sum().clone(), self.mesh.group_name("dp"))
+        if total.item() == 0:
+            raise MeshcValueError("job.step: count(targets) is 0 on every rank: the global batch has nothing to "
+                                  "average the loss over")
+        return list((local * (n * len(targets)) / total).to(torch.float32).unbind())
+
+    def _pipeline_step(self, args: tuple, kwargs: dict, targets: Any, loss_fn: Callable,
+                       count: Callable | None = None) -> torch.Tensor:
         program = self.program
         self._last = program
         inputs, spec = compat.tree_flatten((args, kwargs))
@@ -205,8 +235,9 @@ class Job:
         specs = program.params
         holder = (lambda f: store.compute.get(f)) if self.plan.zero == 1 else (lambda f: store.masters.get(f))
         earlier = self._pipe.set_tied_aside(holder)  # gradient accumulation: only this step's are summed over stages
+        weigh = (lambda micro_targets: self._count_weights(count, micro_targets)) if count is not None else None
         loss = self._pipe.step(flat, targets, loss_fn, values, zero_context if self._zero_context_needed(program) else None,
-                               runnable)
+                               runnable, weigh)
         self._pipe.sum_tied(holder, lambda f: _grad_shape(store, specs[f], self.mesh), lambda f: _grad_dtype(store, specs[f]),
                             earlier)
         return loss

@@ -28,10 +28,14 @@ class Pipelined:
         self.last_actions: list = []  # (Action, seconds) of this rank's compute actions in the last step
 
     def step(self, flat: list, targets: Any, loss_fn: Callable, values: Callable[[Stage], list],
-             zero_context, runnable: Callable[[Stage], Callable] | None = None) -> torch.Tensor:
+             zero_context, runnable: Callable[[Stage], Callable] | None = None,
+             weigh: Callable[[list], list] | None = None) -> torch.Tensor:
+        """`weigh(micro_targets)`: each micro-batch's loss weight (job.step's count), else each counts 1 (the
+        executor's backward divides by m)."""
         m = self.plan.microbatches
         micro = [list(x) for x in zip(*(_chunks(t, m, f"input {i}") for i, t in enumerate(flat)))]
         micro_targets = _chunks_tree(targets, m)
+        weights = weigh(micro_targets) if weigh is not None else None
         spec = self.program.out_spec
 
         def loss_of(outs: tuple, mb: int) -> torch.Tensor:
@@ -39,7 +43,7 @@ class Pipelined:
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise MeshcValueError("job.step: expected loss_fn to return a scalar tensor; reduce the loss to its "
                                       "mean over the batch")
-            return loss
+            return loss if weights is None else loss * weights[mb]
         run = PipelineRun(self.layout.local, self.layout.schedule, self.mesh, values, loss_of, zero_context, runnable)
         loss = run.run(micro)
         self.last_busy, self.last_elapsed = run.busy, run.elapsed  # measured bubble: elapsed / busy - 1

@@ -1,0 +1,92 @@
+"""`job.step(..., count=...)`: the loss as the mean over every counted token of the global batch, however unevenly
+the counted tokens fall on the ranks, against one process taking that mean.
+
+Fine-tuning masks the prompt (labels -100) at the start of each sequence, so context parallelism's first sequence
+half holds fewer counted tokens than its second, and rows (dp halves, micro-batches) differ too. Averaging the
+ranks' means then weighs tokens unequally; with `count` each mean is weighted by its share of the global count.
+Here row r's first 2 + 3r tokens are prompt: on the 3 batches the two sequence halves' means averaged sit 6.2e-3,
+1.2e-2 and 9.9e-3 from the global mean, the two dp halves' 7.3e-3, 3.2e-3 and 6.2e-3 (the test checks > 1e-3 on the
+first); with every weight 1 the test fails (losses 9.3e-3 off). Tolerances: the parity tests'
+(tests/parity.py: losses 2e-5, parameters 5e-5 after the steps).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import meshc
+from tests import parity, zoo
+from tests.harness import run_ranks
+
+STEPS, BATCH, MODEL = 3, 8, "llama"
+PLANS = [({"cp": 2, "dp": 1}, {}), ({"dp": 2}, {"zero": 3}), ({"pp": 2}, {"microbatches": 2})]
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for x, y in zoo.batches(STEPS, BATCH):
+        y = y.clone()
+        for r in range(y.shape[0]):
+            y[r, : 2 + 3 * r] = -100  # the prompt: not trained on
+        out.append((x, y))
+    return out
+
+
+def _loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
+
+
+def _count(labels):
+    return (labels != -100).sum()
+
+
+def _reference() -> dict:
+    m = zoo.build(MODEL)
+    opt = torch.optim.AdamW(m.parameters(), lr=parity.LR)
+    losses = []
+    for x, y in _batches():
+        loss = _loss(m(x).logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in m.state_dict().items()}}
+
+
+def _token_rank() -> list[dict]:
+    outs = []
+    for sizes, plan in PLANS:
+        mesh = meshc.mesh(timeout_s=90, **sizes)
+        data = [(mesh.shard_batch(x), mesh.shard_batch(y)) for x, y in _batches()]
+        job = meshc.compile(zoo.build(MODEL), mesh, example_inputs=(data[0][0],), plan=meshc.Plan(trace="non-strict", **plan))
+        opt = job.optimizer(torch.optim.AdamW, lr=parity.LR)
+        losses = []
+        for x, y in data:
+            losses.append(job.step(x, y, lambda out, t: _loss(out.logits, t), count=_count).item())
+            opt.step()
+            opt.zero_grad()
+        outs.append({"losses": losses, "params": job.state_dict(), "local": sum(p.numel() for _, p in job.named_parameters()),
+                     "report": str(job.explain())})
+    return outs
+
+
+def test_counted_tokens_are_averaged_over_the_global_batch():
+    ref = _reference()
+    x, y = _batches()[0]
+    m = zoo.build(MODEL)
+    with torch.no_grad():
+        logits = m(x).logits
+    halves = [_loss(logits[:, :8], y[:, :8]), _loss(logits[:, 8:], y[:, 8:])]  # what cp=2's ranks average
+    assert abs((halves[0] + halves[1]).item() / 2 - _loss(logits, y).item()) > 1e-3  # the weighting matters here
+    whole = sum(p.numel() for p in m.parameters())
+    results = run_ranks(_token_rank, 2, timeout=300)
+    for (sizes, plan), outs in zip(PLANS, zip(*results)):
+        for rank, out in enumerate(outs):
+            worst = max(abs(a - b) for a, b in zip(out["losses"], ref["losses"]))
+            assert worst < 2e-5, (sizes, plan, rank, out["losses"], ref["losses"])
+            diff, where = parity.max_diff(out["params"], ref["params"])
+            assert diff < 5e-5, f"{sizes} {plan} rank {rank}: {where} off by {diff}"
+        if "cp" in sizes:  # what was split: the sequence (attention over shards, in the report), not the weights
+            assert "cp" in outs[0]["report"] and "ring" in outs[0]["report"], outs[0]["report"][:2000]
+        else:  # ZeRO's shards, a pipeline stage
+            assert max(o["local"] for o in outs) < 0.8 * whole, (sizes, plan, [o["local"] for o in outs], whole)
