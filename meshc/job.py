@@ -40,7 +40,7 @@ from meshc.runtime import regions
 from meshc.runtime.monitor import failures
 from meshc.runtime.monitor import trace as tracing
 from meshc.runtime.zero.param_store import ParamStore
-from meshc.runtime.pipeline.step import Pipelined
+from meshc.runtime.pipeline.step import Pipelined, weighted
 from meshc.runtime.sharding import LocalShard, allocate_local, full_tensor, read_local, take
 from meshc.runtime.ops.experts import RoutingLog, recording
 from meshc.runtime.ops.zero import zero_gather, zero_reduce
@@ -176,7 +176,7 @@ class Job:
             raise MeshcValueError(f"job.step: expected loss_fn to return a scalar tensor, got {shape}; "
                                   "reduce the loss to its mean over the batch")
         if count is not None:
-            loss = loss * self._count_weights(count, [targets])[0]
+            loss = weighted(loss, self._count_weights(count, [targets])[0])
         loss.backward()
         return self._average(loss.detach(), "dp")
 

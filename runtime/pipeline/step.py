@@ -43,7 +43,7 @@ class Pipelined:
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise MeshcValueError("job.step: expected loss_fn to return a scalar tensor; reduce the loss to its "
                                       "mean over the batch")
-            return loss if weights is None else loss * weights[mb]
+            return loss if weights is None else weighted(loss, weights[mb])
         run = PipelineRun(self.layout.local, self.layout.schedule, self.mesh, values, loss_of, zero_context, runnable)
         loss = run.run(micro)
         self.last_busy, self.last_elapsed = run.busy, run.elapsed  # measured bubble: elapsed / busy - 1
@@ -84,6 +84,13 @@ class Pipelined:
                 step = total[offset: offset + part.numel()].view_as(t)
                 t.grad = earlier[f].add_(step) if f in earlier else step.clone()
             offset += part.numel()
+
+
+def weighted(loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`loss × weight` (job.step's count), exactly 0 where the weight is: a part with nothing counted (a micro-batch
+    or rank whose labels are all ignored) has a mean of 0/0, NaN, which must not reach the step's loss."""
+    weight = weight.to(loss.device)
+    return torch.where(weight == 0, torch.zeros_like(loss), loss * weight)
 
 
 def _chunks(t: Any, m: int, what: str) -> list:

@@ -4,10 +4,11 @@ the counted tokens fall on the ranks, against one process taking that mean.
 Fine-tuning masks the prompt (labels -100) at the start of each sequence, so context parallelism's first sequence
 half holds fewer counted tokens than its second, and rows (dp halves, micro-batches) differ too. Averaging the
 ranks' means then weighs tokens unequally; with `count` each mean is weighted by its share of the global count.
-Here row r's first 2 + 3r tokens are prompt: on the 3 batches the two sequence halves' means averaged sit 6.2e-3,
-1.2e-2 and 9.9e-3 from the global mean, the two dp halves' 7.3e-3, 3.2e-3 and 6.2e-3 (the test checks > 1e-3 on the
-first); with every weight 1 the test fails (losses 9.3e-3 off). Tolerances: the parity tests'
-(tests/parity.py: losses 2e-5, parameters 5e-5 after the steps).
+Here row r's first 2 + 4r tokens are prompt: on the 3 batches the two sequence halves' means averaged sit 3.2e-3,
+1.0e-2 and 8.7e-3 from the global mean (the test checks > 1e-3 on the first), and rows 4-7 count nothing at all: dp=2's
+second rank and the pipeline's second micro-batch have a mean of 0/0, which must add 0, not NaN (it did, in the
+losses only, before `weighted`). With every weight 1 the test fails (losses 9.3e-3 off, 3 + 4r prompts). Tolerances:
+the parity tests' (tests/parity.py: losses 2e-5, parameters 5e-5 after the steps).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     for x, y in zoo.batches(STEPS, BATCH):
         y = y.clone()
         for r in range(y.shape[0]):
-            y[r, : 2 + 3 * r] = -100  # the prompt: not trained on
+            y[r, : 2 + 4 * r] = -100  # the prompt: not trained on (rows 4-7 wholly: a dp rank, a micro-batch)
         out.append((x, y))
     return out
 
