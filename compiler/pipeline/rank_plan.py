@@ -41,6 +41,17 @@ class PipelinePlan:
         for s in stages:
             for f in s.params:
                 holders.setdefault(f, set()).add(rank_of(s.index))
+        # parameters and buffers no stage reads (a head the loss never uses): kept by stage 0's rank, untrained, so
+        # that state_dict and checkpoints still hold their values
+        first = rank_of(stages[0].index)
+        for f in program.params:
+            if f not in holders:
+                holders[f] = {first}
+                if first == self.coord:
+                    self.params.add(f)
+        used = {f for s in stages for f in s.buffers}
+        if first == self.coord:
+            self.buffers |= {f for f in program.buffers if f not in used}
         self.holders = holders
         self.tied = sorted(f for f, ranks in holders.items() if len(ranks) > 1)
         self.simulated = simulate(self.schedule, cost=self._cost)
