@@ -60,6 +60,7 @@ class Job:
         self._traced[key], self._programs[key] = first.traced, first.program
         self._layout = first.pipeline  # compile-time: stages, schedule, who holds what
         self._pipe = Pipelined(first.pipeline, mesh) if first.pipeline is not None else None
+        self._pipe_shapes = _shapes(compat.tree_flatten((example_args, example_kwargs))[0])  # what the stages run
         program = first.program
         keep = self._layout.params if self._layout else None
         self._store = ParamStore(program, tensors, mesh, keep=keep)
@@ -215,6 +216,12 @@ class Job:
             raise MeshcValueError(f"job.step: expected the inputs' structure the pipeline was compiled for, "
                                   f"{program.in_spec}, got {spec}; pass positional and keyword inputs as in "
                                   "meshc.compile's example_inputs and example_kwargs")
+        for i, (got, want) in enumerate(zip(_shapes(inputs), self._pipe_shapes)):
+            if got != want:  # the stages are compiled for one batch shape (they are cut by its costs)
+                raise MeshcValueError(
+                    f"job.step: expected input {i} of shape {want}, the shape the pipeline stages were compiled for, "
+                    f"got {got}; under pipeline stages every step takes the compiled shape: pad or drop a short "
+                    "last batch, or compile another job for the other shape")
         flat = [self._input(x) for x in inputs]
         store, buffers = self._store, self._buffers
 
@@ -667,6 +674,10 @@ def _grad_dtype(store, spec) -> torch.dtype:
     if spec.fqn in store.compute and spec.zero == 1:
         return store.compute[spec.fqn].dtype
     return spec.dtype
+
+
+def _shapes(flat: list) -> list:
+    return [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in flat]
 
 
 def _signature(args: tuple, kwargs: dict) -> Any:
