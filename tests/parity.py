@@ -175,3 +175,35 @@ def mixed_reference(model: str, steps: int, batch: int, dtype=torch.bfloat16) ->
     params = {k: (masters[by_id[id(v)]] if id(v) in by_id else v).detach()
               for k, v in m.state_dict(keep_vars=True).items()}
     return {"losses": losses, "grads0": grads0, "params": params, "initial": initial}
+
+
+def train_one_process(model: torch.nn.Module, opt, batches: list, loss_of) -> dict:
+    """The reference of a training loop: for each batch, `loss_of(model, batch)` backward, then an optimizer step.
+    Returns {"losses", "params"} as a rank's run does (state_dict keys)."""
+    losses = []
+    for batch in batches:
+        loss = loss_of(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def train_job(job, opt, batches: list, step_of) -> list[float]:
+    """A rank's side of train_one_process: `step_of(job, batch)` runs job.step; returns the losses."""
+    losses = []
+    for batch in batches:
+        losses.append(step_of(job, batch).item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def assert_run_matches(where: str, out: dict, ref: dict, params_tol: float = 5e-5) -> None:
+    """A rank's losses within 2e-5 of the reference's and its final parameters within `params_tol` (assert_matches'
+    bounds, for runs that keep no step-1 gradients)."""
+    worst = max(abs(a - b) for a, b in zip(out["losses"], ref["losses"]))
+    assert worst < 2e-5, (where, out["losses"], ref["losses"])
+    diff, name = max_diff(out["params"], ref["params"])
+    assert diff < params_tol, f"{where}: {name} off by {diff}"

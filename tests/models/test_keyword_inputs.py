@@ -41,15 +41,8 @@ def _loss(outputs, labels):
 
 def _reference(with_mask: bool = True) -> dict:
     m = zoo.build(MODEL)
-    opt = torch.optim.AdamW(m.parameters(), lr=parity.LR)
-    losses = []
-    for batch, labels in _batches():
-        loss = _loss(m(**(batch if with_mask else {"input_ids": batch["input_ids"]})), labels)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "params": {k: v.detach().clone() for k, v in m.state_dict().items()}}
+    return parity.train_one_process(m, torch.optim.AdamW(m.parameters(), lr=parity.LR), _batches(), lambda m, b: _loss(
+        m(**(b[0] if with_mask else {"input_ids": b[0]["input_ids"]})), b[1]))
 
 
 def _keyword_rank() -> list[dict]:
@@ -59,12 +52,8 @@ def _keyword_rank() -> list[dict]:
         data = [({k: mesh.shard_batch(v) for k, v in batch.items()}, mesh.shard_batch(labels)) for batch, labels in _batches()]
         job = meshc.compile(zoo.build(MODEL), mesh, example_inputs=(), example_kwargs=data[0][0],
                             plan=meshc.Plan(trace="non-strict", **plan))
-        opt = job.optimizer(torch.optim.AdamW, lr=parity.LR)
-        losses = []
-        for batch, labels in data:
-            losses.append(job.step(batch, labels, _loss).item())
-            opt.step()
-            opt.zero_grad()
+        losses = parity.train_job(job, job.optimizer(torch.optim.AdamW, lr=parity.LR), data,
+                                  lambda job, b: job.step(b[0], b[1], _loss))
         refused = ""
         if mesh.size("pp") > 1:  # the keywords in another order would feed each input to the other's place
             swapped = {"attention_mask": data[0][0]["attention_mask"], "input_ids": data[0][0]["input_ids"]}
@@ -85,10 +74,7 @@ def test_keyword_batches_train_as_one_process_does():
     results = run_ranks(_keyword_rank, 2, timeout=300)
     for (sizes, plan), outs in zip(PLANS, zip(*results)):
         for rank, out in enumerate(outs):
-            worst = max(abs(a - b) for a, b in zip(out["losses"], ref["losses"]))
-            assert worst < 2e-5, (sizes, plan, rank, out["losses"], ref["losses"])
-            diff, where = parity.max_diff(out["params"], ref["params"])
-            assert diff < 5e-5, f"{sizes} {plan} rank {rank}: {where} off by {diff}"
+            parity.assert_run_matches(f"{sizes} {plan} rank {rank}", out, ref)
             assert out["local"] < 0.8 * whole, (sizes, plan, out["local"], whole)  # ZeRO shards, tp halves, a stage
     # under a pipeline the inputs are fed by position: keywords in another order are refused, not swapped
     assert all("expected the inputs' structure" in per_rank[-1]["refused"] for per_rank in results), results[0][-1]["refused"]

@@ -196,12 +196,10 @@ def test_accumulated_gradients_of_a_tied_weight_are_summed_over_the_stages_once(
             losses.append(loss.item())
         opt.step()
         opt.zero_grad()
-    ref = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    ref = {"losses": losses, "params": {k: v.detach().clone() for k, v in m.state_dict().items()}}
     results = run_ranks(_accumulating_rank, 2, "gpt2", steps, batch, timeout=180)
     for rank, out in enumerate(results):
-        assert max(abs(a - b) for a, b in zip(out["losses"], losses)) < 2e-5, (rank, out["losses"], losses)
-        diff, where = parity.max_diff(out["params"], ref)
-        assert diff < 5e-5, f"rank {rank}: {where} off by {diff}"
+        parity.assert_run_matches(f"rank {rank}", out, ref)
     # what was split: each stage holds its own blocks, and both hold the tied embedding
     assert all("transformer.wte.weight" in out["held"] for out in results), [out["held"] for out in results]
     blocks = [{f for f in out["held"] if ".h." in f} for out in results]
@@ -217,11 +215,8 @@ def _frozen_rank(model: str, steps: int, batch: int) -> dict:
     data = zoo.batches(steps, batch)
     job = meshc.compile(m, mesh, example_inputs=(data[0][0],), plan=meshc.Plan(trace="non-strict", microbatches=2))
     opt = job.optimizer(torch.optim.AdamW, lr=parity.LR)
-    losses = []
-    for x, y in data:
-        losses.append(job.step(x, y, zoo.lm_loss).item())
-        opt.step()
-        opt.zero_grad()
+    losses = parity.train_job(job, opt, data, lambda job, b: job.step(b[0], b[1], zoo.lm_loss))
+    x, y = data[-1]
     try:  # a short last batch: the stages run the shape they were compiled for (an internal shape error before)
         job.step(x[: batch // 2], y[: batch // 2], zoo.lm_loss)
         refused = ""
@@ -258,20 +253,11 @@ def test_a_stage_whose_parameters_are_all_frozen_trains_the_others():
 
     steps, batch = 3, 8
     m = _frozen_model("llama")
-    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=parity.LR)
-    losses = []
-    for x, y in zoo.batches(steps, batch):
-        loss = zoo.lm_loss(m(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    ref = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    ref = parity.train_one_process(m, torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=parity.LR),
+                                   zoo.batches(steps, batch), lambda m, b: zoo.lm_loss(m(b[0]), b[1]))
     results = run_ranks(_frozen_rank, 2, "llama", steps, batch, timeout=180)
     for rank, out in enumerate(results):
-        assert max(abs(a - b) for a, b in zip(out["losses"], losses)) < 2e-5, (rank, out["losses"], losses)
-        diff, where = parity.max_diff(out["params"], ref)
-        assert diff < 5e-5, f"rank {rank}: {where} off by {diff}"
+        parity.assert_run_matches(f"rank {rank}", out, ref)
     # what was split: stage 0 holds the frozen embedding and block 0 (and the unread head, which its optimizer
     # holds but never steps), stage 1 the rest, all trained
     assert {f for f in results[0]["held"] if not _frozen(f)} == {"unused_head.weight", "unused_head.bias"}, results[0]

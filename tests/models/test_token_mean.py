@@ -43,15 +43,8 @@ def _count(labels):
 
 def _reference() -> dict:
     m = zoo.build(MODEL)
-    opt = torch.optim.AdamW(m.parameters(), lr=parity.LR)
-    losses = []
-    for x, y in _batches():
-        loss = _loss(m(x).logits, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "params": {k: v.detach().clone() for k, v in m.state_dict().items()}}
+    return parity.train_one_process(m, torch.optim.AdamW(m.parameters(), lr=parity.LR), _batches(),
+                                    lambda m, b: _loss(m(b[0]).logits, b[1]))
 
 
 def _token_rank() -> list[dict]:
@@ -60,12 +53,8 @@ def _token_rank() -> list[dict]:
         mesh = meshc.mesh(timeout_s=90, **sizes)
         data = [(mesh.shard_batch(x), mesh.shard_batch(y)) for x, y in _batches()]
         job = meshc.compile(zoo.build(MODEL), mesh, example_inputs=(data[0][0],), plan=meshc.Plan(trace="non-strict", **plan))
-        opt = job.optimizer(torch.optim.AdamW, lr=parity.LR)
-        losses = []
-        for x, y in data:
-            losses.append(job.step(x, y, lambda out, t: _loss(out.logits, t), count=_count).item())
-            opt.step()
-            opt.zero_grad()
+        losses = parity.train_job(job, job.optimizer(torch.optim.AdamW, lr=parity.LR), data,
+                                  lambda job, b: job.step(b[0], b[1], lambda out, t: _loss(out.logits, t), count=_count))
         outs.append({"losses": losses, "params": job.state_dict(), "local": sum(p.numel() for _, p in job.named_parameters()),
                      "report": str(job.explain())})
     return outs
@@ -83,10 +72,7 @@ def test_counted_tokens_are_averaged_over_the_global_batch():
     results = run_ranks(_token_rank, 2, timeout=300)
     for (sizes, plan), outs in zip(PLANS, zip(*results)):
         for rank, out in enumerate(outs):
-            worst = max(abs(a - b) for a, b in zip(out["losses"], ref["losses"]))
-            assert worst < 2e-5, (sizes, plan, rank, out["losses"], ref["losses"])
-            diff, where = parity.max_diff(out["params"], ref["params"])
-            assert diff < 5e-5, f"{sizes} {plan} rank {rank}: {where} off by {diff}"
+            parity.assert_run_matches(f"{sizes} {plan} rank {rank}", out, ref)
         if "cp" in sizes:  # what was split: the sequence (attention over shards, in the report), not the weights
             assert "cp" in outs[0]["report"] and "ring" in outs[0]["report"], outs[0]["report"][:2000]
         else:  # ZeRO's shards, a pipeline stage

@@ -32,15 +32,8 @@ def _groups(model: torch.nn.Module, names: bool = True) -> list[dict]:
 
 def _reference() -> dict:
     m = zoo.build(MODEL)
-    opt = torch.optim.AdamW(_groups(m, names=False), lr=parity.LR)
-    losses = []
-    for x, y in zoo.batches(STEPS, BATCH):
-        loss = zoo.lm_loss(m(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "params": {k: v.clone() for k, v in m.state_dict().items()}}
+    return parity.train_one_process(m, torch.optim.AdamW(_groups(m, names=False), lr=parity.LR),
+                                    zoo.batches(STEPS, BATCH), lambda m, b: zoo.lm_loss(m(b[0]), b[1]))
 
 
 def _groups_rank() -> list[dict]:
@@ -55,11 +48,8 @@ def _groups_rank() -> list[dict]:
         groups[0]["params"].append("lm_head.weight")  # the head's own key for the embedding it is tied to: no error
         groups[0]["params"].remove("transformer.wte.weight")
         opt = job.optimizer(torch.optim.AdamW, groups, lr=parity.LR)
-        losses = []
-        for x, y in data:
-            losses.append(job.step(mesh.shard_batch(x), mesh.shard_batch(y), zoo.lm_loss).item())
-            opt.step()
-            opt.zero_grad()
+        losses = parity.train_job(job, opt, data, lambda job, b: job.step(mesh.shard_batch(b[0]), mesh.shard_batch(b[1]),
+                                                                          zoo.lm_loss))
         whole = {n: p.numel() for n, p in model.named_parameters()}
         outs.append({"losses": losses, "params": job.state_dict(), "group_sizes": [len(g["params"]) for g in opt.param_groups],
                      "local": {f: p.numel() for f, p in job.named_parameters()}, "whole": whole})
@@ -71,10 +61,7 @@ def test_named_groups_train_as_one_process_does_under_every_plan():
     results = run_ranks(_groups_rank, 2, timeout=300)
     for (sizes, plan), outs in zip(PLANS, zip(*results)):
         for rank, out in enumerate(outs):
-            worst = max(abs(a - b) for a, b in zip(out["losses"], ref["losses"]))
-            assert worst < 2e-5, (sizes, plan, rank, out["losses"], ref["losses"])
-            diff, where = parity.max_diff(out["params"], ref["params"])
-            assert diff < 5e-5, f"{sizes} {plan} rank {rank}: {where} off by {diff}"
+            parity.assert_run_matches(f"{sizes} {plan} rank {rank}", out, ref)
             assert len(out["group_sizes"]) == 2 and min(out["group_sizes"]) > 0, out["group_sizes"]
         held = [sum(o["local"].values()) for o in outs]
         whole = sum(outs[0]["whole"].values())
