@@ -202,20 +202,19 @@ class _as_fakes:
 
         memo: dict[int, torch.Tensor] = {}
         for module in self.model.modules():
-            for table in (module._parameters, module._buffers):
-                for name, t in list(table.items()):
-                    if t is None:
-                        continue
-                    if id(t) not in memo:
-                        fake = self._fake(t)
-                        memo[id(t)] = torch.nn.Parameter(fake, t.requires_grad) if isinstance(t, torch.nn.Parameter) else fake
-                    self.saved.append((table, name, t))
-                    table[name] = memo[id(t)]
+            own = [*module.named_parameters(recurse=False, remove_duplicate=False),
+                   *module.named_buffers(recurse=False, remove_duplicate=False)]
+            for name, t in own:
+                if id(t) not in memo:
+                    fake = self._fake(t)
+                    memo[id(t)] = torch.nn.Parameter(fake, t.requires_grad) if isinstance(t, torch.nn.Parameter) else fake
+                self.saved.append((module, name, t))
+                setattr(module, name, memo[id(t)])  # a registered name: it stays a parameter (buffer) of the module
         return lambda tree: tree_map(lambda x: self._fake(x) if isinstance(x, torch.Tensor) else x, tree)
 
     def __exit__(self, *exc):
-        for table, name, t in self.saved:
-            table[name] = t
+        for module, name, t in self.saved:
+            setattr(module, name, t)
         return False
 
 
