@@ -76,18 +76,21 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, me
     device = device or torch.device(mesh.device_type)
     kwargs = dict(kwargs or {})
     on_meta = _on_meta(model)
+    # values never matter on meta: traced on fake tensors of the rank's device, or on meta where this machine lacks
+    # that device (a simulated mesh)
+    on_fakes = on_meta and _fakes_on(device)
     t0 = time.perf_counter()
     with _in_dtype(model, plan.param_dtype):
         if plan.param_dtype is not None:
             args, kwargs = _cast_floating((tuple(args), kwargs), plan.param_dtype)
-        if on_meta and _fakes_on(device):  # values never matter: fake tensors on the device the rank runs on
+        if on_fakes:
             with _as_fakes(model, device) as fake:
                 ep, mode = export(model, *fake((tuple(args), kwargs)), plan.trace)
         else:
-            if on_meta:  # a device this machine lacks (a simulated mesh): inputs join the parameters on meta
+            if on_meta:  # inputs join the parameters on meta
                 args, kwargs = _to_meta((tuple(args), kwargs))
             ep, mode = export(model, tuple(args), kwargs, plan.trace)
-    if on_meta and not _fakes_on(device):
+    if on_meta and not on_fakes:
         _devices_from_meta(ep.graph_module, device)
     program, tensors = _program_from_export(ep, model, mesh, plan, rank, mode, prefix)
     annotate_elementwise(program.gm)  # user Functions the sharding rules may see through
