@@ -60,7 +60,8 @@ class Job:
         self._traced[key], self._programs[key] = first.traced, first.program
         self._layout = first.pipeline  # compile-time: stages, schedule, who holds what
         self._pipe = Pipelined(first.pipeline, mesh) if first.pipeline is not None else None
-        self._pipe_shapes = _shapes(compat.tree_flatten((example_args, example_kwargs))[0])  # what the stages run
+        flat, spec = compat.tree_flatten((example_args, example_kwargs))
+        self._pipe_inputs = (_shapes(flat), spec)  # the input shapes and structure the stages were compiled for
         program = first.program
         keep = self._layout.params if self._layout else None
         self._store = ParamStore(program, tensors, mesh, keep=keep)
@@ -212,11 +213,12 @@ class Job:
         program = self.program
         self._last = program
         inputs, spec = compat.tree_flatten((args, kwargs))
-        if str(spec) != str(program.in_spec):
+        shapes, compiled_spec = self._pipe_inputs
+        if str(spec) != str(compiled_spec):
             raise MeshcValueError(f"job.step: expected the inputs' structure the pipeline was compiled for, "
-                                  f"{program.in_spec}, got {spec}; pass positional and keyword inputs as in "
+                                  f"{compiled_spec}, got {spec}; pass positional and keyword inputs as in "
                                   "meshc.compile's example_inputs and example_kwargs")
-        for i, (got, want) in enumerate(zip(_shapes(inputs), self._pipe_shapes)):
+        for i, (got, want) in enumerate(zip(_shapes(inputs), shapes)):
             if got != want:  # the stages are compiled for one batch shape (they are cut by its costs)
                 raise MeshcValueError(
                     f"job.step: expected input {i} of shape {want}, the shape the pipeline stages were compiled for, "
