@@ -69,6 +69,11 @@ FAMILIES = {
                                                          chunk_size=8, use_cache=False), "tokens"),
     "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=VOCAB, hidden_size=64, n_head=4, n_layer=2,
                                                       use_cache=False), "tokens"),
+    "xlm": ("XLMConfig", "XLMWithLMHeadModel", dict(vocab_size=VOCAB, emb_dim=64, n_heads=4, n_layers=2,
+                                                    max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0,
+                                                    causal=True), "tokens"),
+    "roformer": ("RoFormerConfig", "RoFormerForCausalLM", {**SMALL, "max_position_embeddings": SEQ, "is_decoder": True,
+                                                           "use_cache": False, "pad_token_id": 0}, "tokens"),
     "bert": ("BertConfig", "BertForMaskedLM", {**SMALL, "max_position_embeddings": SEQ, "pad_token_id": 0}, "tokens"),
     "vit": ("ViTConfig", "ViTForImageClassification", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                                                            intermediate_size=128, image_size=16, patch_size=4,
@@ -82,7 +87,8 @@ PLAIN = {"plain: nanoGPT": ("nanogpt", "tokens"), "plain: MHA variants": ("mha_v
          "plain: nn.Transformer enc-dec": ("seq2seq", "tokens"), "plain: ViT (Conv2d patches)": ("vit", "images"),
          "plain: gated scan (logcumsumexp & cumprod)": ("scan_lm", "tokens"),
          "plain: widening h-4h-16h-h": ("widening", "tokens"),
-         "plain: attention as a ModuleList of heads": ("head_list", "tokens")}
+         "plain: attention as a ModuleList of heads": ("head_list", "tokens"),
+         "plain: MoE as a loop over experts (rows by torch.where)": ("loop_moe", "tokens")}
 
 
 def _plain_model(family: str):

@@ -112,6 +112,13 @@ def experts_pass(program: Program) -> Program:
     good = [r for r in regions if not r.stopped]
     if not regions:
         program.notes.append("no expert layer found (no grouped matmul over a parameter with a leading expert dim)")
+        if ep > 1:  # asked for, and nothing to shard: say so rather than train as dp with nothing saved
+            text = (f"experts: ep={ep} found no expert layer (expert weights stacked in one parameter with a leading "
+                    "expert dim, read by a grouped matmul, an index by routing ids or a bmm); every rank holds every "
+                    "parameter and ep only splits the batch, as dp does. Experts kept in a ModuleList are sharded by "
+                    "tp (each expert's MLP column- and row-parallel)")
+            warn(text, MeshcWarning)
+            program.warnings.append(text)
         return program
     names = "; ".join(f"{', '.join(r.params)} ({r.experts} experts)" for r in regions)
     if ep == 1:

@@ -24,7 +24,7 @@ aten = torch.ops.aten
 
 def refresh_vals(program: Program) -> None:
     """Recompute every node's "val" with local shapes (fake tensors), as the rank will see them; views made valid."""
-    mode = compat.fake_tensor_mode()
+    mode = compat.fake_tensor_mode(like=program.gm)
     sizes = program.mesh.sizes
     args = []
     with mode:

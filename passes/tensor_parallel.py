@@ -32,6 +32,8 @@ from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError, MeshcW
 from meshc.compiler.ir.fx_ops import get_arg, op_name, set_arg
 from meshc.compiler.ir.placement import Partial, R, Replicate, Shard, has_whole, in_parts, local_length
 from meshc.compiler.ir.program import CommRecord, Program
+from meshc.compiler.ir import torch_compat as compat
+from meshc.compiler.ir.sizes import bounded_sizes
 from meshc.runtime.ops import collectives as C
 from meshc.runtime.ops.tp_ops import join_blocks
 
@@ -119,7 +121,22 @@ def redistribute_inputs(node: fx.Node, dec, ctx: RuleCtx, red) -> None:
         cur = ctx.pl(src)
         if cur != req:
             why = dec.note or f"{op_name(node.target)} needs {req} of %{src.name} ({cur})"
-            set_arg(node, path, red.convert(src, cur, req, node, why))
+            value = red.convert(src, cur, req, node, why)
+            if path == (0,) and compat.is_op_overload(node.target) and compat.op_is_mutable(node.target):
+                value = _own_copy(value, node, ctx)  # `node` writes it: not the shared, autograd-owned redistribution
+            set_arg(node, path, value)
+
+
+def _own_copy(value: fx.Node, consumer: fx.Node, ctx: RuleCtx) -> fx.Node:
+    """A clone of a redistribution's output for an op that writes its input in place (`results[idx] += ...` on a
+    value gathered for it): the redistribution is shared by every consumer of that placement, and autograd forbids
+    writing into the output of the collective's Function."""
+    with consumer.graph.inserting_before(consumer):
+        copy = consumer.graph.call_function(torch.ops.aten.clone.default, (value,))
+    copy.meta.update({k: value.meta[k] for k in ("meshc.shape", "val", "nn_module_stack", "stack_trace")
+                      if k in value.meta})
+    ctx.placements[copy] = ctx.placements.get(value)
+    return copy
 
 
 def placement_shapes(out, shape) -> list:
@@ -183,7 +200,7 @@ class _Redistributor:
                                    for kind, phase, p in comm]
 
     def local_bytes(self, node: fx.Node, placement) -> int:
-        shape = [int(s) for s in node.meta["meshc.shape"]]
+        shape = bounded_sizes(node)
         if isinstance(placement, Shard):
             shape[placement.dim] = local_length(placement, shape[placement.dim], self.ctx.n)
         return math.prod(shape) * node.meta["val"].dtype.itemsize
@@ -306,7 +323,10 @@ def _sp_target(program: Program):
         shape = node.meta.get("meshc.shape")
         if not shape or isinstance(shape[0], tuple):
             return None
-        shape = [int(s) for s in shape]
+        try:
+            shape = [int(s) for s in shape]
+        except TypeError:  # rows known only at run time (routed to an expert): not the token layout
+            return None
         if len(shape) >= 3 and shape[0] == batch and shape[1] == seq:
             return Shard(1)
         if len(shape) == 2 and shape[0] == batch * seq:

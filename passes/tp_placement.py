@@ -39,6 +39,7 @@ from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_model_input, op_
 from meshc.compiler.ir.placement import Partial, Replicate, Shard, Whole, as_chunks, in_parts
 from meshc.compiler.ir.plan import Decision
 from meshc.compiler.ir.program import Program
+from meshc.compiler.ir.sizes import bounded_sizes
 
 from meshc.passes.blocks import block_of
 from meshc.passes.sharding.whole_graph import Option, choose, score
@@ -460,7 +461,9 @@ def _option(program: Program, members: list[Weight], rows: list[Weight], n: int)
 
 
 def _nbytes(node: fx.Node) -> int:
-    return math.prod(int(d) for d in node.meta["meshc.shape"]) * node.meta["val"].dtype.itemsize
+    """The bytes of `node`'s value; a dim known only at run time (rows routed to an expert) at the largest size
+    its trace allows (all the rows it picks from), 1 where unbounded."""
+    return math.prod(bounded_sizes(node)) * node.meta["val"].dtype.itemsize
 
 
 @dataclass

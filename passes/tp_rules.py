@@ -24,6 +24,7 @@ import torch.fx as fx
 from meshc.compiler.ir.fx_ops import grouped_mm_args, op_name, tensor_args
 from meshc.compiler.ir.placement import P, Partial, Placement, R, Replicate, Shard, has_whole
 from meshc.compiler.ir.program import OPAQUE
+from meshc.compiler.ir.sizes import static_sizes
 from meshc.runtime.ops.context import context_attention
 from meshc.runtime.ops.experts import combine, dispatch
 
@@ -57,7 +58,7 @@ def _ndim(node: fx.Node) -> int:
 
 
 def _shape(node: fx.Node) -> tuple[int, ...]:
-    return tuple(int(s) for s in node.meta["meshc.shape"])
+    return static_sizes(node)
 
 
 # ---------------------------------------------------------------------------------------- pointwise
@@ -151,7 +152,8 @@ def _reduced(node: fx.Node, ctx: RuleCtx) -> Placement:
 @handles(aten.dropout.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
          aten.type_as.default, aten.alias.default, aten.contiguous.default, aten.detach.default,
          aten.__and__.Tensor, aten.__or__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
-         aten.bitwise_not.default, aten.logical_not.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+         aten.bitwise_not.default, aten.logical_not.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+         aten.masked_fill_.Scalar, aten.masked_fill_.Tensor)
 def same_as_input_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     if node.target == aten.dropout.default:
         p, seq = ctx.pl(node.args[0]), ctx.sp_dim(node)

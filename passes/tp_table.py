@@ -26,6 +26,7 @@ from meshc.compiler.ir.fx_ops import GROUPED_MM, op_name, tensor_args
 from meshc.compiler.ir.op_strategies import decide
 from meshc.compiler.ir.placement import Replicate
 from meshc.compiler.ir.program import ELEMENTWISE
+from meshc.compiler.ir.sizes import RunTimeSizes
 
 from meshc.passes.tp_rules import COMPUTE_RULES, Decision, RuleCtx, elementwise_function_rule, grouped_mm_rule, no_rule, pointwise_rule
 from meshc.passes.tp_views import VIEW_RULES
@@ -83,4 +84,10 @@ def infer(node: fx.Node, ctx: RuleCtx) -> Decision:
     elementwise, compiler/trace/elementwise_functions.py, is decided by elementwise_function_rule)."""
     if node.meta.get(ELEMENTWISE):
         return elementwise_function_rule(node, ctx)
-    return rule_for(node.target)(node, ctx)
+    try:
+        return rule_for(node.target)(node, ctx)
+    except RunTimeSizes:  # its rule needs a size known only at run time: the op runs on whole inputs
+        dec = no_rule(node, ctx)
+        if dec.note:
+            dec.note = dec.note.replace("no tensor-parallel rule for", "sizes known only at run time in")
+        return dec

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from meshc.compiler.ir.placement import (Partial, R, Replicate, Shard, Whole, as_chunks, block_sizes, blocks_placement,
                                          has_whole, local_blocks, local_shape)
+from meshc.compiler.ir.sizes import static_sizes
 
 from meshc.passes.tp_rules import Decision, RuleCtx, handles
 
@@ -96,7 +97,7 @@ def _local(shape, placement, n) -> list[int]:
 
 
 def _ints(node: fx.Node) -> tuple[int, ...]:
-    return tuple(int(s) for s in node.meta["meshc.shape"])
+    return static_sizes(node)
 
 
 @handles(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -159,6 +160,23 @@ def expand_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     if isinstance(p, Shard):
         out = Shard(p.dim + len(dst) - len(_ints(x)), p.chunks)
     return Decision({}, out, rewrite=lambda nd: nd.update_arg(1, _local(dst, out, ctx.n)))
+
+
+_AS = {aten.view_as.default: aten.view.default, aten.reshape_as.default: aten.reshape.default,
+       aten.expand_as.default: aten.expand.default}
+
+
+@handles(*_AS)
+def as_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """x.view_as(y), x.reshape_as(y), x.expand_as(y): decided as the view (expand) to y's shape, and made one to the
+    local shape, y then no longer read (its own placement may differ from the output's)."""
+    dec = (expand_rule if node.target is aten.expand_as.default else view_rule)(node, ctx)
+    dst = _ints(node)
+
+    def rewrite(nd: fx.Node, o=dec.out) -> None:
+        nd.target = _AS[nd.target]
+        nd.args = (nd.args[0], _local(dst, o, ctx.n))
+    return Decision(dec.inputs, dec.out, rewrite=rewrite, note=dec.note, indivisible=dec.indivisible)
 
 
 @handles(aten.transpose.int)
@@ -325,9 +343,14 @@ def _cut_blocks(node: fx.Node, ctx: RuleCtx, what: str, equal: bool = False):
     p = ctx.pl(x)
     src = _ints(x)
     dim = (node.args[2] if len(node.args) > 2 else 0) % len(src)
-    parts = [int(s[dim]) for s in node.meta["meshc.shape"]]
+    shapes = node.meta["meshc.shape"]
     if not isinstance(p, Shard) or p.dim != dim:
-        return Decision({}, tuple(p for _ in parts))
+        return Decision({}, tuple(p for _ in shapes))
+    try:
+        parts = [int(s[dim]) for s in shapes]
+    except TypeError:  # sympy's int() of a free symbol: sizes known only at run time (tokens per expert)
+        return Decision({(0,): R}, tuple(R for _ in shapes), note=f"{what} of the sharded dim {dim} into sizes "
+                                                                  "known only at run time")
     groups = _whole_blocks(block_sizes(p.chunks, src[dim]), parts)
     if groups is None or (equal and len(set(parts)) != 1):
         return Decision({(0,): R}, tuple(R for _ in parts), note=f"{what} across the blocks of a shard")
@@ -466,5 +489,5 @@ def getitem_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
 
 
 VIEW_RULES = (view_rule, unflatten_rule, flatten_rule, expand_rule, transpose_rule, t_rule, permute_rule, unsqueeze_rule, squeeze_rule, slice_rule,
-              view_as_complex_rule, view_as_real_rule,
+              view_as_complex_rule, view_as_real_rule, as_rule,
               select_rule, split_rule, chunk_rule, unbind_rule, cat_rule, stack_rule, index_rule, getitem_rule)

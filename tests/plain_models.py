@@ -454,3 +454,53 @@ class HeadListGPT(nn.Module):
 def head_list(seed: int = 0, layers: int = 2) -> nn.Module:
     torch.manual_seed(seed)
     return HeadListGPT(layers=layers)
+
+
+class _Expert(nn.Module):
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(width, hidden, bias=False), nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)))
+
+
+class _LoopMoE(nn.Module):
+    """A top-2 mixture of experts as reference implementations write it: a ModuleList of experts, a Python loop over
+    them, the rows of each picked by torch.where (their count known only at run time) and added back in place
+    (`results[b, t] += w * expert(x[b, t])`)."""
+
+    def __init__(self, width: int, hidden: int, experts: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.gate = nn.Linear(width, experts, bias=False)
+        self.experts = nn.ModuleList(_Expert(width, hidden) for _ in range(experts))
+
+    def forward(self, x):
+        h = self.norm(x)
+        weights, chosen = torch.topk(self.gate(h), 2)
+        weights = F.softmax(weights, dim=-1, dtype=torch.float).to(h.dtype)
+        results = torch.zeros_like(h)
+        for i, expert in enumerate(self.experts):
+            b, t, nth = torch.where(chosen == i)
+            results[b, t] += weights[b, t, nth, None] * expert(h[b, t])
+        return x + results
+
+
+class LoopMoELM(nn.Module):
+    def __init__(self, width: int = 32, hidden: int = 64, experts: int = 4, layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(_LoopMoE(width, hidden, experts) for _ in range(layers))
+        self.head = nn.Linear(width, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def loop_moe(seed: int = 0, layers: int = 2) -> nn.Module:
+    torch.manual_seed(seed)
+    return LoopMoELM(layers=layers)

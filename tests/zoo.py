@@ -461,6 +461,7 @@ MODELS["mha_plain"] = _plain("mha_variants")
 MODELS["nanogpt_plain"] = _plain("nanogpt")
 MODELS["scan_plain"] = _plain("scan_lm")
 MODELS["widening_plain"] = _plain("widening")
+MODELS["loop_moe_plain"] = _plain("loop_moe")
 LOSS_INSIDE = {"nanogpt_plain"}  # forward(tokens, targets) -> (logits, loss): trained on that loss (model_loss)
 
 

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from meshc.compiler.ir import torch_compat as compat
+
 aten = torch.ops.aten
 
 RESHAPE_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -94,7 +96,8 @@ def val_nbytes(node: fx.Node) -> int:
     """Bytes of the tensor(s) a node's "val" metadata holds (a tuple's tensors summed; none: 0)."""
     val = node.meta.get("val")
     vals = val if isinstance(val, (tuple, list)) else (val,)
-    return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+    # a value whose size is known only at run time (rows picked by nonzero) at its trace's bound
+    return sum(compat.number_bound(v.numel()) * v.element_size() for v in vals if isinstance(v, torch.Tensor))
 
 
 def is_view(target: Any) -> bool:

@@ -23,6 +23,7 @@ from torch.distributed.tensor import Shard as DShard
 
 from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.placement import P, R, Partial, Replicate, Shard, local_shape
+from meshc.compiler.ir.sizes import static_sizes
 
 
 def decide(node: fx.Node, placements: dict[tuple, Any], n: int) -> tuple[dict[tuple, Any], Any] | None:
@@ -91,7 +92,10 @@ def _arg(node: fx.Node, path: tuple) -> fx.Node:
 
 
 def _shape(node: fx.Node) -> tuple[int, ...]:
-    return tuple(int(d) for d in (node.meta.get("meshc.shape") or node.meta["val"].shape))
+    """DTensor's strategies need every size: a dim known only at run time raises RunTimeSizes (no decision here)."""
+    if node.meta.get("meshc.shape") is not None:
+        return tuple(int(d) for d in static_sizes(node))
+    return tuple(int(d) for d in node.meta["val"].shape)
 
 
 def _with(args: tuple, specs: dict[tuple, Any]) -> tuple:

@@ -18,6 +18,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from meshc.compiler.ir.fx_ops import grouped_mm_args, is_grouped_mm, is_view, op_short_name, val_nbytes
+from meshc.compiler.ir import torch_compat as compat
 
 COMPUTE_WITH_COMM = {"context_attention"}  # ops that compute and communicate (their traffic in "meshc.comm")
 
@@ -53,6 +54,10 @@ def node_flops(node: fx.Node) -> float:
     matmuls as 2·M·K·N (torch.utils.flop_counter's formulas), aten.linear, scaled-dot-product attention
     (4·B·H·T·S·D, causal masking not discounted, as FlopCounterMode), grouped expert matmuls; other ops 0.
     """
+    return float(compat.number_bound(_flops(node)))  # rows known only at run time counted at their bound
+
+
+def _flops(node: fx.Node):
     if node.op != "call_function":
         return 0.0
     target, name = node.target, op_short_name(node.target)

@@ -205,11 +205,54 @@ def is_fake(t) -> bool:
     return _is_fake(t)
 
 
-def fake_tensor_mode():
-    """A FakeTensorMode that also fakes tensors created from real ones (used to trace without memory)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def fake_tensor_mode(like=None):
+    """A FakeTensorMode that also fakes tensors created from real ones (used to trace without memory). With
+    `like` (a traced GraphModule), it shares the ShapeEnv of that graph's values: an op whose result depends on
+    values (`.item()`, `.tolist()`: tokens routed per expert) gives a fresh symbol bound to the trace's, where a
+    mode without one raises, and one with a ShapeEnv of its own would name its symbols as the trace did (u0 again).
+    Public alternative: none (torch.export keeps its ShapeEnv on the fake values it leaves in node.meta)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    env = None
+    for node in like.graph.nodes if like is not None else ():
+        val = node.meta.get("val")
+        if isinstance(val, FakeTensor) and val.fake_mode.shape_env is not None:
+            env = val.fake_mode.shape_env
+            break
+    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=env)
+
+
+def size_bound(size, like=None) -> int | None:
+    """A size as an int: itself where static, else the largest value its trace allows (rows picked by nonzero: at
+    most the rows it picked from), None where unbounded. `size` is an int, a SymInt, or a sympy expression of the
+    trace whose fake tensor `like` is (its ShapeEnv holds the ranges). Public alternative: none."""
+    if isinstance(size, torch.SymInt):
+        size = size.node.expr, size.node.shape_env
+    else:
+        try:
+            return int(size)
+        except TypeError:  # a symbol
+            size = size, getattr(getattr(like, "fake_mode", None), "shape_env", None)
+    upper = _upper(*size)
+    return int(upper) if upper is not None else None
+
+
+def number_bound(x):
+    """A count computed from sizes (FLOPs, bytes) as a plain number: itself, or where it depends on a size known
+    only at run time (a SymInt or SymFloat), the largest value its trace allows (0 where unbounded)."""
+    if not isinstance(x, (torch.SymInt, torch.SymFloat)):
+        return x
+    upper = _upper(x.node.expr, x.node.shape_env)
+    return (int(upper) if isinstance(x, torch.SymInt) else float(upper)) if upper is not None else 0
+
+
+def _upper(expr, env):
+    import sympy
+
+    from torch.utils._sympy.value_ranges import bound_sympy
+
+    upper = bound_sympy(expr, env.var_to_range if env is not None else None).upper
+    return upper if isinstance(upper, (sympy.Integer, sympy.Float)) or (upper.is_number and upper.is_finite) else None
 
 
 def dispatch_mode_base():
@@ -247,7 +290,7 @@ def inductor_compile(gm, example_inputs, on_graph=None, config_patches=None, spl
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._inductor.output_code import MockFXGraphCacheOutput
 
-    example_inputs = _with_shape_env(example_inputs)
+    example_inputs = _with_shape_env(example_inputs, gm)
     if on_graph is None and split_backward is None:
         with functorch_config.patch(force_non_lazy_backward_lowering=True):
             return compile_fx(gm, example_inputs, config_patches=config_patches)
@@ -286,17 +329,22 @@ def _snapshot(gm):
     return torch.fx.GraphModule(gm, graph)
 
 
-def _with_shape_env(example_inputs):
+def _with_shape_env(example_inputs, gm=None):
     """The example inputs as fake tensors of a FakeTensorMode with a ShapeEnv (static shapes, no symbol in it), as
     TorchDynamo hands them to Inductor: without a ShapeEnv Inductor bypasses its FX graph cache ("No shape env") and
-    compiles every graph from scratch, in every rank and every run. Inputs a fake tensor cannot stand for (a
-    tensor subclass) leave them as they are. Public alternative: none (torch.compile makes them itself)."""
+    compiles every graph from scratch, in every rank and every run. A graph whose sizes depend on values (rows picked
+    by nonzero: torch.export's unbacked symbols) keeps its trace's ShapeEnv, in which a retrace's new symbols get
+    new names (a fresh one would name them as the trace did, which AOTAutograd refuses). Inputs a fake tensor
+    cannot stand for (a tensor subclass) leave them as they are. Public alternative: none (torch.compile makes
+    them itself)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in example_inputs if isinstance(t, torch.Tensor)):
         return example_inputs
-    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)  # the shapes as they are: no symbol
+    dynamic = gm is not None and any(node.meta.get("unbacked_bindings") for node in gm.graph.nodes)
+    traced = fake_tensor_mode(like=gm).shape_env if dynamic else None
+    mode = FakeTensorMode(shape_env=traced or ShapeEnv(), static_shapes=True)  # the shapes as they are: no symbol
     return [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
 
 

@@ -259,3 +259,12 @@ def test_a_scalar_after_the_last_grouped_matmul_is_not_a_bias():
     _, program = _compile(ScalarAfter(), torch.randn(8, 8, dtype=torch.bfloat16), dp=2, ep=2)
     assert program.params["w_out"].placements["ep"] == Shard(0) and len(_calls(program, combine)) == 1
     assert not program.experts[0].biases
+
+
+def test_ep_with_no_expert_layer_says_so():
+    """Experts kept in a ModuleList and looped over (tests/plain_models.py loop_moe) are not stacked expert weights:
+    ep=2 shards nothing, and says so instead of training as dp with no memory saved."""
+    with pytest.warns(MeshcWarning, match="ep=2 found no expert layer"):
+        _, program = _compile(zoo.build("loop_moe_plain"), torch.randint(0, zoo.VOCAB, (4, zoo.SEQ)), dp=2, ep=2)
+    assert all(s.placements.get("ep", Replicate()) == Replicate() for s in program.params.values())
+    assert any("found no expert layer" in w for w in program.warnings)

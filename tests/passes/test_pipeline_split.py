@@ -268,3 +268,17 @@ def test_stages_are_balanced_by_the_cost_models_roofline():
     flops, roofline = seconds["flops"], seconds["roofline"]
     assert max(flops) / min(flops) > 1.3, flops
     assert max(roofline) / min(roofline) < 1.10, roofline
+
+
+def test_rows_known_only_at_run_time_are_costed_at_their_bound(fake_mesh):
+    """A loop over experts whose rows torch.where picks (a count known only at run time): the split costs each
+    expert's matmuls at the most rows it can get (every token, twice: top-2) instead of failing on the symbol, and
+    cuts between the two equal blocks."""
+    from meshc.compiler.ir.roofline import node_flops
+
+    program = _program(fake_mesh(pp=2), zoo.build("loop_moe_plain"), batch=2, microbatches=2)
+    assert [s.blocks for s in program.stage_info] == [["emb", "blocks.0"], ["blocks.1", "head"]], program.stage_info
+    w1 = next(n for n in program.gm.graph.nodes if n.op == "call_function" and "experts.0.w1" in str(
+        n.meta.get("nn_module_stack", {})) and n.target is torch.ops.aten.linear.default)
+    rows = 2 * zoo.SEQ * 2  # torch.where over the (batch, seq, top-2) choices: at most every token twice
+    assert node_flops(w1) == 2.0 * rows * 32 * 64, node_flops(w1)

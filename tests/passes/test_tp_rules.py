@@ -186,6 +186,14 @@ VIEWS = [
      False),
     ("flatten an inner shard into blocks", aten.flatten.using_ints, (T((2, 3, 2, 8)), 2, 3), [S(3)], 2, S(2, 2), {},
      False),
+    # x.view_as(y), reshape_as, expand_as (XLM, RoFormer): decided as the view to y's shape, made one to the local shape
+    ("view_as merges into the shard", aten.view_as.default, (X, T((6, 8))), [S(0), R], 2, S(0), {}, False),
+    ("reshape_as keeps a column shard", aten.reshape_as.default, (T((6, 8)), X), [S(1), R], 2, S(2), {}, False),
+    ("view_as straddles: gathers", aten.view_as.default, (T((4, 6)), T((4, 3, 2))), [S(1), R], 2, R, {(0,): R},
+     True),
+    ("expand_as keeps the shard", aten.expand_as.default, (T((3, 8)), T((2, 3, 8))), [S(1), R], 2, S(2), {}, False),
+    ("masked_fill_ in place keeps it", aten.masked_fill_.Scalar, (T((2, 4, 3, 3)), T((3, 3), torch.bool), 0.0),
+     [S(1), R], 2, S(1), {}, False),
     ("broadcast_to keeps the shard", aten.broadcast_to.default, (T((2, 3, 4, 1, 8)), [2, 3, 4, 2, 8]), [S(2)], 2,
      S(2), {}, False),
     # Falcon-40B's qkv[:, :, :, [-2]]: an index beside the shard (kv groups) keeps it
@@ -279,6 +287,47 @@ def test_rule_table(name, op, args, placements, n, out, inputs, note):
     assert dec.out == out
     assert dec.inputs == inputs
     assert (dec.note is not None) == note, dec.note
+
+
+def test_the_as_forms_are_rewritten_to_local_sizes():
+    """view_as(x, y) with x sharded on dim 0 of (2, 3, 8) viewed as y's (6, 8): a view to (3, 8) here, y no longer read
+    (a y held in another placement would give the wrong size)."""
+    node, inputs = build(aten.view_as.default, (X, T((6, 8))))
+    dec = infer(node, RuleCtx(2, {inputs[0]: S(0), inputs[1]: R}))
+    dec.rewrite(node)
+    assert node.target is aten.view.default and node.args == (inputs[0], [3, 8])
+
+
+def _routed(target, args, placements, rows_dim_of=(0,)):
+    """`target` built on the T inputs, then each named input's dim 0 and the output's made a size known only at run
+    time, as torch.export records rows picked by nonzero (an unbacked symbol)."""
+    import sympy
+
+    u0 = sympy.Symbol("u0", integer=True, nonnegative=True)
+    node, inputs = build(target, args)
+    for i in rows_dim_of:
+        inputs[i].meta["meshc.shape"] = (u0, *inputs[i].meta["meshc.shape"][1:])
+    node.meta["meshc.shape"] = (u0, *node.meta["meshc.shape"][1:])
+    return node, infer(node, RuleCtx(2, dict(zip(inputs, placements))))
+
+
+def test_rows_known_only_at_run_time_keep_the_shard_of_the_other_dims():
+    """An expert's rows (their count known at run time only) through its column-parallel w1, the activation and the
+    row-parallel w2: each rule reads the hidden dims only, so the shards follow as on a dense MLP."""
+    _, column = _routed(aten.linear.default, (T((5, 8)), T((16, 8))), [R, S(0)])
+    assert column.out == S(1) and column.inputs == {}
+    _, act = _routed(aten.silu.default, (T((5, 16)),), [S(1)])
+    assert act.out == S(1) and act.inputs == {}
+    _, row = _routed(aten.linear.default, (T((5, 16)), T((8, 16))), [S(1), S(1)])
+    assert row.out == P and row.inputs.get((0,), S(1)) == S(1) and row.inputs.get((1,), S(1)) == S(1)
+
+
+def test_a_rule_that_needs_a_size_known_only_at_run_time_gathers_and_says_so():
+    """A view merging the rows (a size known only at run time) with the sharded dim cannot be decided from the sizes:
+    the inputs are gathered, and the note says why."""
+    _, dec = _routed(aten.view.default, (T((4, 6)), [24]), [S(1)])
+    assert dec.out == R and dec.inputs == {(0,): R}
+    assert dec.note == "sizes known only at run time in aten::view: inputs replicated", dec.note
 
 
 def test_no_rule_note_names_the_op():
