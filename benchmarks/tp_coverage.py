@@ -74,6 +74,8 @@ FAMILIES = {
                                                     causal=True), "tokens"),
     "roformer": ("RoFormerConfig", "RoFormerForCausalLM", {**SMALL, "max_position_embeddings": SEQ, "is_decoder": True,
                                                            "use_cache": False, "pad_token_id": 0}, "tokens"),
+    "albert": ("AlbertConfig", "AlbertForMaskedLM", {**SMALL, "embedding_size": 32, "max_position_embeddings": SEQ,
+                                                      "pad_token_id": 0}, "tokens"),
     "bert": ("BertConfig", "BertForMaskedLM", {**SMALL, "max_position_embeddings": SEQ, "pad_token_id": 0}, "tokens"),
     "vit": ("ViTConfig", "ViTForImageClassification", dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
                                                            intermediate_size=128, image_size=16, patch_size=4,

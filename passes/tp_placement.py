@@ -360,8 +360,9 @@ def _vocab_styles(program: Program, weights: dict[str, Weight]) -> dict[str, str
 def _megatron(program: Program, weights: dict[str, Weight], n: int):
     """(styles by weight key, {FQN: (placement, its group's keys)} of the other parameters a column group's flow
     reads sharded: a depthwise conv's filters, per-head vectors)."""
+    param_at = program.param_nodes()
     candidates = [w for w in weights.values() if w.kind != "embedding" and program.params[w.fqn].requires_grad
-                  and len(program.param_nodes()[w.fqn].users) == 1]
+                  and (len(param_at[w.fqn].users) == 1 or _applied_alike(program, w, param_at[w.fqn]))]
     groups: dict[object, list[Weight]] = {}
     order = _order(program)
     for w in sorted(candidates, key=lambda w: order[w.node]):  # a weight's pieces tried together, whatever they read
@@ -381,6 +382,16 @@ def _megatron(program: Program, weights: dict[str, Weight], n: int):
             program.notes.append(f"auto: {_names(members)} column-parallel -> {_names(result.rows)} row-parallel")
             greedy.append(_option(program, members, result.rows, n))
     return _whole_graph(program, weights, list(groups.values()), walk, n, (styles, companions), greedy)
+
+
+def _applied_alike(program: Program, w: Weight, node: fx.Node) -> bool:
+    """Is every use of `w`'s parameter the same kind of layer as the one tried (a block applied several times with
+    one set of weights: ALBERT's shared layer, a looped block)? The trial pairs its first use; the tensor_parallel
+    pass then places every other use by the same rules, each column use's output sharded alike."""
+    if w.rows:
+        return False
+    uses = [_as_weight(program, w.fqn, node, use) for use in node.users]
+    return all(u is not None and u.kind == w.kind and u.bias == w.bias for u in uses)
 
 
 def _pairing(walk: tuple, members: list[Weight], styles: dict[str, str], n: int, failed=None):

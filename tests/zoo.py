@@ -53,6 +53,18 @@ def bert(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return BertForMaskedLM(cfg)
 
 
+def albert(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face ALBERT for masked LM: one layer's weights shared by every layer (each linear used `layers`
+    times), an embedding narrower than the hidden size (16 -> 32)."""
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    torch.manual_seed(seed)
+    cfg = AlbertConfig(num_hidden_layers=layers, embedding_size=16, hidden_size=32, num_attention_heads=4,
+                       intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0, pad_token_id=0)
+    return AlbertForMaskedLM(cfg)
+
+
 def builtin_gpt(seed: int = 0, layers: int = 2, seq: int = SEQ) -> torch.nn.Module:
     """meshc's built-in GPT (meshc/models.py) at the zoo's vocabulary and length: tied head, LayerNorm, GELU."""
     from meshc import models
@@ -71,6 +83,7 @@ def gpt_vocab(seed: int = 0, layers: int = 1) -> torch.nn.Module:
 
 
 MODELS = {"gpt": builtin_gpt, "reference": reference_transformer, "gpt2": gpt2, "llama": llama, "bert": bert,
+          "albert": albert,
           "gpt_vocab": gpt_vocab}
 
 

@@ -364,7 +364,8 @@ _LOOP_HINT = ("  What to do: this is a Python loop whose count depends on the da
               "the experts a batch routes to is the common case): compute every expert at once instead, as a grouped "
               "matmul over the stacked expert weights (torch.nn.functional.grouped_mm, or transformers' "
               "experts_implementation=\"grouped_mm\"), or every token through every expert by bmm; meshc shards "
-              "either over ep and tp.")
+              "either over ep and tp. A loop over every expert (`for expert in self.experts:`, each taking its "
+              "rows with torch.where) traces too, and tp shards each expert's layers.")
 
 
 def _describe_failure(model, error: BaseException, module: tuple[str, str] | None) -> str:
@@ -379,6 +380,11 @@ def _describe_failure(model, error: BaseException, module: tuple[str, str] | Non
             "torch.cond; .item()/.tolist() on tensors -> keep values as tensors), or move it out of forward.")
     if line.startswith("for ") and "DataDependent" in type(error).__name__:
         hint = _LOOP_HINT
+    if "in output, which is not a known type" in str(error):  # torch.export's words for an unregistered class
+        hint = ("  What to do: the model returns an object torch.export cannot flatten (transformers' KV cache, a "
+                "DynamicCache, where the config says use_cache=True): build the model with use_cache=False (and "
+                "that of its text_config, where it has one), or return tensors, tuples, lists, dicts or dataclasses "
+                "registered as pytrees.")
     return (
         f"trace: torch.export could not trace {type(model).__name__}: {type(error).__name__}: "
         f"{_first_line(error)}\n  {' '.join(where) or 'outside any submodule'}\n{hint}"

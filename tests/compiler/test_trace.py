@@ -97,3 +97,23 @@ def test_loop_over_experts_hit_says_to_compute_all_experts_at_once(single_mesh):
     message = str(info.value)
     assert "for e in torch.unique(ids)" in message, message
     assert "a Python loop whose count depends on the data" in message and "grouped_mm" in message, message
+
+
+class _ReturnsCache(torch.nn.Module):
+    """A decoder returning transformers' KV cache beside its logits, as models built with use_cache=True do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        from transformers import DynamicCache
+
+        return self.lin(x), DynamicCache()
+
+
+def test_a_returned_kv_cache_says_to_build_with_use_cache_off(single_mesh):
+    with pytest.raises(meshc.TraceError) as info:
+        trace(_ReturnsCache(), (torch.randn(2, 4),), mesh=single_mesh, plan=meshc.Plan(trace="non-strict"))
+    message = str(info.value)
+    assert "DynamicCache" in message and "use_cache=False" in message, message
