@@ -69,7 +69,8 @@ def chunks_of(node: fx.Node, n: int) -> int | tuple[int, ...]:
                                                                            for lo, hi, _ in tiles):
                 return _blocks([(hi - lo) // min(heads) for lo, hi, _ in tiles], min(heads), n)
             return _blocks([hi - lo for lo, hi, _ in tiles], unit, n)
-    return 1
+    later = _cut_again(node, len(node.meta["meshc.shape"]) - 1)  # cut only after per-channel ops (Qwen3.5's
+    return _held(later, n) if later else 1                          # in_proj_qkv: a depthwise conv1d, then q|k|v
 
 
 def _nested_parts(split: fx.Node, dim: int, n: int) -> int | tuple[int, ...] | None:
@@ -88,6 +89,12 @@ def _nested_parts(split: fx.Node, dim: int, n: int) -> int | tuple[int, ...] | N
         blocks += inner or [(size, _viewed_head(parts[i], dim))]
     if not cut_again:
         return None
+    return _held(blocks, n)
+
+
+def _held(blocks: list[tuple[int, int]], n: int) -> int | tuple:
+    """The chunks of (size, head dim) blocks: a block of heads not dividing over n held whole (a Whole block) when
+    another block still shards."""
     whole = [hd > 1 and (size // hd) % n != 0 for size, hd in blocks]
     if any(whole) and not all(whole):
         return tuple(Whole(size) if w else size for (size, _), w in zip(blocks, whole))

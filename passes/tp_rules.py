@@ -373,6 +373,37 @@ def softmax_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, p)
 
 
+@handles(aten.tril.default, aten.triu.default)
+def triangle_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """tril/triu act on each matrix of the last two dims: a shard of a leading (batch, head) dim stays, a partial sum
+    stays partial (they are linear); a shard of the matrix dims is gathered."""
+    x = node.args[0]
+    p = ctx.pl(x)
+    if isinstance(p, Shard) and p.dim >= _ndim(x) - 2:
+        return Decision({(0,): R}, R, note=f"{op_name(node.target)} of the sharded dim {p.dim}: a matrix dim")
+    return Decision({}, p)
+
+
+@handles(aten.copy_.default)
+def copy_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """dst.copy_(src) (`out[:, :, i] = chunk`: a write into a view of a preallocated tensor): dst keeps its
+    placement, src is brought to it (a shard sliced, a gather), so the write lands in dst's own storage and the
+    tensor it views sees it. A partial dst is left to no_rule (each rank would write the whole value)."""
+    dst, src = node.args[0], node.args[1]
+    p = ctx.pl(dst)
+    if isinstance(p, Partial) or (isinstance(p, Shard) and has_whole(p.chunks)):
+        return no_rule(node, ctx)
+    if not isinstance(src, fx.Node):
+        return Decision({}, p)
+    q = ctx.pl(src)
+    if isinstance(p, Shard):  # src broadcast over dst: its dims align from the right
+        d = p.dim - (_ndim(dst) - _ndim(src))
+        want = Shard(d, p.chunks) if d >= 0 and _shape(src)[d] != 1 else R
+    else:
+        want = R
+    return Decision({} if q == want else {(1,): want}, p)
+
+
 @handles(aten.layer_norm.default, aten.rms_norm.default)
 def norm_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     x = node.args[0]
@@ -431,4 +462,4 @@ def _records_over(node: fx.Node, n: int) -> None:
 
 
 COMPUTE_RULES = (same_as_input_rule, assert_rule, factory_rule, new_factory_rule, matmul_rule, reduction_rule,
-                 softmax_rule, norm_rule, sdpa_rule, exchange_rule) + SCAN_RULES
+                 softmax_rule, triangle_rule, copy_rule, norm_rule, sdpa_rule, exchange_rule) + SCAN_RULES

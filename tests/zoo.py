@@ -65,6 +65,38 @@ def albert(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return AlbertForMaskedLM(cfg)
 
 
+def qwen3_next(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face Qwen3-Next: a gated DeltaNet layer (fused in_proj_qkvz and in_proj_ba, a depthwise conv1d, the
+    chunked delta rule written with tril masks and a loop writing each chunk into a preallocated output, a gated
+    RMSNorm per head) then a full-attention layer, each followed by 4 routed experts and a gated shared expert."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                          linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32, shared_expert_intermediate_size=32, intermediate_size=64,
+                          vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False,
+                          layer_types=["linear_attention", "full_attention"] * (layers // 2) + ["linear_attention"] *
+                          (layers % 2))
+    return Qwen3NextForCausalLM(cfg)
+
+
+def qwen3_5(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face Qwen3.5 (text): Qwen3-Next's gated DeltaNet with q|k|v in one in_proj_qkv cut only after its
+    depthwise conv1d (z, b and a separate), then full attention; a dense SwiGLU MLP."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Qwen3_5TextConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                            linear_value_head_dim=8, linear_conv_kernel_dim=4, intermediate_size=64,
+                            vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False,
+                            layer_types=["linear_attention", "full_attention"] * (layers // 2) + ["linear_attention"] *
+                            (layers % 2))
+    return Qwen3_5ForCausalLM(cfg)
+
+
 def builtin_gpt(seed: int = 0, layers: int = 2, seq: int = SEQ) -> torch.nn.Module:
     """meshc's built-in GPT (meshc/models.py) at the zoo's vocabulary and length: tied head, LayerNorm, GELU."""
     from meshc import models
@@ -83,7 +115,7 @@ def gpt_vocab(seed: int = 0, layers: int = 1) -> torch.nn.Module:
 
 
 MODELS = {"gpt": builtin_gpt, "reference": reference_transformer, "gpt2": gpt2, "llama": llama, "bert": bert,
-          "albert": albert,
+          "albert": albert, "qwen3_next": qwen3_next, "qwen3_5": qwen3_5,
           "gpt_vocab": gpt_vocab}
 
 

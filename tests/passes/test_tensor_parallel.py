@@ -217,3 +217,25 @@ def test_norm_over_a_sharded_projection_all_reduces_its_statistic(fake_mesh):
     for node in stats:
         (reduce,) = node.users
         assert "all_reduce" in str(reduce.target) and tuple(reduce.meta["val"].shape)[-1] == 1
+
+
+class _WriteThroughView(torch.nn.Module):
+    """An MLP that scales part of its hidden features in place through a view (`h[..., :4].mul_(2)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(zoo.VOCAB, 8)
+        self.up, self.down = torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, tokens):
+        h = self.up(self.emb(tokens))
+        h[..., :4].mul_(2.0)
+        return self.down(h)
+
+
+def test_a_write_through_a_view_of_a_moved_value_is_an_error(fake_mesh):
+    """Forced column-parallel, the slice of the first 4 features cuts a rank's shard: its input must be gathered,
+    and the in-place write would then scale the gathered copy, not h (the down projection would read h unscaled).
+    An error naming the write and the model's line, not a silently different model."""
+    with pytest.raises(ValueError, match=r"in-place write into a view .*mul_.*h\[\.\.\., :4\]\.mul_\(2\.0\)"):
+        _program(fake_mesh(tp=2), _WriteThroughView(), tp={"up": "colwise", "down": "rowwise"})

@@ -157,6 +157,17 @@ COMPUTE = [
      R, {(0,): R}, True),
     ("cross_entropy, smoothing", aten.cross_entropy_loss.default, (T((6, 10)), T((6,), LONG), None, 1, -100, 0.1),
      [S(1), R], 2, R, {(0,): R}, True),
+    # tril/triu per matrix of the last two dims (the delta rule's masks, per head)
+    ("tril keeps a head shard", aten.tril.default, (T((2, 4, 3, 3)),), [S(1)], 2, S(1), {}, False),
+    ("tril of P stays P", aten.tril.default, (T((3, 3)),), [P], 2, P, {}, False),
+    ("tril of a matrix dim gathers", aten.tril.default, (T((4, 6)),), [S(1)], 2, R, {(0,): R}, True),
+    # dst.copy_(src) into a view of a preallocated tensor: dst is never moved (the write must land in its storage)
+    ("copy_ slices src to dst's shard", aten.copy_.default, (T((2, 4, 8)), T((2, 4, 8))), [S(1), R], 2, S(1),
+     {(1,): S(1)}, False),
+    ("copy_ gathers src into a whole dst", aten.copy_.default, (T((2, 4, 8)), T((2, 4, 8))), [R, S(1)], 2, R,
+     {(1,): R}, False),
+    ("copy_ of a broadcast src", aten.copy_.default, (T((2, 4, 8)), T((8,))), [S(1), R], 2, S(1), {}, False),
+    ("copy_ into P: no rule", aten.copy_.default, (T((2, 4)), T((2, 4))), [P, R], 2, R, {(0,): R, (1,): R}, True),
     # factories and ops without a rule
     ("arange", aten.arange.default, (5,), [], 2, R, {}, False),
     ("no rule: flip gathers", aten.flip.default, (T((4, 6)), [0]), [S(0)], 2, R, {(0,): R}, True),
