@@ -69,8 +69,12 @@ def chunks_of(node: fx.Node, n: int) -> int | tuple[int, ...]:
                                                                            for lo, hi, _ in tiles):
                 return _blocks([(hi - lo) // min(heads) for lo, hi, _ in tiles], min(heads), n)
             return _blocks([hi - lo for lo, hi, _ in tiles], unit, n)
-    later = _cut_again(node, len(node.meta["meshc.shape"]) - 1)  # cut only after per-channel ops (Qwen3.5's
-    return _held(later, n) if later else 1                          # in_proj_qkv: a depthwise conv1d, then q|k|v
+    later = _split_after(node, len(node.meta["meshc.shape"]) - 1)  # cut only after per-channel ops: Qwen3.5's q|k|v
+    if later is None:                                                # after a depthwise conv1d, Falcon-H1's parts
+        return 1                                                     # after a per-channel scale
+    split, dim = later
+    return _nested_parts(split, dim, n) or _held([(int(s[dim]), _viewed_head(g, dim)) for s, g in zip(
+        split.meta["meshc.shape"], _parts(split))], n)
 
 
 def _nested_parts(split: fx.Node, dim: int, n: int) -> int | tuple[int, ...] | None:
@@ -112,8 +116,8 @@ def _per_channel(node: fx.Node, dim: int):
         t, args = u.target, u.args
         if t is aten.transpose.int:
             yield u, _moved_dim(u, dim, ndim)
-        elif t in _KEEPS or (hasattr(t, "tags") and torch.Tag.pointwise in t.tags and len(u.all_input_nodes) == 1):
-            yield u, dim
+        elif t in _KEEPS or (hasattr(t, "tags") and torch.Tag.pointwise in t.tags and _same_or_broadcast(u, node)):
+            yield u, dim  # elementwise: each channel from the same channel of its inputs (a per-channel scale)
         elif t in (aten.slice.Tensor, aten.tensor_split.indices, aten.tensor_split.sections) and \
                 (args[1 if t is aten.slice.Tensor else 2] if len(args) > (1 if t is aten.slice.Tensor else 2) else 0) \
                 % ndim != dim:
@@ -125,11 +129,32 @@ def _per_channel(node: fx.Node, dim: int):
             yield u, dim
 
 
+def _same_or_broadcast(u: fx.Node, node: fx.Node) -> bool:
+    """Is every other tensor operand of elementwise `u` no larger than `node` (so `u` has `node`'s shape: a
+    per-channel multiplier such as Falcon-H1's mup_vector, a scalar)?"""
+    shape = list(node.meta["meshc.shape"])  # ints, or symbols (rows known at run time): compared as expressions
+    for other in u.all_input_nodes:
+        dims = list(other.meta.get("meshc.shape") or ())
+        if len(dims) > len(shape) or any(not (d == 1 or d == s) for d, s in zip(reversed(dims), reversed(shape))):
+            return False
+    return True
+
+
 _KEEPS = (aten.to.dtype, aten._to_copy.default, aten.contiguous.default, aten.clone.default, aten.alias.default)
 
 
 def _cut_again(part: fx.Node, dim: int) -> list[tuple[int, int]] | None:
     """[(size, head dim or 1)] of the split that cuts `part`'s channels on `dim` again after per-channel ops, if any."""
+    found = _split_after(part, dim)
+    if found is None:
+        return None
+    split, d = found
+    return [(int(s[d]), _viewed_head(g, d) if g is not None else 1) for s, g in zip(split.meta["meshc.shape"],
+                                                                                      _parts(split))]
+
+
+def _split_after(part: fx.Node, dim: int) -> tuple[fx.Node, int] | None:
+    """(the split, the dim it cuts) that cuts `part`'s channels on `dim` after one or more per-channel ops, if any."""
     frontier, seen = [(part, dim)], set()
     while frontier:
         cur, d = frontier.pop()
@@ -140,10 +165,14 @@ def _cut_again(part: fx.Node, dim: int) -> list[tuple[int, int]] | None:
         for u in cur.users:
             if u.target in (aten.split.Tensor, aten.split_with_sizes.default) and cur is not part and \
                     (u.args[2] if len(u.args) > 2 else 0) % len(cur.meta["meshc.shape"]) == d:
-                pieces = {g.args[1]: g for g in u.users if g.target is operator.getitem}
-                return [(int(s[d]), _viewed_head(pieces[i], d) if i in pieces else 1)
-                        for i, s in enumerate(u.meta["meshc.shape"])]
+                return u, d
     return None
+
+
+def _parts(split: fx.Node) -> list[fx.Node | None]:
+    """Each output of `split` as the getitem that takes it, None where none does."""
+    pieces = {g.args[1]: g for g in split.users if g.target is operator.getitem}
+    return [pieces.get(i) for i in range(len(split.meta["meshc.shape"]))]
 
 
 def _viewed_head(part: fx.Node, dim: int) -> int:

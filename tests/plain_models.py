@@ -350,14 +350,13 @@ class _ScanBlock(nn.Module):
         return x + self.down(mixed)
 
 
-class ScanLM(nn.Module):
-    """Blocks of _ScanBlock between a token embedding and a head: ops meshc has no rule of its own for
-    (logcumsumexp, cumprod), placed by DTensor's strategies."""
+class _BlocksLM(nn.Module):
+    """`layers` blocks made by `block()` between a token embedding and a head (built in that order)."""
 
-    def __init__(self, width: int = 32, layers: int = 2):
+    def __init__(self, width: int, layers: int, block):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, width)
-        self.blocks = nn.ModuleList(_ScanBlock(width) for _ in range(layers))
+        self.blocks = nn.ModuleList(block() for _ in range(layers))
         self.head = nn.Linear(width, VOCAB, bias=False)
 
     def forward(self, tokens):
@@ -365,6 +364,14 @@ class ScanLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class ScanLM(_BlocksLM):
+    """Blocks of _ScanBlock between a token embedding and a head: ops meshc has no rule of its own for
+    (logcumsumexp, cumprod), placed by DTensor's strategies."""
+
+    def __init__(self, width: int = 32, layers: int = 2):
+        super().__init__(width, layers, lambda: _ScanBlock(width))
 
 
 def scan_lm(seed: int = 0, layers: int = 2) -> nn.Module:
@@ -487,18 +494,9 @@ class _LoopMoE(nn.Module):
         return x + results
 
 
-class LoopMoELM(nn.Module):
+class LoopMoELM(_BlocksLM):
     def __init__(self, width: int = 32, hidden: int = 64, experts: int = 4, layers: int = 2):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, width)
-        self.blocks = nn.ModuleList(_LoopMoE(width, hidden, experts) for _ in range(layers))
-        self.head = nn.Linear(width, VOCAB, bias=False)
-
-    def forward(self, tokens):
-        x = self.emb(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+        super().__init__(width, layers, lambda: _LoopMoE(width, hidden, experts))
 
 
 def loop_moe(seed: int = 0, layers: int = 2) -> nn.Module:

@@ -65,6 +65,16 @@ def albert(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return AlbertForMaskedLM(cfg)
 
 
+def _deltanet_sizes(layers: int) -> dict:
+    """The zoo's sizes of a gated-DeltaNet model (Qwen3-Next, Qwen3.5): 2 key heads and 4 value heads of 8 in the
+    linear-attention layers, 4 query heads over 2 kv heads in the full-attention ones, alternating."""
+    return dict(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                linear_conv_kernel_dim=4, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                use_cache=False,
+                layer_types=["linear_attention", "full_attention"] * (layers // 2) + ["linear_attention"] * (layers % 2))
+
+
 def qwen3_next(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     """Hugging Face Qwen3-Next: a gated DeltaNet layer (fused in_proj_qkvz and in_proj_ba, a depthwise conv1d, the
     chunked delta rule written with tril masks and a loop writing each chunk into a preallocated output, a gated
@@ -72,14 +82,8 @@ def qwen3_next(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3NextConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                          linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-                          moe_intermediate_size=32, shared_expert_intermediate_size=32, intermediate_size=64,
-                          vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False,
-                          layer_types=["linear_attention", "full_attention"] * (layers // 2) + ["linear_attention"] *
-                          (layers % 2))
-    return Qwen3NextForCausalLM(cfg)
+    return Qwen3NextForCausalLM(Qwen3NextConfig(**_deltanet_sizes(layers), num_experts=4, num_experts_per_tok=2,
+                                                moe_intermediate_size=32, shared_expert_intermediate_size=32))
 
 
 def qwen3_5(seed: int = 0, layers: int = 2) -> torch.nn.Module:
@@ -88,13 +92,20 @@ def qwen3_5(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
-    cfg = Qwen3_5TextConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                            head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                            linear_value_head_dim=8, linear_conv_kernel_dim=4, intermediate_size=64,
-                            vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False,
-                            layer_types=["linear_attention", "full_attention"] * (layers // 2) + ["linear_attention"] *
-                            (layers % 2))
-    return Qwen3_5ForCausalLM(cfg)
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_deltanet_sizes(layers)))
+
+
+def falcon_h1(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face Falcon-H1: a Mamba-2 mixer beside attention in every layer, its in_proj output scaled per channel
+    (muP multipliers: one per part, z | x|B|C | dt) before it is split, x|B|C through a depthwise conv1d."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = FalconH1Config(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, intermediate_size=64, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8,
+                         mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8, vocab_size=VOCAB,
+                         max_position_embeddings=SEQ, use_cache=False, ssm_multipliers=[1.0, 0.5, 2.0, 0.25, 1.5])
+    return FalconH1ForCausalLM(cfg)
 
 
 def builtin_gpt(seed: int = 0, layers: int = 2, seq: int = SEQ) -> torch.nn.Module:
@@ -116,6 +127,7 @@ def gpt_vocab(seed: int = 0, layers: int = 1) -> torch.nn.Module:
 
 MODELS = {"gpt": builtin_gpt, "reference": reference_transformer, "gpt2": gpt2, "llama": llama, "bert": bert,
           "albert": albert, "qwen3_next": qwen3_next, "qwen3_5": qwen3_5,
+          "falcon_h1": falcon_h1,
           "gpt_vocab": gpt_vocab}
 
 

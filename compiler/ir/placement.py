@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshc.compiler.ir import torch_compat as compat
+
 
 @dataclass(frozen=True)
 class Replicate:
@@ -28,7 +30,7 @@ class Shard:
 
     def __str__(self) -> str:
         if isinstance(self.chunks, tuple):
-            return f"S({self.dim})x({'+'.join(map(repr, self.chunks))})"
+            return f"S({self.dim})x({'+'.join(map(str, self.chunks))})"
         return f"S({self.dim})" if self.chunks == 1 else f"S({self.dim})x{self.chunks}"
 
 
@@ -72,8 +74,15 @@ class Whole(int):
     def __hash__(self) -> int:
         return hash(("whole", int(self)))
 
-    def __repr__(self) -> str:
+    def __str__(self) -> str:
         return f"R{int(self)}"
+
+    def __repr__(self) -> str:  # what generated FX code writes for it (a redistribution's chunks): a valid call
+        return f"Whole({int(self)})"
+
+
+# a redistribution of a shard with Whole blocks carries them in its node's arguments: generated code writes Whole(16)
+compat.fx_code_name("Whole", "from meshc.compiler.ir.placement import Whole", Whole)
 
 
 def has_whole(chunks) -> bool:

@@ -255,6 +255,14 @@ def _upper(expr, env):
     return upper if isinstance(upper, (sympy.Integer, sympy.Float)) or (upper.is_number and upper.is_finite) else None
 
 
+def fx_code_name(name: str, import_str: str, obj: object) -> None:
+    """Let FX's generated code refer to `obj` as `name` (an argument whose repr is `name(...)`), imported by
+    `import_str`. Public alternative: none (torch.fx.graph._register_custom_builtin, as torch does for inf, device)."""
+    from torch.fx.graph import _register_custom_builtin
+
+    _register_custom_builtin(name, import_str, obj)
+
+
 def dispatch_mode_base():
     """torch's TorchDispatchMode (no public home in torch 2.13), for intercepting collectives."""
     from torch.utils._python_dispatch import TorchDispatchMode

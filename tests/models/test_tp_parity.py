@@ -141,6 +141,23 @@ def test_a_gated_deltanet_layer_is_sharded_by_heads(model, plan):
     assert moved > 20 * 5e-5
 
 
+def test_a_mixer_scaled_per_channel_before_its_split_is_sharded_by_heads():
+    """Falcon-H1's Mamba-2 mixer multiplies in_proj's output by a per-channel buffer (one muP multiplier per part)
+    before cutting it into z | x|B|C | dt: the parts are found past the multiply, each sharded by heads, B and C of
+    its one group held whole (Whole blocks, which the buffer's slice carries into the generated code); it was 0.67.
+    in_proj (z 64 + x 64 + B 8 + C 8 + dt 8 rows) holds 32 + 32 + 8 + 8 + 4 here. SGD: see
+    test_a_layer_shared_by_every_depth_is_sharded_once."""
+    ref = parity.reference("falcon_h1", 3, BATCH, "sgd")
+    results = run_ranks(parity.meshc_rank, 2, "falcon_h1", 3, BATCH, {"tp": 2}, FAST, "sgd", timeout=240)
+    for rank, out in enumerate(results):
+        parity.assert_matches(rank, out, ref, 3)
+        shapes = out["local_shapes"]
+        mixer = {name: shapes[f"model.layers.0.mamba.{name}"] for name in ("in_proj.weight", "conv1d.weight",
+                                                                          "out_proj.weight", "A_log")}
+        assert mixer == {"in_proj.weight": (84, 32), "conv1d.weight": (48, 1, 4), "out_proj.weight": (32, 32),
+                         "A_log": (4,)}, mixer
+
+
 # Families whose fused projections the plan once left whole (issue 14): each must shard >= 90% of its blocks'
 # weight bytes (measured from the rank's local shapes: a run that shards nothing matches too) and match.
 SHARDED = [("falcon_new", {}), ("falcon_new", {"sequence_parallel": True}), ("falcon_mha", {}),
