@@ -23,11 +23,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-import torch
 import torch.fx as fx
 
 from meshc.compiler.ir.errors import MeshcError, MeshcInternalError, MeshcValueError, meshc_folders
-from meshc.compiler.ir.fx_ops import op_label
+from meshc.compiler.ir.fx_ops import model_source, op_label
 from meshc.compiler.ir.program import Program
 
 log = logging.getLogger("meshc.driver")
@@ -164,7 +163,7 @@ def reporting(step: str, hint: str = "") -> Iterator[None]:
             stack = node.meta.get("nn_module_stack") or {}
             module = list(stack.values())[-1][0] if stack else ""
             where = f" at node {node.format_node()} (op {op}" + (f" in module {module}" if module else "")
-            where += f"; model source: {_source(node)})" if _source(node) else ")"
+            where += f"; model source: {model_source(node)})" if model_source(node) else ")"
         todo = f"; until it is fixed, {hint.replace('<module glob>', module or '<module glob>')}" if hint else ""
         internal = MeshcInternalError(f"{step}: expected to compile this graph, got {type(error).__name__}: {error}"
                                       f"{where}. This is a bug in meshc: please report it with this message{todo}")
@@ -189,23 +188,6 @@ def _failing_node(tb) -> fx.Node | None:
         if isinstance(frame.f_locals.get("node"), fx.Node):
             return frame.f_locals["node"]
     return None
-
-
-def _source(node: fx.Node) -> str:
-    """The model's line that made `node` (`File "...", line N, in f: code`), from its stack_trace: the innermost
-    frame outside torch (outside torch.nn's layers where the model is torch's own), else the innermost."""
-    lines = [line.strip() for line in (node.meta.get("stack_trace") or "").strip().splitlines() if line.strip()]
-    frames = [(a, b) for a, b in zip(lines, lines[1:]) if a.startswith("File ") and not b.startswith("File ")]
-    if not frames:
-        return lines[-1] if lines else ""
-    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    layers = (os.path.join(torch_dir, "nn") + os.sep, os.path.join(torch_dir, "functional.py"))
-    path = lambda frame: frame[0].split('"')[1] if frame[0].count('"') >= 2 else ""
-    for keep in (lambda f: not path(f).startswith(torch_dir + os.sep), lambda f: not path(f).startswith(layers)):
-        chosen = [f for f in frames if keep(f)]
-        if chosen:
-            return f"{chosen[-1][0]}: {chosen[-1][1]}"
-    return f"{frames[-1][0]}: {frames[-1][1]}"
 
 
 def _census(program: Program) -> Counter:

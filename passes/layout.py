@@ -17,6 +17,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcValueError
+from meshc.compiler.ir.fx_ops import model_source
 from meshc.compiler.ir.program import Program
 
 aten = torch.ops.aten
@@ -58,7 +59,7 @@ class _LayoutSafe(FakeTensorProp):
                     f"layout: expected a view whose input can still be viewed after sharding, got {n.format_node()} on "
                     f"a {tuple(self.env[n.args[0]].shape)} input of strides {self.env[n.args[0]].stride()}, which "
                     f"{written.format_node()} then writes in place (a copy would lose that write); model source: "
-                    f"{_line(n)}. Write .reshape() or make the input .contiguous() before the view there, or keep that "
+                    f"{model_source(n) or '(no stack trace)'}. Write .reshape() or make the input .contiguous() before the view there, or keep that "
                     "module replicated (Plan(tp={'<module glob>': 'replicate'}))")
             n.target = aten.reshape.default
             n.meta["meshc.why"] = "a view of a value whose local layout it cannot view: a reshape"
@@ -91,8 +92,3 @@ def _written_through(node: fx.Node) -> fx.Node | None:
             if compat.op_returns_view(user.target):
                 todo.append(user)
     return None
-
-
-def _line(node: fx.Node) -> str:
-    lines = [line.strip() for line in (node.meta.get("stack_trace") or "").strip().splitlines() if line.strip()]
-    return " ".join(lines[-2:]) if lines else "(no stack trace)"

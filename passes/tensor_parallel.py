@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError, MeshcWarning, warn
-from meshc.compiler.ir.fx_ops import get_arg, op_name, set_arg
+from meshc.compiler.ir.fx_ops import get_arg, model_source, op_name, set_arg
 from meshc.compiler.ir.placement import Partial, R, Replicate, Shard, has_whole, in_parts, local_length
 from meshc.compiler.ir.program import CommRecord, Program
 from meshc.compiler.ir import torch_compat as compat
@@ -129,7 +129,7 @@ def redistribute_inputs(node: fx.Node, dec, ctx: RuleCtx, red) -> None:
                     f"tensor_parallel: expected an in-place write into a view to keep the placement of the tensor it "
                     f"views, got {writer.format_node()} ({where(writer)}) writing through a view whose input would "
                     f"move from {cur} to {req} for {node.format_node()} ({why}); the write would land in a copy; model "
-                    f"source: {_source(writer)}. Keep that module replicated (Plan(tp={{'<module glob>': "
+                    f"source: {model_source(writer)}. Keep that module replicated (Plan(tp={{'<module glob>': "
                     "'replicate'}})), or write the op out of place")
             value = red.convert(src, cur, req, node, why)
             if writes:
@@ -161,12 +161,6 @@ def _written_in_place(view: fx.Node) -> fx.Node | None:
             if _is_view(user) and user.args and user.args[0] is current:
                 todo.append(user)
     return None
-
-
-def _source(node: fx.Node) -> str:
-    """The model's line that made `node`, from its stack trace (the last frame)."""
-    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").strip().splitlines() if ln.strip()]
-    return " ".join(lines[-2:]) if lines else "unknown"
 
 
 def _own_copy(value: fx.Node, consumer: fx.Node, ctx: RuleCtx) -> fx.Node:

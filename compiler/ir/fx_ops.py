@@ -18,6 +18,7 @@ Two sets of view ops, one inside the other:
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -140,3 +141,20 @@ def set_arg(node: fx.Node, path: tuple, new: Any) -> None:
         seq = list(node.args[path[0]])
         seq[path[1]] = new
         node.update_arg(path[0], type(node.args[path[0]])(seq))
+
+
+def model_source(node: fx.Node) -> str:
+    """The model's line that made `node` (`File "...", line N, in f: code`), from its stack_trace: the innermost
+    frame outside torch (outside torch.nn's layers where the model is torch's own), else the innermost."""
+    lines = [line.strip() for line in (node.meta.get("stack_trace") or "").strip().splitlines() if line.strip()]
+    frames = [(a, b) for a, b in zip(lines, lines[1:]) if a.startswith("File ") and not b.startswith("File ")]
+    if not frames:
+        return lines[-1] if lines else ""
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    layers = (os.path.join(torch_dir, "nn") + os.sep, os.path.join(torch_dir, "functional.py"))
+    path = lambda frame: frame[0].split('"')[1] if frame[0].count('"') >= 2 else ""
+    for keep in (lambda f: not path(f).startswith(torch_dir + os.sep), lambda f: not path(f).startswith(layers)):
+        chosen = [f for f in frames if keep(f)]
+        if chosen:
+            return f"{chosen[-1][0]}: {chosen[-1][1]}"
+    return f"{frames[-1][0]}: {frames[-1][1]}"
