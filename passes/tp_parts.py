@@ -154,7 +154,8 @@ def _cut_again(part: fx.Node, dim: int) -> list[tuple[int, int]] | None:
 
 
 def _split_after(part: fx.Node, dim: int) -> tuple[fx.Node, int] | None:
-    """(the split, the dim it cuts) that cuts `part`'s channels on `dim` after one or more per-channel ops, if any."""
+    """(the split or chunk, the dim it cuts) that cuts `part`'s channels on `dim` after one or more per-channel ops
+    (LFM3's B|C|x: a transpose, then chunk(3) of the channels), if any."""
     frontier, seen = [(part, dim)], set()
     while frontier:
         cur, d = frontier.pop()
@@ -163,8 +164,8 @@ def _split_after(part: fx.Node, dim: int) -> tuple[fx.Node, int] | None:
                 seen.add(u)
                 frontier.append((u, ud))
         for u in cur.users:
-            if u.target in (aten.split.Tensor, aten.split_with_sizes.default) and cur is not part and \
-                    (u.args[2] if len(u.args) > 2 else 0) % len(cur.meta["meshc.shape"]) == d:
+            if u.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default) and \
+                    cur is not part and (u.args[2] if len(u.args) > 2 else 0) % len(cur.meta["meshc.shape"]) == d:
                 return u, d
     return None
 

@@ -108,6 +108,19 @@ def falcon_h1(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return FalconH1ForCausalLM(cfg)
 
 
+def lfm3(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face LFM3: a gated short-convolution layer (in_proj's output transposed, then chunk(3) into B, C and x
+    along the channels; B * x through a depthwise conv1d, times C, out_proj) before an attention layer."""
+    from transformers import Lfm3Config, Lfm3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Lfm3Config(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=8, intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False,
+                     pad_token_id=0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
+                     layer_types=["conv", "full_attention"] * (layers // 2) + ["conv"] * (layers % 2))
+    return Lfm3ForCausalLM(cfg)
+
+
 def builtin_gpt(seed: int = 0, layers: int = 2, seq: int = SEQ) -> torch.nn.Module:
     """meshc's built-in GPT (meshc/models.py) at the zoo's vocabulary and length: tied head, LayerNorm, GELU."""
     from meshc import models
@@ -127,7 +140,7 @@ def gpt_vocab(seed: int = 0, layers: int = 1) -> torch.nn.Module:
 
 MODELS = {"gpt": builtin_gpt, "reference": reference_transformer, "gpt2": gpt2, "llama": llama, "bert": bert,
           "albert": albert, "qwen3_next": qwen3_next, "qwen3_5": qwen3_5,
-          "falcon_h1": falcon_h1,
+          "falcon_h1": falcon_h1, "lfm3": lfm3,
           "gpt_vocab": gpt_vocab}
 
 

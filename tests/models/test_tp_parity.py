@@ -141,21 +141,28 @@ def test_a_gated_deltanet_layer_is_sharded_by_heads(model, plan):
     assert moved > 20 * 5e-5
 
 
-def test_a_mixer_scaled_per_channel_before_its_split_is_sharded_by_heads():
-    """Falcon-H1's Mamba-2 mixer multiplies in_proj's output by a per-channel buffer (one muP multiplier per part)
-    before cutting it into z | x|B|C | dt: the parts are found past the multiply, each sharded by heads, B and C of
-    its one group held whole (Whole blocks, which the buffer's slice carries into the generated code); it was 0.67.
-    in_proj (z 64 + x 64 + B 8 + C 8 + dt 8 rows) holds 32 + 32 + 8 + 8 + 4 here. SGD: see
-    test_a_layer_shared_by_every_depth_is_sharded_once."""
-    ref = parity.reference("falcon_h1", 3, BATCH, "sgd")
-    results = run_ranks(parity.meshc_rank, 2, "falcon_h1", 3, BATCH, {"tp": 2}, FAST, "sgd", timeout=240)
+# model -> its first layer's mixer: {parameter: local shape at tp=2}
+MIXERS = {
+    # Falcon-H1's Mamba-2 mixer multiplies in_proj's output by a per-channel buffer (one muP multiplier per part)
+    # before cutting it into z | x|B|C | dt: z 64 + x 64 + B 8 + C 8 + dt 8 rows, held 32 + 32 + 8 + 8 + 4 (B and C
+    # of its one group whole: Whole blocks, which the buffer's slice carries into the generated code); it was 0.67
+    "falcon_h1": {"mamba.in_proj.weight": (84, 32), "mamba.conv1d.weight": (48, 1, 4),
+                  "mamba.out_proj.weight": (32, 32), "mamba.A_log": (4,)},
+    # LFM3's short convolution transposes in_proj's output and chunks it into B | C | x along the channels; it was 0.84
+    "lfm3": {"conv.in_proj.weight": (48, 32), "conv.conv.weight": (16, 1, 7), "conv.out_proj.weight": (32, 16)},
+}
+
+
+@pytest.mark.parametrize("model", list(MIXERS))
+def test_a_projection_cut_after_per_channel_ops_is_sharded_part_by_part(model):
+    """A fused projection whose parts are cut only after ops that keep its channels apart (a per-channel scale, a
+    transpose): each part sharded on its own, at parity. SGD: see test_a_layer_shared_by_every_depth_is_sharded_once."""
+    ref = parity.reference(model, 3, BATCH, "sgd")
+    results = run_ranks(parity.meshc_rank, 2, model, 3, BATCH, {"tp": 2}, FAST, "sgd", timeout=240)
     for rank, out in enumerate(results):
         parity.assert_matches(rank, out, ref, 3)
-        shapes = out["local_shapes"]
-        mixer = {name: shapes[f"model.layers.0.mamba.{name}"] for name in ("in_proj.weight", "conv1d.weight",
-                                                                          "out_proj.weight", "A_log")}
-        assert mixer == {"in_proj.weight": (84, 32), "conv1d.weight": (48, 1, 4), "out_proj.weight": (32, 32),
-                         "A_log": (4,)}, mixer
+        held = {name: out["local_shapes"][f"model.layers.0.{name}"] for name in MIXERS[model]}
+        assert held == MIXERS[model], held
 
 
 # Families whose fused projections the plan once left whole (issue 14): each must shard >= 90% of its blocks'
