@@ -73,8 +73,7 @@ def chunks_of(node: fx.Node, n: int) -> int | tuple[int, ...]:
     if later is None:                                                # after a depthwise conv1d, Falcon-H1's parts
         return 1                                                     # after a per-channel scale
     split, dim = later
-    return _nested_parts(split, dim, n) or _held([(int(s[dim]), _viewed_head(g, dim)) for s, g in zip(
-        split.meta["meshc.shape"], _parts(split))], n)
+    return _nested_parts(split, dim, n) or _held(_part_blocks(split, dim), n)
 
 
 def _nested_parts(split: fx.Node, dim: int, n: int) -> int | tuple[int, ...] | None:
@@ -148,9 +147,7 @@ def _cut_again(part: fx.Node, dim: int) -> list[tuple[int, int]] | None:
     found = _split_after(part, dim)
     if found is None:
         return None
-    split, d = found
-    return [(int(s[d]), _viewed_head(g, d) if g is not None else 1) for s, g in zip(split.meta["meshc.shape"],
-                                                                                      _parts(split))]
+    return _part_blocks(*found)
 
 
 def _split_after(part: fx.Node, dim: int) -> tuple[fx.Node, int] | None:
@@ -170,10 +167,11 @@ def _split_after(part: fx.Node, dim: int) -> tuple[fx.Node, int] | None:
     return None
 
 
-def _parts(split: fx.Node) -> list[fx.Node | None]:
-    """Each output of `split` as the getitem that takes it, None where none does."""
+def _part_blocks(split: fx.Node, dim: int) -> list[tuple[int, int]]:
+    """[(size, head dim or 1)] of each part `split` cuts `dim` into (1 for a part nothing takes)."""
     pieces = {g.args[1]: g for g in split.users if g.target is operator.getitem}
-    return [pieces.get(i) for i in range(len(split.meta["meshc.shape"]))]
+    return [(int(s[dim]), _viewed_head(pieces[i], dim) if i in pieces else 1)
+            for i, s in enumerate(split.meta["meshc.shape"])]
 
 
 def _viewed_head(part: fx.Node, dim: int) -> int:
