@@ -51,3 +51,22 @@ def single_mesh():
     yield meshc.mesh()
     dist.destroy_process_group()
     os.environ.update(env)
+
+
+def pytest_collection_finish(session):
+    """Every test module is imported (torch, transformers, meshc): move those objects out of the collector's reach, so
+    that this process's full collections during the tests do not walk them again (as the rank forkserver does:
+    tests/rank_warmup.py)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Back within the collector's reach before the interpreter exits, so that extension objects are freed as they
+    would be (nanobind, in triton, reports every object still alive at exit as a leak)."""
+    import gc
+
+    gc.unfreeze()
+    gc.collect()
