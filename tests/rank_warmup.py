@@ -8,6 +8,7 @@ server before it forks.
 """
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 import pkgutil
@@ -47,3 +48,5 @@ compat.preload_inductor()
 # collector's reach, so that neither the rank's full collections during a trace nor the harness's gc.collect() at its
 # end walk them again (that collect alone took 0.30 s per rank, most of a 2-rank launch's 0.7 s; measured 2026-12-06)
 gc.freeze()
+atexit.register(gc.unfreeze)  # the server itself exits as any process (its ranks leave by os._exit): extension
+# objects freed at exit as before (nanobind, in triton, reports every object still alive then as a leak)
