@@ -635,7 +635,20 @@ def _meta_twin(model: torch.nn.Module) -> torch.nn.Module:
     for t in [*model.parameters(), *model.buffers()]:
         meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
         memo[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else meta
+    for module in model.modules():  # a tensor a forward stored on the module (a recurrent state, a cache), which
+        for value in _attribute_tensors(vars(module)):  # autograd made: deepcopy refuses it; its value, detached
+            if value.grad_fn is not None and id(value) not in memo:
+                memo[id(value)] = value.detach().clone()
     return copy.deepcopy(model, memo)
+
+
+def _attribute_tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The tensors in a module's attributes (its parameters and buffers too), inside lists, tuples and dicts."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 4 and isinstance(value, (list, tuple, dict)):
+        for item in value.values() if isinstance(value, dict) else value:
+            yield from _attribute_tensors(item, depth + 1)
 
 
 class _WithLoss(torch.nn.Module):

@@ -185,3 +185,32 @@ def test_new_input_shapes_are_traced_on_the_ranks_device(single_mesh):
     with torch.no_grad():
         assert torch.equal(job(short).logits, model(short).logits)
     assert len(job._programs) == 2  # the new shape was traced again, not served by the first program
+
+
+class _KeepsState(torch.nn.Module):
+    """Stores what its forward computed on itself, as recurrent models keep their state (RecurrentGemma)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.state = None
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        self.state = [h[:, -1]]  # made by autograd: deepcopy refuses it
+        return h
+
+
+def test_a_state_the_forward_stored_on_the_model_is_copied_detached(single_mesh):
+    """The job keeps a meta copy of the model to retrace new input shapes; a tensor autograd made, stored on the
+    model by a forward run before compiling, made that copy fail (deepcopy: "Only Tensors created explicitly by the
+    user support the deepcopy protocol"), so such a model could not be compiled at all, until 2026-12-07."""
+    model = _KeepsState()
+    x = torch.randn(2, 3, 4)
+    model(x)
+    assert model.state[0].grad_fn is not None
+    job = meshc.compile(model, single_mesh, example_inputs=(x,), plan=meshc.Plan(**FAST))
+    short = x[:, :2]
+    with torch.no_grad():
+        assert torch.equal(job(short), model(short))
+    assert len(job._programs) == 2  # the new shape was traced again, from the copy
