@@ -166,13 +166,16 @@ def inductor_cache_dir() -> str:
 
 def preload_inductor() -> None:
     """Do once what each process's first Inductor compile does before compiling: import Inductor's compiler
-    (~1 s) and pick the CPU's vector instruction set (a probe subprocess each process, ~1 s; a test build of the
-    first in a cache folder, ~8 s). A forkserver that calls this hands both to every process it forks (the tests'
+    (~1 s), pick the CPU's vector instruction set (a probe subprocess each process, ~1 s; a test build of the
+    first in a cache folder, ~8 s) and hash torch's own source files, part of every FX graph cache key (~2,900
+    files read, 1.6-2 s). A forkserver that calls this hands all three to every process it forks (the tests'
     rank forkserver: tests/rank_warmup.py). Public alternative: none."""
     from torch._inductor import compile_fx  # noqa: F401
+    from torch._inductor.codecache import torch_key
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     pick_vec_isa()
+    torch_key()
 
 
 def dcp_storage_info(relative_path: str, offset: int, length: int):
