@@ -314,25 +314,76 @@ def bias_piece(linear: fx.Node) -> tuple[str, int, int] | None:
     return src.meta["meshc.fqn"], int(b.args[1]), int(b.meta["meshc.shape"][0])
 
 
-def param_source(node: fx.Node, dim: int) -> tuple[str, int] | None:
-    """(FQN, dim) of the parameter `node` reads, whose dim `dim` of `node` is, through dtype casts, copies, unary
-    elementwise ops and squeeze/unsqueeze of other dims (Mamba-2's conv1d.weight.squeeze(1).unsqueeze(1), its
-    -exp(A_log.float())), else None: a rule asking that value sharded asks it of the parameter."""
-    while node.op == "call_function":
-        t = node.target
-        src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        if src is None or len(node.all_input_nodes) != 1:
-            return None
-        if t is aten.unsqueeze.default:
-            k = node.args[1] % len(node.meta["meshc.shape"])
-            if k == dim:
-                return None
-            dim -= 1 if dim > k else 0
-        elif t is aten.squeeze.dim:
+def param_sources(node: fx.Node, dim: int, consumer: fx.Node) -> dict[str, int] | None:
+    """{FQN: dim} of the parameters `node` is computed from alone, whose dim `dim` of `node` is, else None: a rule of
+    `consumer` asking that value sharded asks it of those parameters, and the value is computed sharded, not whole.
+
+    The walk goes back through dtype casts, copies, elementwise ops (an operand that broadcasts over `dim` is not
+    followed: each rank needs it all), squeeze/unsqueeze of other dims and the rows of a matmul by a parameter
+    (`weight @ x`, x whole). Every operand carrying `dim` must end at a parameter, and each parameter found must be read
+    only on the way: Mamba-2's conv1d.weight.squeeze(1).unsqueeze(1) and -exp(A_log.float()); Mamba-1's time step,
+    softplus(dt_proj.weight @ t + dt_proj.bias[:, None]), and exp(A * dt)."""
+    found: dict[str, int] = {}
+    walked: set[fx.Node] = {consumer}
+
+    def walk(node: fx.Node, dim: int) -> bool:
+        walked.add(node)
+        if node.op == "placeholder":
+            fqn = node.meta.get("meshc.fqn")
+            return bool(fqn) and found.setdefault(fqn, dim) == dim
+        shape = node.meta.get("meshc.shape")
+        if node.op != "call_function" or not isinstance(shape, (tuple, list)) or not 0 <= dim < len(shape):
+            return False
+        t, src = node.target, node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        if t is aten.unsqueeze.default and src is not None:
+            k = node.args[1] % len(shape)
+            return k != dim and walk(src, dim - (1 if dim > k else 0))
+        if t is aten.squeeze.dim and src is not None:
             k = node.args[1] % len(src.meta["meshc.shape"])
-            dim += 1 if len(src.meta["meshc.shape"]) > len(node.meta["meshc.shape"]) and dim >= k else 0
-        elif not (t in _KEEPS or hasattr(t, "tags") and torch.Tag.pointwise in t.tags):
-            return None
-        node = src
-    fqn = node.meta.get("meshc.fqn") if node.op == "placeholder" else None
-    return (fqn, dim) if fqn else None
+            return walk(src, dim + (1 if len(src.meta["meshc.shape"]) > len(shape) and dim >= k else 0))
+        if t in (aten.mm.default, aten.matmul.default) and len(node.args) == 2 and src is not None and \
+                len(src.meta.get("meshc.shape") or ()) == 2 and dim == len(shape) - 2:
+            return walk(src, 0)  # the rows of weight @ x: the weight's rows; x is needed whole
+        if t in (aten.select.int, aten.slice.Tensor) and src is not None:  # a step of a loop over another dim
+            k = _dim_arg(node, 1) % len(src.meta["meshc.shape"])
+            inner = dim + (1 if t is aten.select.int and dim >= k else 0)
+            return k != inner and walk(src, inner)
+        if t is operator.getitem and src is not None and src.op == "call_function" and src.target in _PIECES:
+            whole = src.args[0]  # one piece of a split, chunk or unbind along another dim
+            k = _dim_arg(src, 2 if src.target is not aten.unbind.int else 1)
+            k %= len(whole.meta["meshc.shape"])
+            inner = dim + (1 if src.target is aten.unbind.int and dim >= k else 0)
+            walked.add(src)
+            return k != inner and walk(whole, inner)
+        if not (t in _KEEPS or hasattr(t, "tags") and torch.Tag.pointwise in t.tags):
+            return False
+        for a in node.all_input_nodes:
+            a_shape = a.meta.get("meshc.shape")
+            if not isinstance(a_shape, (tuple, list)):
+                return False
+            k = dim - (len(shape) - len(a_shape))
+            if k >= 0 and a_shape[k] != 1 and not walk(a, k):
+                return False
+        return True
+
+    if not walk(node, dim) or not found:
+        return None
+    if any(u not in walked and not _reads_no_values(u) for n in walked if n.op == "placeholder" for u in n.users):
+        return None  # a parameter also read elsewhere: sharding it would move it for that other reader
+    return found
+
+
+def _dim_arg(node: fx.Node, i: int) -> int:
+    """The `dim` argument of `node`, at position i or by name (0 where left out)."""
+    return node.args[i] if len(node.args) > i else node.kwargs.get("dim", 0)
+
+
+_PIECES = (aten.split.Tensor, aten.split_with_sizes.default, aten.tensor_split.indices, aten.tensor_split.sections,
+           aten.chunk.default, aten.unbind.int)
+_FILLS = (aten.new_zeros.default, aten.new_empty.default, aten.new_ones.default, aten.new_full.default)
+
+
+def _reads_no_values(node: fx.Node) -> bool:
+    """A use that reads neither the values nor the shape: an assertion of dtype (no output), a tensor of given sizes
+    filled alike (`a.new_zeros(...)`), a view nothing reads (Mamba-2's conv1d.weight.squeeze(1) for its decode path)."""
+    return node.target in _FILLS or node.op == "call_function" and (node.meta.get("val", 0) is None or not node.users)

@@ -44,7 +44,7 @@ from meshc.compiler.ir.sizes import bounded_sizes
 from meshc.passes.blocks import block_of
 from meshc.passes.sharding.whole_graph import Option, choose, score
 from meshc.passes.shapes import shard_divides
-from meshc.passes.tp_parts import bias_piece, chunks_of, param_source, weight_pieces
+from meshc.passes.tp_parts import bias_piece, chunks_of, param_sources, weight_pieces
 from meshc.passes.tp_rules import RuleCtx
 from meshc.passes.tp_table import infer
 
@@ -529,9 +529,9 @@ def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str],
                     reduced = True
                     continue
                 return _Trial([], blame[src], dec.note or f"{node.format_node()} needs it {req}")
-            found = param_source(src, req.dim) if isinstance(req, Shard) and src not in placements else None
-            if found:
-                params[found[0]] = Shard(found[1], req.chunks)
+            found = param_sources(src, req.dim, node) if isinstance(req, Shard) and src not in placements else None
+            for fqn, dim in (found or {}).items():
+                params[fqn] = Shard(dim, req.chunks)
         if reduced and isinstance(dec.out, Replicate):  # the statistic, whole: nothing sharded to follow
             continue
         if isinstance(dec.out, Replicate) and not dec.inputs:  # made whole locally (a part held whole, a replicated

@@ -573,4 +573,19 @@ def mamba2(seed: int = 0, layers: int = 2, groups: int = 1) -> torch.nn.Module:
 
 
 MODELS["mamba2"] = mamba2
+
+
+def mamba(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face Mamba (the first, torch path): in_proj's output cut into x | z, x through a depthwise causal conv1d,
+    x_proj to the time step (rank 2), B and C, the time step widened per channel by `dt_proj.weight @ dt` (a weight
+    read by a matmul, not a linear) plus its bias, the selective scan per channel with A = -exp(A_log), out_proj."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, state_size=8, expand=2,
+                      conv_kernel=4, time_step_rank=2, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return MambaForCausalLM(cfg)
+
+
+MODELS["mamba"] = mamba
 MODELS["mamba2_groups"] = lambda seed=0: mamba2(seed, groups=4)  # B and C of 4 groups: sharded with their heads

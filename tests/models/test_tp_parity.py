@@ -146,22 +146,31 @@ MIXERS = {
     # Falcon-H1's Mamba-2 mixer multiplies in_proj's output by a per-channel buffer (one muP multiplier per part)
     # before cutting it into z | x|B|C | dt: z 64 + x 64 + B 8 + C 8 + dt 8 rows, held 32 + 32 + 8 + 8 + 4 (B and C
     # of its one group whole: Whole blocks, which the buffer's slice carries into the generated code); it was 0.67
-    "falcon_h1": {"mamba.in_proj.weight": (84, 32), "mamba.conv1d.weight": (48, 1, 4),
-                  "mamba.out_proj.weight": (32, 32), "mamba.A_log": (4,)},
+    "falcon_h1": {"model.layers.0.mamba.in_proj.weight": (84, 32), "model.layers.0.mamba.conv1d.weight": (48, 1, 4),
+                  "model.layers.0.mamba.out_proj.weight": (32, 32), "model.layers.0.mamba.A_log": (4,)},
     # LFM3's short convolution transposes in_proj's output and chunks it into B | C | x along the channels; it was 0.84
-    "lfm3": {"conv.in_proj.weight": (48, 32), "conv.conv.weight": (16, 1, 7), "conv.out_proj.weight": (32, 16)},
+    "lfm3": {"model.layers.0.conv.in_proj.weight": (48, 32), "model.layers.0.conv.conv.weight": (16, 1, 7),
+             "model.layers.0.conv.out_proj.weight": (32, 16)},
+    # Mamba's per-channel time step, softplus(dt_proj.weight @ dt + dt_proj.bias), and exp(A * dt) with A = -exp(A_log):
+    # values computed from parameters alone, which the scan over sharded channels needs sharded, so their parameters
+    # are sharded by channel (x_proj row-parallel, its small output whole); it was 0.81 (dt_proj, A_log whole)
+    "mamba": {"backbone.layers.0.mixer.in_proj.weight": (64, 32), "backbone.layers.0.mixer.x_proj.weight": (18, 32),
+              "backbone.layers.0.mixer.dt_proj.weight": (32, 2), "backbone.layers.0.mixer.dt_proj.bias": (32,),
+              "backbone.layers.0.mixer.A_log": (32, 8), "backbone.layers.0.mixer.D": (32,),
+              "backbone.layers.0.mixer.out_proj.weight": (32, 32)},
 }
 
 
 @pytest.mark.parametrize("model", list(MIXERS))
 def test_a_projection_cut_after_per_channel_ops_is_sharded_part_by_part(model):
     """A fused projection whose parts are cut only after ops that keep its channels apart (a per-channel scale, a
-    transpose): each part sharded on its own, at parity. SGD: see test_a_layer_shared_by_every_depth_is_sharded_once."""
+    transpose): each part sharded on its own; per-channel values computed from parameters alone (Mamba's time step)
+    sharded by sharding those parameters. At parity; SGD: see test_a_layer_shared_by_every_depth_is_sharded_once."""
     ref = parity.reference(model, 3, BATCH, "sgd")
     results = run_ranks(parity.meshc_rank, 2, model, 3, BATCH, {"tp": 2}, FAST, "sgd", timeout=240)
     for rank, out in enumerate(results):
         parity.assert_matches(rank, out, ref, 3)
-        held = {name: out["local_shapes"][f"model.layers.0.{name}"] for name in MIXERS[model]}
+        held = {name: out["local_shapes"][name] for name in MIXERS[model]}
         assert held == MIXERS[model], held
 
 
