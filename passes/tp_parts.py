@@ -319,15 +319,27 @@ def param_sources(node: fx.Node, dim: int, consumer: fx.Node) -> dict[str, int] 
     `consumer` asking that value sharded asks it of those parameters, and the value is computed sharded, not whole.
 
     The walk goes back through dtype casts, copies, elementwise ops (an operand that broadcasts over `dim` is not
-    followed: each rank needs it all), squeeze/unsqueeze of other dims and the rows of a matmul by a parameter
-    (`weight @ x`, x whole). Every operand carrying `dim` must end at a parameter, and each parameter found must be read
-    only on the way: Mamba-2's conv1d.weight.squeeze(1).unsqueeze(1) and -exp(A_log.float()); Mamba-1's time step,
-    softplus(dt_proj.weight @ t + dt_proj.bias[:, None]), and exp(A * dt)."""
+    followed: each rank needs it all), squeeze/unsqueeze, select/slice and split pieces along other dims, and the rows
+    of a matmul by a parameter (`weight @ x`, x whole). Every operand carrying `dim` must end at a parameter, and each
+    parameter found must be read only on the way: Mamba-2's conv1d.weight.squeeze(1).unsqueeze(1) and
+    -exp(A_log.float()); Mamba-1's time step, softplus(dt_proj.weight @ t + dt_proj.bias[:, None]), and exp(A * dt)
+    read one step of the scan at a time."""
     found: dict[str, int] = {}
     walked: set[fx.Node] = {consumer}
+    done: set[tuple[fx.Node, int]] = set()  # walked with success: a value read twice on the way is walked once
 
     def walk(node: fx.Node, dim: int) -> bool:
+        if (node, dim) in done:
+            return True
+        if len(walked) > _WALK_LIMIT:  # far from any parameter (a residual stream): computed whole, as before
+            return False
         walked.add(node)
+        if step(node, dim):
+            done.add((node, dim))
+            return True
+        return False
+
+    def step(node: fx.Node, dim: int) -> bool:
         if node.op == "placeholder":
             fqn = node.meta.get("meshc.fqn")
             return bool(fqn) and found.setdefault(fqn, dim) == dim
@@ -362,7 +374,10 @@ def param_sources(node: fx.Node, dim: int, consumer: fx.Node) -> dict[str, int] 
             if not isinstance(a_shape, (tuple, list)):
                 return False
             k = dim - (len(shape) - len(a_shape))
-            if k >= 0 and a_shape[k] != 1 and not walk(a, k):
+            size = _static(a_shape[k]) if k >= 0 else 1
+            if size is None:  # a size known only at run time: not followed
+                return False
+            if size != 1 and not walk(a, k):
                 return False
         return True
 
@@ -373,11 +388,20 @@ def param_sources(node: fx.Node, dim: int, consumer: fx.Node) -> dict[str, int] 
     return found
 
 
+def _static(size) -> int | None:
+    """A size as an int; None where it is a symbol (known only at run time)."""
+    try:
+        return int(size)
+    except (TypeError, ValueError):
+        return None
+
+
 def _dim_arg(node: fx.Node, i: int) -> int:
     """The `dim` argument of `node`, at position i or by name (0 where left out)."""
     return node.args[i] if len(node.args) > i else node.kwargs.get("dim", 0)
 
 
+_WALK_LIMIT = 256  # ops param_sources looks back through before it gives up
 _PIECES = (aten.split.Tensor, aten.split_with_sizes.default, aten.tensor_split.indices, aten.tensor_split.sections,
            aten.chunk.default, aten.unbind.int)
 _FILLS = (aten.new_zeros.default, aten.new_empty.default, aten.new_ones.default, aten.new_full.default)
