@@ -118,8 +118,7 @@ def _per_channel(node: fx.Node, dim: int):
         elif t in _KEEPS or (hasattr(t, "tags") and torch.Tag.pointwise in t.tags and _same_or_broadcast(u, node)):
             yield u, dim  # elementwise: each channel from the same channel of its inputs (a per-channel scale)
         elif t in (aten.slice.Tensor, aten.tensor_split.indices, aten.tensor_split.sections) and \
-                (args[1 if t is aten.slice.Tensor else 2] if len(args) > (1 if t is aten.slice.Tensor else 2) else 0) \
-                % ndim != dim:
+                _dim_arg(u, 1 if t is aten.slice.Tensor else 2) % ndim != dim:
             yield from ((g, dim) for g in u.users) if t is not aten.slice.Tensor else [(u, dim)]
         elif t is operator.getitem:
             yield u, dim
@@ -162,7 +161,7 @@ def _split_after(part: fx.Node, dim: int) -> tuple[fx.Node, int] | None:
                 frontier.append((u, ud))
         for u in cur.users:
             if u.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default) and \
-                    cur is not part and (u.args[2] if len(u.args) > 2 else 0) % len(cur.meta["meshc.shape"]) == d:
+                    cur is not part and _dim_arg(u, 2) % len(cur.meta["meshc.shape"]) == d:
                 return u, d
     return None
 
