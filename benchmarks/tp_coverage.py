@@ -67,6 +67,8 @@ FAMILIES = {
     "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                                          num_heads=8, head_dim=16, state_size=16, n_groups=1, expand=2,
                                                          chunk_size=8, use_cache=False), "tokens"),
+    "jetmoe": ("JetMoeConfig", "JetMoeForCausalLM", {**SMALL, **LM, "num_key_value_heads": 2, "kv_channels": 16,
+                                                     "num_local_experts": 4, "num_experts_per_tok": 2}, "tokens"),
     "mamba": ("MambaConfig", "MambaForCausalLM", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                                       state_size=16, expand=2, time_step_rank=4, use_cache=False),
               "tokens"),

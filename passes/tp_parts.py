@@ -43,6 +43,8 @@ def chunks_of(node: fx.Node, n: int) -> int | tuple[int, ...]:
             if unit == 1 and (is_reshape(u) or u.target is aten.unsqueeze.default and u.args[1] % (ndim + 1) < ndim) \
                     and int(shape[-1]) == width:  # the last dim kept (GPT-BigCode: unsqueeze(1), then the split)
                 frontier.append((u, 1))
+            elif unit == 1 and _rows_joined(u, cur, width):  # the rows of several layers (a loop over experts)
+                frontier.append((u, 1))
             elif unit == 1 and _packed_parts(u, width):  # (..., parts, width / parts), each part taken apart
                 return _blocks([width // _packed_parts(u, width)] * _packed_parts(u, width), 1, n)
             elif unit == 1 and _head_split(u, width):
@@ -220,6 +222,19 @@ def _blocks(parts: list[int], unit: int, n: int) -> int | tuple[int, ...]:
     if any(whole) and not all(whole):
         return tuple(Whole(s) if w else s for s, w in zip(sizes, whole))
     return as_chunks(sizes)
+
+
+def _rows_joined(u: fx.Node, cur: fx.Node, width: int) -> bool:
+    """Does `u` gather `cur`'s rows into a tensor of the same last dim: a cat on another dim (the outputs of one
+    layer per expert), or an index_add of them into positions (routed tokens summed back)?"""
+    shape = u.meta.get("meshc.shape") or ()
+    if not shape or shape[-1] != width:
+        return False
+    if u.target == aten.cat.default:
+        dim = u.args[1] if len(u.args) > 1 else 0
+        return dim % len(shape) != len(shape) - 1
+    return u.target == aten.index_add.default and len(u.args) > 3 and u.args[3] is cur and \
+        u.args[1] % len(shape) != len(shape) - 1
 
 
 def _packed_parts(u: fx.Node, width: int) -> int:

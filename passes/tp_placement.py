@@ -27,7 +27,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -57,7 +57,8 @@ class Weight:
     fqn: str
     module: str
     # "linear" (out, in) | "conv1d" (in, out) | "embedding" (rows, dim) | "experts" (E, out, in) read transposed by a
-    # grouped matmul | "experts_io" (E, in, out) read as it is by a grouped matmul or a bmm (GPT-OSS, Llama 4)
+    # grouped matmul, or one linear per index (`F.linear(rows, weight[i])`: JetMoE's loop, the others in `also`) |
+    # "experts_io" (E, in, out) read as it is by a grouped matmul or a bmm (GPT-OSS, Llama 4)
     kind: str
     node: fx.Node  # the op that uses it
     act: fx.Node | None  # the activation it multiplies
@@ -65,6 +66,7 @@ class Weight:
     chunks: int | tuple[int, ...]
     key: str = ""  # the weights' and styles' key: the FQN, or "fqn[i]" for piece i of a weight cut before its linears
     rows: int = 0  # a piece's rows of the weight (0: not a piece)
+    also: tuple[fx.Node, ...] = ()  # the other layers of a stack read by index (weight[i]): placed, tried, paired alike
 
     def __post_init__(self) -> None:
         self.key = self.key or self.fqn
@@ -263,7 +265,8 @@ def _weights(program: Program) -> dict[str, Weight]:
     n = program.mesh.size(AXIS)
     for fqn, node in program.param_nodes().items():
         spec = program.params[fqn]
-        if len(spec.shape) != 2 and not (len(spec.shape) == 3 and any(_expert_use(u, node) for u in node.users)):
+        if len(spec.shape) != 2 and not (len(spec.shape) == 3 and any(_expert_use(u, node) or _stacked_use(u, node)
+                                                                       for u in node.users)):
             continue
         pieces = weight_pieces(node) if len(spec.shape) == 2 else None
         for i, (rows, linear) in enumerate(pieces or ()):  # cut before its linears: one Weight per piece
@@ -293,6 +296,10 @@ def _as_weight(program, fqn, node, use) -> Weight | None:
             return Weight(fqn, module, "linear", mm, mm.args[0], None, chunks_of(mm, n))
     if use.target == aten.embedding.default and use.args[0] is node:
         return Weight(fqn, module, "embedding", use, use.args[1], None, 1)
+    stacked = _stacked_use(use, node)
+    if stacked:  # one linear layer per index of a stack (E, out, in), read as weight[i] (JetMoE's experts)
+        others = tuple(x for x in (_stacked_use(u, node) for u in node.users) if x is not None and x is not stacked)
+        return Weight(fqn, module, "experts", stacked, stacked.args[0], None, chunks_of(stacked, n), also=others)
     kind = _expert_use(use, node)
     if kind:  # experts: a linear layer each, (E, out, in) read as (E, in, out) through a transpose, or (E, in, out)
         mm = use if kind == "experts_io" else next(iter(use.users))
@@ -311,6 +318,20 @@ def _expert_use(use: fx.Node, weight: fx.Node) -> str | None:
         return None
     (mm,) = use.users
     return "experts" if is_grouped_mm(mm) and mm.args[1] is use else None
+
+
+def _stacked_use(use: fx.Node, weight: fx.Node) -> fx.Node | None:
+    """The linear layer that reads one layer's weight out of a stack (E, out, in) by index, `F.linear(x, weight[i])`
+    (a loop over experts, JetMoE), or None. Every index is such a layer with the same placement: the stack is
+    sharded like the experts of a grouped matmul (out dim 1 column-, in dim 2 row-parallel)."""
+    if use.op != "call_function" or use.target != aten.select.int or use.args[0] is not weight or \
+            len(weight.meta.get("meshc.shape") or ()) != 3 or use.args[1] % 3 != 0 or len(use.users) != 1:
+        return None
+    (linear,) = use.users
+    if linear.target == aten.linear.default and linear.args[1] is use and linear.args[0] is not use and \
+            (len(linear.args) < 3 or linear.args[2] is None):
+        return linear
+    return None
 
 
 def _expert_bias(mm: fx.Node) -> str | None:
@@ -371,6 +392,7 @@ def _megatron(program: Program, weights: dict[str, Weight], n: int):
     companions: dict[str, tuple[Shard, tuple[str, ...]]] = {}
     greedy: list[Option] = []
     by_node = {w.node: w for w in weights.values() if w.kind != "embedding" and not w.rows}  # rows: whole weights
+    by_node.update({x: replace(w, node=x, act=x.args[0]) for w in list(by_node.values()) for x in w.also})
     nodes = list(program.gm.graph.nodes)
     walk = (nodes, order, by_node)
     for members in groups.values():
@@ -458,7 +480,8 @@ def _option(program: Program, members: list[Weight], rows: list[Weight], n: int)
     """A group's pairing as whole_graph scores it: the weight bytes it shards; the forward all-reduce of every row
     layer's output and the backward all-reduce of the gradient of every input its column layers read, timed by
     the program's hardware profile (bytes where it has none)."""
-    sharded, payloads = 0, [_nbytes(r.node) for r in rows]
+    rows = list({r.key: r for r in rows}.values())  # a stack's layers, each paired: one weight
+    sharded, payloads = 0, [_nbytes(x) for r in rows for x in (r.node, *r.also)]
     for w in [*members, *rows]:
         spec = program.params[w.fqn]
         whole = math.prod(int(d) for d in spec.shape) * spec.dtype.itemsize
@@ -492,15 +515,16 @@ def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str],
     placements: dict[fx.Node, object] = {}
     blame: dict[fx.Node, set[str]] = {}
     pending: set[fx.Node] = set()  # users of sharded values not visited yet: the walk ends when none is left
-    for m in members:
-        placements[m.node] = Shard(len(m.node.meta["meshc.shape"]) - 1, m.chunks)
-        blame[m.node] = {m.key}
-        pending.update(m.node.users)
+    seeds = [(m, x) for m in members for x in (m.node, *m.also)]
+    for m, x in seeds:
+        placements[x] = Shard(len(x.meta["meshc.shape"]) - 1, m.chunks)
+        blame[x] = {m.key}
+        pending.update(x.users)
     ctx = RuleCtx(n, placements)
     rows: list[Weight] = []
     params: dict[str, Shard] = {}
     stats: set[fx.Node] = set()  # partial statistics (a norm's mean over the sharded features): all-reduced
-    start = min(order[m.node] for m in members)
+    start = min(order[x] for _, x in seeds)
     for node in nodes[start + 1:]:
         if not pending:
             break
@@ -595,7 +619,7 @@ def _order(program: Program) -> dict[fx.Node, int]:
 
 
 def _names(ws: list[Weight]) -> str:
-    mods = [w.module for w in ws]
+    mods = list(dict.fromkeys(w.module for w in ws))
     if len(mods) > 1:
         prefix = mods[0].rsplit(".", 1)[0]
         if all(m.rsplit(".", 1)[0] == prefix for m in mods):

@@ -162,6 +162,22 @@ def expand_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, out, rewrite=lambda nd: nd.update_arg(1, _local(dst, out, ctx.n)))
 
 
+@handles(aten.repeat.default)
+def repeat_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """x.repeat(r0, r1, ...): the local tensor repeated alike holds each copy's share, so a shard follows (moved past
+    the leading dims repeat adds); repeated along the sharded dim, the copies are its blocks (JetMoE's k and v repeated
+    per routed head: Shard(heads, chunks=copies)); a partial sum stays one."""
+    x, repeats = node.args[0], list(node.args[1])
+    p = ctx.pl(x)
+    if not isinstance(p, Shard):
+        return Decision({}, p)
+    dim = p.dim + len(repeats) - len(_ints(x))
+    copies = repeats[dim]
+    if copies == 1:
+        return Decision({}, Shard(dim, p.chunks))
+    return Decision({}, Shard(dim, as_chunks(block_sizes(p.chunks, _ints(x)[p.dim]) * copies)))
+
+
 _AS = {aten.view_as.default: aten.view.default, aten.reshape_as.default: aten.reshape.default,
        aten.expand_as.default: aten.expand.default}
 
@@ -416,7 +432,7 @@ def cat_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     # from torch.tensor([]) and concatenates the first keys onto it); they add nothing and constrain no
     # placement, so the rule decides over the others and leaves them as they are
     ndim = len(_ints(node))
-    kept = [i for i, t in enumerate(node.args[0]) if ndim == 1 or _ints(t) != (0,)]
+    kept = [i for i, t in enumerate(node.args[0]) if ndim == 1 or tuple(t.meta["meshc.shape"]) != (0,)]
     if not kept:
         return Decision({}, R)
     sub = _cat_rule([node.args[0][i] for i in kept], node.args[1] if len(node.args) > 1 else 0, ndim, ctx)
@@ -482,12 +498,31 @@ def index_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     return Decision({}, Shard(p.dim - len(dims) + added, p.chunks))
 
 
+@handles(aten.index_add.default)
+def index_add_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """index_add(x, dim, index, rows): rows added into x at `index` along `dim` (routed tokens summed back into
+    their positions, JetMoE's experts). A shard off `dim` is kept: x and rows sharded alike (a replicated one
+    sliced), the index whole; a shard on `dim`, or a partial sum, makes the op run on whole inputs."""
+    x, dim, index, rows = node.args[:4]
+    ndim = len(node.meta["meshc.shape"])
+    pls = [ctx.pl(x), ctx.pl(rows)]
+    shards = [p for p in pls if isinstance(p, Shard)]
+    if not shards and not any(isinstance(p, Partial) for p in pls):
+        return Decision({}, R)
+    target = shards[0] if shards else None
+    if target is None or target.dim == dim % ndim or any(isinstance(p, Partial) for p in pls) or \
+            len(set(shards)) > 1 or not isinstance(ctx.pl(index), Replicate):
+        return Decision({(0,): R, (2,): R, (3,): R}, R, note="index_add along the sharded dim or of partial sums")
+    return Decision({(0,): target, (3,): target}, target)
+
+
 @handles(operator.getitem)
 def getitem_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     p = ctx.pl(node.args[0])
     return Decision({}, p[node.args[1]] if isinstance(p, tuple) else p)
 
 
-VIEW_RULES = (view_rule, unflatten_rule, flatten_rule, expand_rule, transpose_rule, t_rule, permute_rule, unsqueeze_rule, squeeze_rule, slice_rule,
+VIEW_RULES = (view_rule, unflatten_rule, flatten_rule, expand_rule, repeat_rule, transpose_rule, t_rule, permute_rule, unsqueeze_rule, squeeze_rule, slice_rule,
               view_as_complex_rule, view_as_real_rule, as_rule,
-              select_rule, split_rule, chunk_rule, unbind_rule, cat_rule, stack_rule, index_rule, getitem_rule)
+              select_rule, split_rule, chunk_rule, unbind_rule, cat_rule, stack_rule, index_rule, index_add_rule,
+              getitem_rule)

@@ -466,7 +466,27 @@ def llama4_moe(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return model
 
 
+def jetmoe(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face JetMoE: experts as a loop, one `F.linear(rows, weight[i])` per expert over a stack (E, out, in)
+    with rows split by counts read at run time (`.tolist()`), summed back by index_add; its attention's queries and
+    outputs are such experts too (a mixture of attention heads), k and v one projection repeated per routed head."""
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = JetMoeConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=32, num_attention_heads=4,
+                       num_key_value_heads=2, kv_channels=8, num_local_experts=4, num_experts_per_tok=2,
+                       vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False, output_router_logits=False,
+                       bos_token_id=0, eos_token_id=0)
+    model = JetMoeForCausalLM(cfg)
+    with torch.no_grad():  # the layers' output biases start at zero: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.02)
+    return model
+
+
 MODELS["deepseek_v3"] = deepseek_v3
+MODELS["jetmoe"] = jetmoe
 MODELS["gpt_oss"] = gpt_oss
 MODELS["llama4_moe"] = llama4_moe
 MODELS["olmoe"] = olmoe

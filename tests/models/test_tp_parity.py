@@ -193,6 +193,9 @@ SHARDED = [("falcon_new", {}), ("falcon_new", {"sequence_parallel": True}), ("fa
            ("gpt_oss", {}), ("gpt_oss", {"sequence_parallel": True}),
            # Llama 4's dense experts (bmm over every expert, router-weighted) beside a shared expert
            ("llama4_moe", {}), ("llama4_moe", {"sequence_parallel": True}),
+           # JetMoE's experts as a loop over a stack (`F.linear(rows, weight[i])`, rows split by counts read at run
+           # time), in its MLP and as its attention's query and output projections; k and v repeated per routed head
+           ("jetmoe", {}),
            # logcumsumexp and cumprod, which meshc has no rule for: DTensor's registered strategies keep the shard
            ("scan_plain", {}),
            # h -> 4h -> 16h -> h: the whole-graph choice pairs the last two layers, not Megatron's first two in order

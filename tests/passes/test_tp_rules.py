@@ -182,6 +182,23 @@ VIEWS = [
     ("view regroups a column shard", aten.view.default, (T((4, 6)), [8, 3]), [S(1)], 2, S(0, 4), {}, False),
     ("view straddles: gathers", aten.view.default, (T((4, 6)), [4, 3, 2]), [S(1)], 2, R, {(0,): R}, True),
     ("expand keeps the shard", aten.expand.default, (T((3, 8)), [2, 3, 8]), [S(1)], 2, S(2), {}, False),
+    # repeat: the local tensor repeated alike; copies along the sharded dim become its blocks (JetMoE's k and v
+    # repeated once per routed head), leading dims repeat adds move the shard
+    ("repeat elsewhere keeps the shard", aten.repeat.default, (T((2, 4, 3)), [1, 1, 2]), [S(1)], 2, S(1), {}, False),
+    ("repeat along the shard: copies as blocks", aten.repeat.default, (T((2, 4, 3)), [1, 2, 1]), [S(1)], 2, S(1, 2),
+     {}, False),
+    ("repeat of blocks along the shard", aten.repeat.default, (T((2, 6, 3)), [1, 2, 1]), [S(1, (4, W(2)))], 2,
+     S(1, (4, W(2), 4, W(2))), {}, False),
+    ("repeat adding a dim", aten.repeat.default, (T((4, 3)), [2, 1, 1]), [S(0)], 2, S(1), {}, False),
+    ("repeat of P", aten.repeat.default, (T((4, 3)), [2, 1]), [P], 2, P, {}, False),
+    # index_add: rows summed into positions along dim 0 (routed tokens back into place): a shard of the features
+    # follows (a replicated x sliced), the index whole; on the indexed dim, or of a partial sum, gathered
+    ("index_add keeps a feature shard", aten.index_add.default,
+     (T((4, 6)), 0, T((5,), torch.int64), T((5, 6))), [R, R, S(1)], 2, S(1), {(0,): S(1), (3,): S(1)}, False),
+    ("index_add along the shard gathers", aten.index_add.default,
+     (T((4, 6)), 0, T((5,), torch.int64), T((5, 6))), [S(0), R, S(0)], 2, R, {(0,): R, (2,): R, (3,): R}, True),
+    ("index_add of P gathers", aten.index_add.default,
+     (T((4, 6)), 0, T((5,), torch.int64), T((5, 6))), [R, R, P], 2, R, {(0,): R, (2,): R, (3,): R}, True),
     ("transpose moves it", aten.transpose.int, (X, 1, 2), [S(1)], 2, S(2), {}, False),
     ("t moves it", aten.t.default, (T((4, 6)),), [S(0)], 2, S(1), {}, False),
     ("permute moves it", aten.permute.default, (X, [2, 0, 1]), [S(0)], 2, S(1), {}, False),
@@ -331,6 +348,13 @@ def test_rows_known_only_at_run_time_keep_the_shard_of_the_other_dims():
     assert act.out == S(1) and act.inputs == {}
     _, row = _routed(aten.linear.default, (T((5, 16)), T((8, 16))), [S(1), S(1)])
     assert row.out == P and row.inputs.get((0,), S(1)) == S(1) and row.inputs.get((1,), S(1)) == S(1)
+
+
+def test_the_rows_of_experts_joined_keep_the_shard_of_their_features():
+    """JetMoE's loop: one linear per expert on its rows (counts read at run time), their outputs joined by a cat on the
+    rows: the feature shard follows (it once gathered, the cat's rule reading every size to skip empty inputs)."""
+    _, dec = _routed(aten.cat.default, ([T((5, 8)), T((5, 8))],), [S(1), S(1)], rows_dim_of=(0, 1))
+    assert dec.out == S(1) and dec.inputs == {(0, 0): S(1), (0, 1): S(1)} and dec.note is None
 
 
 def test_a_rule_that_needs_a_size_known_only_at_run_time_gathers_and_says_so():
