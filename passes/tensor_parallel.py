@@ -39,6 +39,7 @@ from meshc.runtime.ops.tp_ops import join_blocks
 
 from meshc.passes.layout import refresh_vals
 from meshc.passes.shapes import check_divisible
+from meshc.passes.tp_loops import fold, loop_of
 from meshc.passes.tp_rules import RuleCtx
 from meshc.passes.tp_table import infer
 
@@ -59,8 +60,22 @@ def tensor_parallel_pass(program: Program) -> Program:
                   group=program.mesh.group_name(AXIS, program.rank))
     red = _Redistributor(program, ctx)
     origin: dict[fx.Node, str] = {}
+    loops, joins, pieces, dropped = loop_of(graph), {}, set(), set()
     for node in list(graph.nodes):
-        if node.op == "placeholder":
+        if node in dropped:
+            continue
+        loop = loops.get(node)
+        if loop is not None and loop.join not in joins:  # a loop over parts: folded where its sources are sharded
+            folded = fold(loop, ctx, red)
+            joins[loop.join] = folded is not None
+            if folded:
+                pieces |= folded[0]
+                dropped |= folded[1]
+        if node in pieces and node in loop.seeds:  # local part g: another part of the whole on each rank
+            placements[node] = R
+        elif joins.get(node):
+            placements[node] = Shard(loops[node.args[0][0]].dim)
+        elif node.op == "placeholder":
             spec = program.params.get(node.meta.get("meshc.fqn")) or program.buffers.get(node.meta.get("meshc.fqn"))
             placements[node] = spec.placements[AXIS] if spec else R
             if spec and not isinstance(placements[node], Replicate):
@@ -73,7 +88,10 @@ def tensor_parallel_pass(program: Program) -> Program:
                 if not isinstance(ctx.pl(a), Replicate) and ctx.pl(a) is not None:
                     new = red.convert(a, ctx.pl(a), R, node, "graph outputs are whole on every rank")
                     node.update_arg(0, tuple(new if j == i else b for j, b in enumerate(node.args[0])))
-    _insert_f(program, ctx, red)
+    for node in reversed(list(graph.nodes)):
+        if node in dropped:
+            graph.erase_node(node)
+    _insert_f(program, ctx, red, pieces)
     if program.plan.sequence_parallel:
         _fuse_gather_f(program)
     for node in graph.nodes:
@@ -249,17 +267,19 @@ class _Redistributor:
         return ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
 
 
-def _insert_f(program: Program, ctx: RuleCtx, red: _Redistributor) -> None:
+def _insert_f(program: Program, ctx: RuleCtx, red: _Redistributor, pieces: set[fx.Node]) -> None:
     """A replicated value that feeds sharded compute gets partial gradients from it: route those uses
     through grad_all_reduce (Megatron's f) so that its gradient is whole again. A parameter all of whose
-    uses are sharded instead gets its partial gradient summed by the grad_sync pass, in buckets."""
+    uses are sharded instead gets its partial gradient summed by the grad_sync pass, in buckets. The iterations
+    of a folded loop (`pieces`) are such compute: each rank runs those of its own parts."""
     graph = program.gm.graph
     grad = needs_grad(program)
     for node in list(graph.nodes):
-        if not isinstance(ctx.placements.get(node), Replicate) or not grad.get(node):
+        if not isinstance(ctx.placements.get(node), Replicate) or not grad.get(node) or node in pieces:
             continue
         users = [u for u in node.users if u.op == "call_function" and u.target not in COMM_FNS
-                 and u.target is not join_blocks and in_parts(ctx.placements.get(u))]  # joined whole: no f
+                 and u.target is not join_blocks and (in_parts(ctx.placements.get(u)) or u in pieces)]  # joined
+        # whole: no f
         if not users:
             continue
         spec = program.params.get(node.meta.get("meshc.fqn")) if node.op == "placeholder" else None

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from meshc.compiler.ir.fx_ops import is_reshape
 from meshc.compiler.ir.placement import Whole, as_chunks
+from meshc.passes.tp_loops import joined_in_order
 
 aten = torch.ops.aten
 # ops that move a dim without touching the data's order along it: what a parts dim may pass through
@@ -253,7 +254,7 @@ def _packed_parts(u: fx.Node, width: int) -> int:
     if shape[:cut] != src[:cut] or len(tail) not in (2, 3) or tail[0] < 2 or math.prod(tail) != width:
         return 0
     sizes = tail
-    todo, seen = [(u, cut)], set()
+    todo, seen, taken = [(u, cut)], set(), {}
     while todo:
         cur, dim = todo.pop()
         for user in cur.users:
@@ -263,10 +264,14 @@ def _packed_parts(u: fx.Node, width: int) -> int:
             moved = _moved_dim(user, dim, len(cur.meta["meshc.shape"]))
             if user.target in (aten.select.int, aten.unbind.int) and (user.args[1] if len(user.args) > 1 else 0) % \
                     len(cur.meta["meshc.shape"]) == dim:
+                if user.target is aten.select.int and isinstance(user.args[2], int):
+                    taken[user] = user.args[2] % sizes[0]
                 continue  # a part taken
             if moved is None:
                 return 0  # used as a whole somewhere: not parts
             todo.append((user, moved))
+    if taken and sorted(set(taken.values())) == list(range(sizes[0])) and joined_in_order(taken, sizes[0]):
+        return 0  # a loop over the parts (heads run one by one), not q|k|v: tp_loops splits the parts dim instead
     return sizes[0] if seen else 0
 
 

@@ -44,6 +44,7 @@ from meshc.compiler.ir.sizes import bounded_sizes
 from meshc.passes.blocks import block_of
 from meshc.passes.sharding.whole_graph import Option, choose, score
 from meshc.passes.shapes import shard_divides
+from meshc.passes.tp_loops import Loop, loop_of
 from meshc.passes.tp_parts import bias_piece, chunks_of, param_sources, weight_pieces
 from meshc.passes.tp_rules import RuleCtx
 from meshc.passes.tp_table import infer
@@ -175,7 +176,12 @@ def _row_reasons(program: Program, weights: dict[str, Weight]) -> None:
                     name = src.module[len(block) + 1:] if src.module.startswith(block + ".") else src.module
                     program.tp_why[w.module] = f"its input comes from {name}, which stays replicated"
                 break
-            frontier.extend(cur.all_input_nodes)
+            frontier.extend(a for a in cur.all_input_nodes if _floating(a))  # not routing ids nor counts
+
+
+def _floating(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
 
 
 def _check_coverage(program: Program, n: int) -> None:
@@ -394,7 +400,7 @@ def _megatron(program: Program, weights: dict[str, Weight], n: int):
     by_node = {w.node: w for w in weights.values() if w.kind != "embedding" and not w.rows}  # rows: whole weights
     by_node.update({x: replace(w, node=x, act=x.args[0]) for w in list(by_node.values()) for x in w.also})
     nodes = list(program.gm.graph.nodes)
-    walk = (nodes, order, by_node)
+    walk = (nodes, order, by_node, loop_of(program.gm.graph))
     for members in groups.values():
         found = _pairing(walk, [m for m in members if m.key not in styles], styles, n,
                          lambda result, tried: _explain_failure(program, result, tried, n))
@@ -509,7 +515,7 @@ class _Trial:
     params: dict[str, Shard] | None = None  # parameters the flow reads sharded (none a Weight's): FQN -> placement
 
 
-def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str], n: int) -> _Trial:
+def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str, str], n: int) -> _Trial:
     """Follow the members' outputs, column-parallel, until row-parallel consumers; any needed
     communication on the way fails the trial and blames the members whose flow needed it."""
     placements: dict[fx.Node, object] = {}
@@ -533,6 +539,14 @@ def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str],
         if not inputs or node in placements:
             continue
         origin = set().union(*(blame[a] for a in inputs))
+        loop = loops.get(node)
+        if loop is not None and node in loop.seeds and node.args[0] in placements:  # a loop over the parts of a
+            if loop.join not in placements:  # sharded dim, entered by its sources: each rank runs its parts' iterations
+                failed = _trial_loop(loop, placements, blame, params, n)
+                if failed:
+                    return _Trial([], origin, *failed)
+                pending.update(loop.join.users)
+            continue
         if node.op == "output":
             return _Trial([], origin, f"reaches the graph output at {node.format_node()}")
         w = by_node.get(node)
@@ -571,6 +585,32 @@ def _trial(nodes, order, by_node, members: list[Weight], styles: dict[str, str],
         blame[node] = origin
         pending.update(node.users)
     return _Trial(rows, set(), "" if rows else "no row-parallel layer consumes it", params=params)
+
+
+def _trial_loop(loop: Loop, placements: dict, blame: dict, params: dict, n: int):
+    """Place a loop over the parts of a dim as one op: its sources sharded on that dim (a parameter, or values made
+    of parameters alone, sharded with them; others sliced), nothing else it reads sharded, its join sharded on the
+    join's dim. (reason, indivisible) where it cannot be, else None."""
+    what = f"the loop over the {loop.count} parts of {', '.join(s.name for s in loop.sources)}"
+    if loop.count % n:
+        return f"{what} does not divide over tp={n}", (f"{loop.count} parts", loop.count)
+    body = loop.nodes()
+    for x in {a for b in body for a in b.all_input_nodes} - body - set(loop.sources):
+        if in_parts(placements.get(x)):
+            return f"{what} reads %{x.name} ({placements[x]}) in each iteration", None
+    for src, dim in loop.sources.items():
+        p = placements.get(src)
+        if p is None:
+            fqn = src.meta.get("meshc.fqn") if src.op == "placeholder" else None
+            seed = next(u for u in src.users if u in loop.seeds)
+            found = {fqn: dim} if fqn and set(src.users) <= loop.seeds else param_sources(src, dim, seed)
+            for fqn, d in (found or {}).items():
+                params[fqn] = Shard(d)
+        elif p != Shard(dim):
+            return f"{what}: %{src.name} is {p}, not split on dim {dim} alone", None
+    placements[loop.join] = Shard(loop.dim)
+    blame[loop.join] = set().union(*(blame.get(s, set()) for s in loop.sources))
+    return None
 
 
 def _row_ok(w: Weight, act_placement, members) -> bool:

@@ -502,3 +502,37 @@ class LoopMoELM(_BlocksLM):
 def loop_moe(seed: int = 0, layers: int = 2) -> nn.Module:
     torch.manual_seed(seed)
     return LoopMoELM(layers=layers)
+
+
+class _HeadLoop(nn.Module):
+    """A mixer that runs each head on its own, as Zamba's Mamba layers do: the input projected and cut into heads, a
+    loop over the heads reading each one's slice and its own parameters (`scale[h]`) beside a matrix every head
+    shares (`mix`), a running sum over time in each, the heads' results joined by a cat before the output projection."""
+
+    def __init__(self, width: int, heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.norm = nn.LayerNorm(width)
+        self.inp = nn.Linear(width, heads * head_dim)
+        self.scale = nn.Parameter(1.0 + 0.1 * torch.randn(heads, head_dim))
+        self.mix = nn.Parameter(torch.randn(head_dim, head_dim) / head_dim ** 0.5)
+        self.out = nn.Linear(heads * head_dim, width)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.inp(self.norm(x)).view(b, t, self.heads, self.head_dim).permute(2, 0, 1, 3)  # (heads, b, t, d)
+        outs = []
+        for i in range(self.heads):
+            y = torch.tanh(h[i] * self.scale[i]) @ self.mix
+            outs.append(y.cumsum(1) / t)
+        return x + self.out(torch.cat(outs, dim=-1))
+
+
+class HeadLoopLM(_BlocksLM):
+    def __init__(self, width: int = 32, heads: int = 4, head_dim: int = 8, layers: int = 2):
+        super().__init__(width, layers, lambda: _HeadLoop(width, heads, head_dim))
+
+
+def head_loop(seed: int = 0, layers: int = 2) -> nn.Module:
+    torch.manual_seed(seed)
+    return HeadLoopLM(layers=layers)

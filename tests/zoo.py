@@ -485,7 +485,21 @@ def jetmoe(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return model
 
 
+def zamba(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face Zamba's Mamba layers: in_proj's output cut into heads, then a loop over the heads, each scanned on
+    its own (`x[h]`, `A[h]`, `D[h]`, ... of per-head stacks), the scans joined by a cat before out_proj."""
+    from transformers import ZambaConfig, ZambaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = ZambaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=4, attention_head_dim=16, n_mamba_heads=4, mamba_d_state=8, mamba_dt_rank=4,
+                      layer_types=["mamba"] * layers, vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return ZambaForCausalLM(cfg)
+
+
 MODELS["deepseek_v3"] = deepseek_v3
+MODELS["zamba"] = zamba
 MODELS["jetmoe"] = jetmoe
 MODELS["gpt_oss"] = gpt_oss
 MODELS["llama4_moe"] = llama4_moe
@@ -552,6 +566,7 @@ MODELS["nanogpt_plain"] = _plain("nanogpt")
 MODELS["scan_plain"] = _plain("scan_lm")
 MODELS["widening_plain"] = _plain("widening")
 MODELS["loop_moe_plain"] = _plain("loop_moe")
+MODELS["head_loop_plain"] = _plain("head_loop")
 LOSS_INSIDE = {"nanogpt_plain"}  # forward(tokens, targets) -> (logits, loss): trained on that loss (model_loss)
 
 

@@ -174,6 +174,29 @@ def test_a_projection_cut_after_per_channel_ops_is_sharded_part_by_part(model):
         assert held == MIXERS[model], held
 
 
+# A loop over heads (passes/tp_loops.py): each rank runs the iterations of the heads it holds. Zamba scans each of its
+# 4 Mamba heads on its own, reading per-head stacks (x_proj, dt_proj, A_log, D: sharded by head); it was 0.18 at tp=2.
+# The plain head loop's heads share one matrix (`mix`, whole): its gradient, a sum over every rank's heads, is reduced.
+LOOPS = {
+    "zamba": {"model.layers.0.mamba.in_proj.weight": (64, 32), "model.layers.0.mamba.x_proj_weight": (2, 20, 16),
+              "model.layers.0.mamba.dt_proj_weight": (2, 16, 4), "model.layers.0.mamba.A_log": (2, 16, 8),
+              "model.layers.0.mamba.D": (2, 16), "model.layers.0.mamba.out_proj.weight": (32, 32)},
+    "head_loop_plain": {"blocks.0.inp.weight": (16, 32), "blocks.0.scale": (2, 8), "blocks.0.mix": (8, 8),
+                        "blocks.0.out.weight": (32, 16)},
+}
+
+
+@pytest.mark.parametrize("model", list(LOOPS))
+def test_a_loop_over_heads_runs_the_heads_of_each_rank(model):
+    """At parity; SGD: see test_a_layer_shared_by_every_depth_is_sharded_once."""
+    ref = parity.reference(model, 3, BATCH, "sgd")
+    results = run_ranks(parity.meshc_rank, 2, model, 3, BATCH, {"tp": 2}, FAST, "sgd", timeout=240)
+    for rank, out in enumerate(results):
+        parity.assert_matches(rank, out, ref, 3)
+        held = {name: out["local_shapes"][name] for name in LOOPS[model]}
+        assert held == LOOPS[model], held
+
+
 # Families whose fused projections the plan once left whole (issue 14): each must shard >= 90% of its blocks'
 # weight bytes (measured from the rank's local shapes: a run that shards nothing matches too) and match.
 SHARDED = [("falcon_new", {}), ("falcon_new", {"sequence_parallel": True}), ("falcon_mha", {}),
