@@ -119,7 +119,8 @@ PLAIN = {"plain: nanoGPT": ("nanogpt", "tokens"), "plain: MHA variants": ("mha_v
          "plain: gated scan (logcumsumexp & cumprod)": ("scan_lm", "tokens"),
          "plain: widening h-4h-16h-h": ("widening", "tokens"),
          "plain: attention as a ModuleList of heads": ("head_list", "tokens"),
-         "plain: MoE as a loop over experts (rows by torch.where)": ("loop_moe", "tokens")}
+         "plain: MoE as a loop over experts (rows by torch.where)": ("loop_moe", "tokens"),
+         "plain: a loop over heads sharing one matrix": ("head_loop", "tokens")}
 
 
 def _plain_model(family: str):

@@ -113,10 +113,15 @@ def experts_pass(program: Program) -> Program:
     if not regions:
         program.notes.append("no expert layer found (no grouped matmul over a parameter with a leading expert dim)")
         if ep > 1:  # asked for, and nothing to shard: say so rather than train as dp with nothing saved
+            loop = _read_one_by_one(program)
             text = (f"experts: ep={ep} found no expert layer (expert weights stacked in one parameter with a leading "
                     "expert dim, read by a grouped matmul, an index by routing ids or a bmm); every rank holds every "
                     "parameter and ep only splits the batch, as dp does. Experts kept in a ModuleList are sharded by "
-                    "tp (each expert's MLP column- and row-parallel)")
+                    "tp (each expert's MLP column- and row-parallel)" +
+                    (f". {loop} is a stack read one expert at a time in a Python loop (`F.linear(rows, weight[i])`): "
+                     "ep cannot move rows between the loop's layers; tp shards each of them. To use ep, compute the "
+                     "experts as one grouped matmul (torch.nn.functional.grouped_mm) over the stack"
+                     if loop else ""))
             warn(text, MeshcWarning)
             program.warnings.append(text)
         return program
@@ -509,6 +514,17 @@ def _sorted(graph: fx.Graph, region: ExpertRegion, why: str) -> tuple[fx.Node, f
     for part, shape in zip(parts, shapes):
         part.meta.update({"meshc.why": f"{why}: sorted by expert", "meshc.shape": shape})
     return parts[0], parts[1], parts[2]
+
+
+def _read_one_by_one(program: Program) -> str | None:
+    """The FQN of a 3-D parameter read only as `weight[i]` by linear layers, one per index (JetMoE's loop), if any."""
+    for fqn, node in program.param_nodes().items():
+        uses = list(node.users)
+        if len(node.meta.get("val").shape) == 3 and len(uses) > 1 and all(
+                u.target == aten.select.int and u.args[1] % 3 == 0 and all(v.target == aten.linear.default
+                                                                            for v in u.users) for u in uses):
+            return fqn
+    return None
 
 
 def _where(node: fx.Node) -> str:

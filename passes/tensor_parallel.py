@@ -24,6 +24,7 @@ After:
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -274,14 +275,17 @@ def _insert_f(program: Program, ctx: RuleCtx, red: _Redistributor, pieces: set[f
     of a folded loop (`pieces`) are such compute: each rank runs those of its own parts."""
     graph = program.gm.graph
     grad = needs_grad(program)
+    targets: dict[fx.Node, list[fx.Node]] = {}
     for node in list(graph.nodes):
         if not isinstance(ctx.placements.get(node), Replicate) or not grad.get(node) or node in pieces:
             continue
         users = [u for u in node.users if u.op == "call_function" and u.target not in COMM_FNS
                  and u.target is not join_blocks and (in_parts(ctx.placements.get(u)) or u in pieces)]  # joined
         # whole: no f
-        if not users:
-            continue
+        if users:
+            targets[node] = users
+    _hoist_over_splits(targets, ctx, grad)
+    for node, users in targets.items():
         spec = program.params.get(node.meta.get("meshc.fqn")) if node.op == "placeholder" else None
         if spec is not None and len(users) == len(node.users):
             spec.grad_partial = spec.grad_partial + (AXIS,)
@@ -296,6 +300,26 @@ def _insert_f(program: Program, ctx: RuleCtx, red: _Redistributor, pieces: set[f
         ctx.placements[f] = R
         for u in users:
             u.replace_input_with(node, f)
+
+
+_SPLITS = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.chunk.default,
+           torch.ops.aten.unbind.int)
+
+
+def _hoist_over_splits(targets: dict[fx.Node, list[fx.Node]], ctx: RuleCtx, grad: dict) -> None:
+    """Pieces of a split that all need f, each read only by sharded compute (one expert's rows per linear layer: a
+    loop over experts), get one f on the split's input instead of one each: the same bytes, one all-reduce."""
+    splits = {p.args[0] for p in targets if p.target is operator.getitem and p.args[0].target in _SPLITS}
+    for split in splits:
+        parts = list(split.users)
+        src = split.args[0]
+        if len(parts) < 2 or any(p.target is not operator.getitem or len(targets.get(p, ())) != len(p.users)
+                                 for p in parts) or not isinstance(ctx.placements.get(src), Replicate) or \
+                not grad.get(src) or src in targets:
+            continue
+        for p in parts:
+            del targets[p]
+        targets[src] = [split]
 
 
 def _fuse_gather_f(program: Program) -> None:

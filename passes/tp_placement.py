@@ -566,7 +566,7 @@ def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str
                 if src in stats and isinstance(req, Replicate):  # a small all-reduce of a statistic is fine
                     reduced = True
                     continue
-                return _Trial([], blame[src], dec.note or f"{node.format_node()} needs it {req}")
+                return _Trial([], blame[src], _in_loop(node, loops, dec.note or f"{node.format_node()} needs it {req}"))
             found = param_sources(src, req.dim, node) if isinstance(req, Shard) and src not in placements else None
             for fqn, dim in (found or {}).items():
                 params[fqn] = Shard(dim, req.chunks)
@@ -585,6 +585,16 @@ def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str
         blame[node] = origin
         pending.update(node.users)
     return _Trial(rows, set(), "" if rows else "no row-parallel layer consumes it", params=params)
+
+
+def _in_loop(node: fx.Node, loops: dict[fx.Node, Loop], reason: str) -> str:
+    """`reason`, said of the loop over parts whose iteration or join `node` is: a layer inside one iteration, its
+    output split as Megatron splits it, no longer joins the other iterations' (a matrix every head reads)."""
+    loop = loops.get(node) or next((lp for lp in loops.values() if lp.join is node), None)
+    if loop is None:
+        return reason
+    return (f"inside each iteration of the loop over the {loop.count} parts of "
+            f"{', '.join('%' + s.name for s in loop.sources)} ({reason}): read whole by every iteration")
 
 
 def _trial_loop(loop: Loop, placements: dict, blame: dict, params: dict, n: int):

@@ -268,3 +268,11 @@ def test_ep_with_no_expert_layer_says_so():
         _, program = _compile(zoo.build("loop_moe_plain"), torch.randint(0, zoo.VOCAB, (4, zoo.SEQ)), dp=2, ep=2)
     assert all(s.placements.get("ep", Replicate()) == Replicate() for s in program.params.values())
     assert any("found no expert layer" in w for w in program.warnings)
+
+
+def test_ep_over_a_stack_read_one_expert_at_a_time_names_it():
+    """JetMoE loops over its experts, `F.linear(rows, weight[i])` on a stack (E, out, in): ep cannot move rows between
+    the unrolled layers, so it shards nothing, and the warning names the stack and what to write instead."""
+    with pytest.warns(MeshcWarning, match=r"model\.layers\.0\.\S+_linear\.weight is a stack read one expert at a time"):
+        _, program = _compile(zoo.build("jetmoe", layers=1), torch.randint(0, zoo.VOCAB, (4, zoo.SEQ)), dp=2, ep=2)
+    assert all(s.placements.get("ep", Replicate()) == Replicate() for s in program.params.values())

@@ -2,6 +2,7 @@
 errors and warnings of what cannot be split."""
 from __future__ import annotations
 
+import operator
 import re
 from collections import Counter
 
@@ -81,6 +82,21 @@ def test_census_of_fused_projection_families(fake_mesh, name, forward, f, kv):
     kv_bytes = B * T * head_dim * 4 * (4 // 2 if repeated else 1)
     sizes = Counter(r.bytes for node, r in program.comm_records() if _block(node) and r.phase == "backward")
     assert sizes == Counter({B * T * H * 4: 2 * f, **({kv_bytes: 2 * kv} if kv else {})})
+
+
+def test_a_loop_over_experts_reduces_the_gradient_of_their_rows_once(fake_mesh):
+    """JetMoE's experts in a loop (one linear per expert on its rows, split by counts) in its attention and its MLP:
+    per block, the two layers' outputs all-reduced forward; backward, one f for each loop's rows (on the rows before
+    the split, not one per expert's piece), one for k|v's input, one for each layer's routing weights."""
+    program = _program(fake_mesh(tp=2), zoo.build("jetmoe"))
+    census = _census_by_block(program)
+    assert len(census) == 2
+    for block, counts in census.items():  # (and the index_add's zeros sliced locally: free)
+        reduces = Counter({k: v for k, v in counts.items() if k[0] == "all_reduce"})
+        assert reduces == Counter({("all_reduce", "forward"): 2, ("all_reduce", "backward"): 5}), block
+    from meshc.runtime.ops.collectives import grad_all_reduce
+    fs = [n for n in program.gm.graph.nodes if n.target is grad_all_reduce]
+    assert not any(f.args[0].target is operator.getitem for f in fs), [f.args[0].format_node() for f in fs]
 
 
 @pytest.mark.parametrize("name", ["reference", "gpt2", "llama"])
