@@ -252,9 +252,14 @@ def number_bound(x):
 def _upper(expr, env):
     import sympy
 
+    from torch.utils._sympy.numbers import int_oo
     from torch.utils._sympy.value_ranges import bound_sympy
 
     upper = bound_sympy(expr, env.var_to_range if env is not None else None).upper
+    # finite numbers only: an unbounded size's bound is an infinity, sympy's oo or torch's int_oo (which says it is
+    # finite), neither of which has an int()
+    if upper in (int_oo, -int_oo) or not isinstance(upper, sympy.Expr):
+        return None
     return upper if isinstance(upper, (sympy.Integer, sympy.Float)) or (upper.is_number and upper.is_finite) else None
 
 
