@@ -40,7 +40,7 @@ from meshc.runtime.ops.tp_ops import join_blocks
 
 from meshc.passes.layout import refresh_vals
 from meshc.passes.shapes import check_divisible
-from meshc.passes.tp_loops import fold, loop_of
+from meshc.passes.sharding.loops import fold, loop_of
 from meshc.passes.tp_rules import RuleCtx
 from meshc.passes.tp_table import infer
 

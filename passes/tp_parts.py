@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from meshc.compiler.ir.fx_ops import is_reshape
 from meshc.compiler.ir.placement import Whole, as_chunks
-from meshc.passes.tp_loops import joined_in_order
+from meshc.passes.sharding.loops import joined_in_order
 
 aten = torch.ops.aten
 # ops that move a dim without touching the data's order along it: what a parts dim may pass through
@@ -271,7 +271,7 @@ def _packed_parts(u: fx.Node, width: int) -> int:
                 return 0  # used as a whole somewhere: not parts
             todo.append((user, moved))
     if taken and sorted(set(taken.values())) == list(range(sizes[0])) and joined_in_order(taken, sizes[0]):
-        return 0  # a loop over the parts (heads run one by one), not q|k|v: tp_loops splits the parts dim instead
+        return 0  # a loop over the parts (heads one by one), not q|k|v: sharding/loops.py splits the parts dim
     return sizes[0] if seen else 0
 
 

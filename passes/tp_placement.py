@@ -44,7 +44,7 @@ from meshc.compiler.ir.sizes import bounded_sizes
 from meshc.passes.blocks import block_of
 from meshc.passes.sharding.whole_graph import Option, choose, score
 from meshc.passes.shapes import shard_divides
-from meshc.passes.tp_loops import Loop, loop_of
+from meshc.passes.sharding.loops import Loop, loop_of
 from meshc.passes.tp_parts import bias_piece, chunks_of, param_sources, weight_pieces
 from meshc.passes.tp_rules import RuleCtx
 from meshc.passes.tp_table import infer

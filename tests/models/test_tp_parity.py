@@ -174,8 +174,8 @@ def test_a_projection_cut_after_per_channel_ops_is_sharded_part_by_part(model):
         assert held == MIXERS[model], held
 
 
-# A loop over heads (passes/tp_loops.py): each rank runs the iterations of the heads it holds. Zamba scans each of its
-# 4 Mamba heads on its own, reading per-head stacks (x_proj, dt_proj, A_log, D: sharded by head); it was 0.18 at tp=2.
+# A loop over heads (passes/sharding/loops.py): each rank runs the iterations of the heads it holds. Zamba scans each
+# of its 4 Mamba heads on its own, reading per-head stacks (x_proj, dt_proj, A_log, D: sharded by head); it was 0.18 at tp=2.
 # The plain head loop's heads share one matrix (`mix`, whole): its gradient, a sum over every rank's heads, is reduced.
 LOOPS = {
     "zamba": {"model.layers.0.mamba.in_proj.weight": (64, 32), "model.layers.0.mamba.x_proj_weight": (2, 20, 16),

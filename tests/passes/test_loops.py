@@ -1,5 +1,5 @@
-"""Loops over the parts of a dim (passes/tp_loops.py): found from the graph alone, and folded on tp so that each rank runs
-the iterations of the parts it holds. Checked on one rank's compiled program (a MeshSpec, no processes); numerics
+"""Loops over the parts of a dim (passes/sharding/loops.py): found from the graph alone, and folded on tp so that each
+rank runs the iterations of the parts it holds. Checked on one rank's compiled program (a MeshSpec, no processes); numerics
 against one process: tests/models/test_tp_parity.py (Zamba, the plain head loop)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import meshc
 from meshc.compiler.compile import compile_program
 from meshc.compiler.ir.mesh_spec import MeshSpec
 from meshc.compiler.ir.placement import Replicate, Shard
-from meshc.passes.tp_loops import loop_of
+from meshc.passes.sharding.loops import loop_of
 from tests import plain_models
 
 aten = torch.ops.aten

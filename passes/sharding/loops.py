@@ -112,7 +112,7 @@ def joined_in_order(seeds: dict[fx.Node, int], count: int) -> bool:
 
 
 def _loop(nodes, order, join: fx.Node, groups: dict) -> Loop | None:
-    """The loop of these select groups meeting at `join`, if its iterations are alike and read nothing of one another."""
+    """The loop of these select groups meeting at `join`, if its iterations are alike and read none of each other."""
     seeds = {s: g for by_index in groups.values() for g, sel in by_index.items() for s in sel}
     count = len(next(iter(groups.values())))
     if any(len(by_index) != count for by_index in groups.values()):
