@@ -309,7 +309,8 @@ _SPLITS = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default,
 def _hoist_over_splits(targets: dict[fx.Node, list[fx.Node]], ctx: RuleCtx, grad: dict) -> None:
     """Pieces of a split that all need f, each read only by sharded compute (one expert's rows per linear layer: a
     loop over experts), get one f on the split's input instead of one each: the same bytes, one all-reduce."""
-    splits = {p.args[0] for p in targets if p.target is operator.getitem and p.args[0].target in _SPLITS}
+    splits = list(dict.fromkeys(p.args[0] for p in targets if p.target is operator.getitem and
+                                p.args[0].target in _SPLITS))  # in graph order: every rank inserts alike
     for split in splits:
         parts = list(split.users)
         src = split.args[0]

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from meshc.compiler.ir.placement import Replicate, Shard
+
 aten = torch.ops.aten
 _JOINS = (aten.cat.default, aten.stack.default)
 
@@ -184,8 +186,6 @@ def fold(loop: Loop, ctx, red) -> tuple[set[fx.Node], set[fx.Node]] | None:
     of the local parts (the others' sources redistributed to that shard, what the iterations read from outside made
     whole) and the join of their results: (the nodes kept, the nodes to erase); None to run the loop as it is.
     `red` is the pass's redistributor: `convert(src, cur, req, consumer, why)`."""
-    from meshc.compiler.ir.placement import Replicate, Shard
-
     n = ctx.n
     wanted = {src: Shard(dim) for src, dim in loop.sources.items()}
     current = {src: ctx.pl(src) for src in loop.sources}
@@ -205,7 +205,7 @@ def fold(loop: Loop, ctx, red) -> tuple[set[fx.Node], set[fx.Node]] | None:
     k = loop.count // n
     kept = {x for body in loop.bodies[:k] for x in body}
     inside = loop.nodes()
-    for x in kept:
+    for x in (x for body in loop.bodies[:k] for x in body):  # in graph order: every rank inserts alike
         for a in list(x.all_input_nodes):
             if a not in inside and a not in parts and not isinstance(ctx.pl(a), Replicate) and ctx.pl(a) is not None:
                 x.replace_input_with(a, red.convert(a, ctx.pl(a), Replicate(), x, why))

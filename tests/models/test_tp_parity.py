@@ -166,12 +166,17 @@ def test_a_projection_cut_after_per_channel_ops_is_sharded_part_by_part(model):
     """A fused projection whose parts are cut only after ops that keep its channels apart (a per-channel scale, a
     transpose): each part sharded on its own; per-channel values computed from parameters alone (Mamba's time step)
     sharded by sharding those parameters. At parity; SGD: see test_a_layer_shared_by_every_depth_is_sharded_once."""
+    _at_parity_holding(model, MIXERS[model])
+
+
+def _at_parity_holding(model: str, shapes: dict) -> None:
+    """tp=2, 3 SGD steps against one process, each rank holding these local shapes."""
     ref = parity.reference(model, 3, BATCH, "sgd")
     results = run_ranks(parity.meshc_rank, 2, model, 3, BATCH, {"tp": 2}, FAST, "sgd", timeout=240)
     for rank, out in enumerate(results):
         parity.assert_matches(rank, out, ref, 3)
-        held = {name: out["local_shapes"][name] for name in MIXERS[model]}
-        assert held == MIXERS[model], held
+        held = {name: out["local_shapes"][name] for name in shapes}
+        assert held == shapes, held
 
 
 # A loop over heads (passes/sharding/loops.py): each rank runs the iterations of the heads it holds. Zamba scans each
@@ -189,12 +194,7 @@ LOOPS = {
 @pytest.mark.parametrize("model", list(LOOPS))
 def test_a_loop_over_heads_runs_the_heads_of_each_rank(model):
     """At parity; SGD: see test_a_layer_shared_by_every_depth_is_sharded_once."""
-    ref = parity.reference(model, 3, BATCH, "sgd")
-    results = run_ranks(parity.meshc_rank, 2, model, 3, BATCH, {"tp": 2}, FAST, "sgd", timeout=240)
-    for rank, out in enumerate(results):
-        parity.assert_matches(rank, out, ref, 3)
-        held = {name: out["local_shapes"][name] for name in LOOPS[model]}
-        assert held == LOOPS[model], held
+    _at_parity_holding(model, LOOPS[model])
 
 
 # Families whose fused projections the plan once left whole (issue 14): each must shard >= 90% of its blocks'
