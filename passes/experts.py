@@ -62,6 +62,7 @@ from meshc.compiler.ir.program import CommRecord, Program
 from meshc.runtime.ops.experts import combine, dispatch, even_offsets, local_ids, sort_rows, unsort_rows
 
 from meshc.passes.layout import refresh_vals
+from meshc.passes.tp_parts import linear_of_index
 
 AXIS = "ep"
 aten = torch.ops.aten
@@ -519,10 +520,7 @@ def _sorted(graph: fx.Graph, region: ExpertRegion, why: str) -> tuple[fx.Node, f
 def _read_one_by_one(program: Program) -> str | None:
     """The FQN of a 3-D parameter read only as `weight[i]` by linear layers, one per index (JetMoE's loop), if any."""
     for fqn, node in program.param_nodes().items():
-        uses = list(node.users)
-        if len(node.meta.get("val").shape) == 3 and len(uses) > 1 and all(
-                u.target == aten.select.int and u.args[1] % 3 == 0 and all(v.target == aten.linear.default
-                                                                            for v in u.users) for u in uses):
+        if len(node.users) > 1 and all(linear_of_index(u, node) for u in node.users):
             return fqn
     return None
 

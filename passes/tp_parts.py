@@ -225,6 +225,20 @@ def _blocks(parts: list[int], unit: int, n: int) -> int | tuple[int, ...]:
     return as_chunks(sizes)
 
 
+def linear_of_index(use: fx.Node, weight: fx.Node) -> fx.Node | None:
+    """The linear layer that reads one layer's weight out of a stack (E, out, in) by index, `F.linear(x, weight[i])`
+    (a loop over experts, JetMoE), or None. Every index is such a layer with the same placement: the stack is
+    sharded like the experts of a grouped matmul (out dim 1 column-, in dim 2 row-parallel)."""
+    if use.op != "call_function" or use.target != aten.select.int or use.args[0] is not weight or \
+            len(weight.meta.get("meshc.shape") or ()) != 3 or use.args[1] % 3 != 0 or len(use.users) != 1:
+        return None
+    (linear,) = use.users
+    if linear.target == aten.linear.default and linear.args[1] is use and linear.args[0] is not use and \
+            (len(linear.args) < 3 or linear.args[2] is None):
+        return linear
+    return None
+
+
 def _rows_joined(u: fx.Node, cur: fx.Node, width: int) -> bool:
     """Does `u` gather `cur`'s rows into a tensor of the same last dim: a cat on another dim (the outputs of one
     layer per expert), or an index_add of them into positions (routed tokens summed back)?"""

@@ -45,7 +45,7 @@ from meshc.passes.blocks import block_of
 from meshc.passes.sharding.whole_graph import Option, choose, score
 from meshc.passes.shapes import shard_divides
 from meshc.passes.sharding.loops import Loop, loop_of
-from meshc.passes.tp_parts import bias_piece, chunks_of, param_sources, weight_pieces
+from meshc.passes.tp_parts import bias_piece, chunks_of, linear_of_index, param_sources, weight_pieces
 from meshc.passes.tp_rules import RuleCtx
 from meshc.passes.tp_table import infer
 
@@ -271,7 +271,7 @@ def _weights(program: Program) -> dict[str, Weight]:
     n = program.mesh.size(AXIS)
     for fqn, node in program.param_nodes().items():
         spec = program.params[fqn]
-        if len(spec.shape) != 2 and not (len(spec.shape) == 3 and any(_expert_use(u, node) or _stacked_use(u, node)
+        if len(spec.shape) != 2 and not (len(spec.shape) == 3 and any(_expert_use(u, node) or linear_of_index(u, node)
                                                                        for u in node.users)):
             continue
         pieces = weight_pieces(node) if len(spec.shape) == 2 else None
@@ -302,9 +302,9 @@ def _as_weight(program, fqn, node, use) -> Weight | None:
             return Weight(fqn, module, "linear", mm, mm.args[0], None, chunks_of(mm, n))
     if use.target == aten.embedding.default and use.args[0] is node:
         return Weight(fqn, module, "embedding", use, use.args[1], None, 1)
-    stacked = _stacked_use(use, node)
+    stacked = linear_of_index(use, node)
     if stacked:  # one linear layer per index of a stack (E, out, in), read as weight[i] (JetMoE's experts)
-        others = tuple(x for x in (_stacked_use(u, node) for u in node.users) if x is not None and x is not stacked)
+        others = tuple(x for x in (linear_of_index(u, node) for u in node.users) if x is not None and x is not stacked)
         return Weight(fqn, module, "experts", stacked, stacked.args[0], None, chunks_of(stacked, n), also=others)
     kind = _expert_use(use, node)
     if kind:  # experts: a linear layer each, (E, out, in) read as (E, in, out) through a transpose, or (E, in, out)
@@ -324,20 +324,6 @@ def _expert_use(use: fx.Node, weight: fx.Node) -> str | None:
         return None
     (mm,) = use.users
     return "experts" if is_grouped_mm(mm) and mm.args[1] is use else None
-
-
-def _stacked_use(use: fx.Node, weight: fx.Node) -> fx.Node | None:
-    """The linear layer that reads one layer's weight out of a stack (E, out, in) by index, `F.linear(x, weight[i])`
-    (a loop over experts, JetMoE), or None. Every index is such a layer with the same placement: the stack is
-    sharded like the experts of a grouped matmul (out dim 1 column-, in dim 2 row-parallel)."""
-    if use.op != "call_function" or use.target != aten.select.int or use.args[0] is not weight or \
-            len(weight.meta.get("meshc.shape") or ()) != 3 or use.args[1] % 3 != 0 or len(use.users) != 1:
-        return None
-    (linear,) = use.users
-    if linear.target == aten.linear.default and linear.args[1] is use and linear.args[0] is not use and \
-            (len(linear.args) < 3 or linear.args[2] is None):
-        return linear
-    return None
 
 
 def _expert_bias(mm: fx.Node) -> str | None:
