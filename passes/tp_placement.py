@@ -411,15 +411,48 @@ def _applied_alike(program: Program, w: Weight, node: fx.Node) -> bool:
 def _pairing(walk: tuple, members: list[Weight], styles: dict[str, str], n: int, failed=None):
     """(members, the trial that found their row layers) for the first trial that does, the members its failures
     blamed dropped one trial after another; None where none does. `failed(result, members)` hears each failure."""
+    joined: set[str] = set()  # partners tried: each once
     while members:
         result = _trial(*walk, members, styles, n)
         if result.rows:
             return members, result
+        partner = _partner(walk[2], members, styles, result)
+        if partner is not None and partner.key not in joined:  # tried once with it; else the failure stands
+            joined.add(partner.key)
+            merged = _trial(*walk, [*members, partner], styles, n)
+            if merged.rows:
+                return [*members, partner], merged
         if failed is not None:
             failed(result, members)
         if not result.blamed:
             return None
         members = [m for m in members if m.key not in result.blamed]
+    return None
+
+
+def _partner(by_node: dict, members: list[Weight], styles: dict[str, str], result: _Trial) -> Weight | None:
+    """The column candidate, not a member, whose output a failed trial's flow met whole where it needs the two to
+    match (RWKV's time mixing: the value projection's flow writes into a buffer made like the key projection's
+    output, `out = zeros_like(k); out[:, t] = ...`); tried together, both flows are sharded and meet shard to
+    shard. Found upstream of the meeting op's other inputs, stopping at every layer's output."""
+    if result.met is None:
+        return None
+    keys = {m.key for m in members}
+    sharded_in = {x for m in members for x in (m.node, *m.also)}
+    frontier = [a for a in result.met.all_input_nodes if a not in sharded_in]
+    seen: set[fx.Node] = set()
+    while frontier and len(seen) < 64:
+        x = frontier.pop(0)
+        if x in seen:
+            continue
+        seen.add(x)
+        w = by_node.get(x)
+        if w is not None:
+            if w.key not in keys and styles.get(w.key) != "rowwise":
+                return w
+            continue
+        if x.op == "call_function":
+            frontier += x.all_input_nodes
     return None
 
 
@@ -499,6 +532,7 @@ class _Trial:
     reason: str = ""
     indivisible: tuple[str, int] | None = None
     params: dict[str, Shard] | None = None  # parameters the flow reads sharded (none a Weight's): FQN -> placement
+    met: fx.Node | None = None  # where the flow met a whole value it must match (a buffer it writes into)
 
 
 def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str, str], n: int) -> _Trial:
@@ -552,7 +586,8 @@ def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str
                 if src in stats and isinstance(req, Replicate):  # a small all-reduce of a statistic is fine
                     reduced = True
                     continue
-                return _Trial([], blame[src], _in_loop(node, loops, dec.note or f"{node.format_node()} needs it {req}"))
+                return _Trial([], blame[src], _in_loop(node, loops, dec.note or f"{node.format_node()} needs it {req}"),
+                              met=node if isinstance(req, Replicate) else None)
             found = param_sources(src, req.dim, node) if isinstance(req, Shard) and src not in placements else None
             for fqn, dim in (found or {}).items():
                 params[fqn] = Shard(dim, req.chunks)
@@ -591,6 +626,9 @@ def _trial_loop(loop: Loop, placements: dict, blame: dict, params: dict, n: int)
     if loop.count % n:
         return f"{what} does not divide over tp={n}", (f"{loop.count} parts", loop.count)
     body = loop.nodes()
+    inside = next((x for x in body if x in placements), None)
+    if inside is not None:  # a member's layer inside the iterations: its shard would not be the loop's parts
+        return f"{what}: %{inside.name} inside its iterations is already {placements[inside]}", None
     for x in {a for b in body for a in b.all_input_nodes} - body - set(loop.sources):
         if in_parts(placements.get(x)):
             return f"{what} reads %{x.name} ({placements[x]}) in each iteration", None

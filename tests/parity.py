@@ -70,7 +70,9 @@ def optimizer_args(name: str):
 
 def assert_matches(rank: int, out: dict, ref: dict, steps: int, params_tol: float = 5e-5) -> None:
     """One rank's run against the single-process reference: the same gradient and parameter names first (a
-    missing one would otherwise pass unseen), then losses within 2e-5, step-1 gradients within 2e-6,
+    missing one would otherwise pass unseen), then losses within 2e-5, step-1 gradients within 2e-6 (of the
+    tensor's largest element where that exceeds 1: fp32 rounding grows with the values summed; RWKV's embedding
+    gradient reaches 71),
     parameters after `steps` within `params_tol` (the tests say why)."""
     assert set(out["grads0"]) == set(ref["grads0"]), \
         f"rank {rank}: gradients of {sorted(set(out['grads0']) ^ set(ref['grads0']))} on one side only"
@@ -78,14 +80,15 @@ def assert_matches(rank: int, out: dict, ref: dict, steps: int, params_tol: floa
         f"rank {rank}: parameters {sorted(set(out['params']) ^ set(ref['params']))} on one side only"
     worst = max(abs(a - b) for a, b in zip(out["losses"], ref["losses"]))
     assert worst < 2e-5, (rank, out["losses"], ref["losses"])
-    diff, where = max_diff(out["grads0"], ref["grads0"])
-    assert diff < 2e-6, f"rank {rank}: step-1 gradient of {where} off by {diff}"
+    diff, where = max_diff(out["grads0"], ref["grads0"], scaled=True)
+    assert diff < 2e-6, f"rank {rank}: step-1 gradient of {where} off by {diff} (of its largest element, or of 1)"
     diff, where = max_diff(out["params"], ref["params"])
     assert diff < params_tol, f"rank {rank}: parameter {where} off by {diff} after {steps} steps"
 
 
 def block_coverage(local_shapes: dict, model: torch.nn.Module, n: int, held_only: bool = False) -> float:
-    """The share of the blocks' weight bytes (parameters of 2+ dims under an indexed module) a rank holds in
+    """The share of the blocks' weight bytes (parameters of 2+ dims, of sizes other than 1, under an indexed module,
+    as compiler/ir/coverage.py counts them) a rank holds in
     part over n ranks, from its local shapes: what the plan really sharded, whatever it reports. A parameter
     with g elements of which the rank holds l has (g - l) * n / (n - 1) of them sharded: all of a split one,
     none of a replicated one, q's rows only of a fused q|k|v whose k and v every rank holds whole. `held_only`:
@@ -93,8 +96,8 @@ def block_coverage(local_shapes: dict, model: torch.nn.Module, n: int, held_only
     import math
     import re
 
-    whole = {k: p for k, p in model.named_parameters() if p.dim() >= 2 and re.search(r"\.\d+\.", k)
-             and (k in local_shapes or not held_only)}
+    whole = {k: p for k, p in model.named_parameters() if sum(d != 1 for d in p.shape) >= 2
+             and re.search(r"\.\d+\.", k) and (k in local_shapes or not held_only)}
     total = sum(p.numel() for p in whole.values())
     sharded = sum((p.numel() - math.prod(local_shapes[k])) * n / (n - 1) for k, p in whole.items() if k in local_shapes)
     return sharded / total
@@ -113,13 +116,16 @@ def max_relative(a: dict, b: dict) -> tuple[float, str]:
     return worst, where
 
 
-def max_diff(a: dict, b: dict) -> tuple[float, str]:
+def max_diff(a: dict, b: dict, scaled: bool = False) -> tuple[float, str]:
     """The largest absolute difference, and where; the two must hold the same keys (a tensor missing on one
-    side is a failure, not a pass)."""
+    side is a failure, not a pass). `scaled`: each tensor's difference divided by its largest element in `b`
+    where that exceeds 1."""
     assert a.keys() == b.keys(), f"keys on one side only: {sorted(a.keys() ^ b.keys())}"
     worst, where = 0.0, ""
     for k in a.keys() & b.keys():
         d = (a[k].float() - b[k].float()).abs().max().item()
+        if scaled and b[k].numel():
+            d /= max(1.0, b[k].float().abs().max().item())
         if d > worst:
             worst, where = d, k
     return worst, where

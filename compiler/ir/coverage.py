@@ -1,9 +1,10 @@
 """Coverage: how much of the blocks' weight bytes a plan holds sharded on each mesh axis, and why the rest is not.
 
-A block weight is a parameter of two or more dims inside a block, the innermost module path ending in a list
-index ("model.layers.3.self_attn.q_proj.weight"); norms' scales and biases are left out (Megatron replicates
-them too). A model with no indexed module counts every parameter of two or more dims. Parity alone does not
-show coverage: a run that shards nothing matches the single process too.
+A block weight is a parameter of two or more dims (of sizes other than 1) inside a block, the innermost module path
+ending in a list index ("model.layers.3.self_attn.q_proj.weight"); norms' scales, biases and other per-channel
+vectors (RWKV's (1, 1, C) mixing coefficients) are left out (Megatron replicates them too). A model with no indexed
+module counts every such parameter. Parity alone does not show coverage: a run that shards nothing matches the
+single process too.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class Coverage:
 
 def block_weights(params: dict) -> list:
     """The ParamSpecs that coverage counts (see the module docstring)."""
-    weights = [s for s in params.values() if len(s.shape) >= 2 and s.kind == "param"]
+    weights = [s for s in params.values() if sum(int(d) != 1 for d in s.shape) >= 2 and s.kind == "param"]
     inside = [s for s in weights if _INDEXED.search(s.fqn)]
     return inside or weights
 

@@ -99,6 +99,22 @@ def test_a_loop_over_experts_reduces_the_gradient_of_their_rows_once(fake_mesh):
     assert not any(f.args[0].target is operator.getitem for f in fs), [f.args[0].format_node() for f in fs]
 
 
+def test_layers_whose_flows_meet_in_a_written_buffer_are_sharded_together(fake_mesh):
+    """RWKV's time mixing writes each step's output into a buffer made like the key projection's output (`out =
+    zeros_like(k); out[:, t] = f(k[:, t], v[:, t])`), the value projection reading another activation: tried on its
+    own, value's flow met the buffer whole and stopped ("needs it R"); tried with key, both shard. The channel mixing's
+    receptance gates the value layer's output after its reduction: held whole, as Megatron would."""
+    program = _program(fake_mesh(tp=2), zoo.build("rwkv"))
+    placed = {f: s.placements["tp"] for f, s in program.params.items()}
+    for block in ("rwkv.blocks.0", "rwkv.blocks.1"):
+        for name in ("key", "value", "receptance"):
+            assert placed[f"{block}.attention.{name}.weight"] == Shard(0), (name, placed)
+        assert placed[f"{block}.attention.output.weight"] == Shard(1)
+        assert placed[f"{block}.feed_forward.key.weight"] == Shard(0)
+        assert placed[f"{block}.feed_forward.value.weight"] == Shard(1)
+        assert not isinstance(placed[f"{block}.feed_forward.receptance.weight"], Shard)
+
+
 @pytest.mark.parametrize("name", ["reference", "gpt2", "llama"])
 def test_sequence_parallel_census_per_block(fake_mesh, name):
     program = _program(fake_mesh(tp=2), zoo.build(name), sequence_parallel=True)
