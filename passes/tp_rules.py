@@ -153,7 +153,8 @@ def _reduced(node: fx.Node, ctx: RuleCtx) -> Placement:
          aten.type_as.default, aten.alias.default, aten.contiguous.default, aten.detach.default,
          aten.__and__.Tensor, aten.__or__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
          aten.bitwise_not.default, aten.logical_not.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
-         aten.masked_fill_.Scalar, aten.masked_fill_.Tensor)
+         aten.masked_fill_.Scalar, aten.masked_fill_.Tensor,
+         aten.log_sigmoid.default)  # pointwise, though torch's tags do not say so (a composite op: xLSTM's gates)
 def same_as_input_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     if node.target == aten.dropout.default:
         p, seq = ctx.pl(node.args[0]), ctx.sp_dim(node)

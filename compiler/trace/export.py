@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind
 
+from meshc.compiler.trace.aliases import canonical_aliases
 from meshc.compiler.trace.autograd_functions import functions_as_ops
 from meshc.compiler.trace.constant_indices import slices_for_constant_indices
 from meshc.compiler.trace.elementwise_functions import annotate_elementwise
@@ -93,6 +94,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, me
     if on_meta and not on_fakes:
         _devices_from_meta(ep.graph_module, device)
     program, tensors = _program_from_export(ep, model, mesh, plan, rank, mode, prefix)
+    canonical_aliases(program.gm)  # torch.concatenate is cat
     annotate_elementwise(program.gm)  # user Functions the sharding rules may see through
     slices_for_constant_indices(program.gm, tensors)  # x[..., [-2], :] is a slice
     if on_meta:

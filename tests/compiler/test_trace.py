@@ -117,3 +117,34 @@ def test_a_returned_kv_cache_says_to_build_with_use_cache_off(single_mesh):
         trace(_ReturnsCache(), (torch.randn(2, 4),), mesh=single_mesh, plan=meshc.Plan(trace="non-strict"))
     message = str(info.value)
     assert "DynamicCache" in message and "use_cache=False" in message, message
+
+
+class _Concatenating(torch.nn.Module):
+    """A column layer's output joined along the rows by torch.concatenate and torch.concat (cat's aliases), then a
+    row layer added to the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        g = torch.concat([torch.concatenate([h.relu(), h.sigmoid()], dim=1)] * 2, dim=0)
+        return x.repeat(2, 2, 1) + self.out(g)
+
+
+def test_cats_aliases_are_traced_as_cat_and_shard_as_it_does():
+    """aten::concatenate and aten::concat became aten::cat: the rules know cat alone (xLSTM's blocks, written with
+    torch.concatenate, stayed whole: "no tensor-parallel rule or DTensor strategy for aten::concatenate")."""
+    from meshc.compiler.compile import compile_program
+    from meshc.compiler.ir.mesh_spec import MeshSpec
+    from meshc.compiler.ir.placement import Shard
+
+    aten = torch.ops.aten
+    traced, program, _ = compile_program(_Concatenating(), (torch.randn(2, 4, 8),), {}, mesh=MeshSpec({"tp": 2}),
+                                         plan=meshc.Plan(trace="non-strict"), rank=0)
+    targets = [n.target for n in traced.gm.graph.nodes]
+    assert targets.count(aten.cat.default) == 2
+    assert aten.concatenate.default not in targets and aten.concat.default not in targets
+    assert {f: s.placements["tp"] for f, s in program.params.items() if f.endswith("weight")} == {
+        "a.weight": Shard(0), "out.weight": Shard(1)}

@@ -184,6 +184,9 @@ VIEWS = [
     ("expand keeps the shard", aten.expand.default, (T((3, 8)), [2, 3, 8]), [S(1)], 2, S(2), {}, False),
     # repeat: the local tensor repeated alike; copies along the sharded dim become its blocks (JetMoE's k and v
     # repeated once per routed head), leading dims repeat adds move the shard
+    # log_sigmoid: pointwise, though torch does not tag it so (a composite op): the shard kept, a partial sum whole
+    ("log_sigmoid keeps the shard", aten.log_sigmoid.default, (T((2, 4, 6)),), [S(2)], 2, S(2), {}, False),
+    ("log_sigmoid of P", aten.log_sigmoid.default, (T((2, 4, 6)),), [P], 2, R, {(0,): R}, False),
     ("repeat elsewhere keeps the shard", aten.repeat.default, (T((2, 4, 3)), [1, 1, 2]), [S(1)], 2, S(1), {}, False),
     ("repeat along the shard: copies as blocks", aten.repeat.default, (T((2, 4, 3)), [1, 2, 1]), [S(1)], 2, S(1, 2),
      {}, False),
