@@ -321,11 +321,13 @@ def _dims(node: fx.Node, ndim: int) -> list[int]:
 
 
 def _keepdim(node: fx.Node) -> bool:
-    return bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    i = 3 if node.target in (aten.var.dim, aten.std.dim) else 2  # (self, dim, unbiased, keepdim)
+    return bool(node.args[i] if len(node.args) > i else node.kwargs.get("keepdim", False))
 
 
 @handles(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
-         aten.amin.default, aten.var.correction, aten.std.correction, aten.argmax.default, aten.any.dim,
+         aten.amin.default, aten.var.correction, aten.std.correction, aten.var.dim, aten.std.dim,
+         aten.argmax.default, aten.any.dim,
          aten.all.dim, aten.max.dim, aten.min.dim)
 def reduction_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     x = node.args[0]

@@ -510,7 +510,21 @@ def rwkv(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     return RwkvForCausalLM(cfg)
 
 
+def xlstm(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """Hugging Face xLSTM (mLSTM blocks, trained chunkwise): q, k, v and gate projections per head, the chunked
+    recurrence, a norm per head (var over the head dim), gates through log_sigmoid, cat written torch.concatenate."""
+    from transformers import xLSTMConfig, xLSTMForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = xLSTMConfig(vocab_size=VOCAB, hidden_size=32, embedding_dim=32, num_hidden_layers=layers,
+                      num_blocks=layers, num_heads=4, mode="train", chunk_size=8,
+                      autocast_kernel_dtype="float32", ffn_round_up_to_multiple_of=16, use_cache=False,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return xLSTMForCausalLM(cfg)
+
+
 MODELS["deepseek_v3"] = deepseek_v3
+MODELS["xlstm"] = xlstm
 MODELS["rwkv"] = rwkv
 MODELS["zamba"] = zamba
 MODELS["jetmoe"] = jetmoe

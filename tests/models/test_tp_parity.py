@@ -231,6 +231,10 @@ SHARDED = [(m, 2, p, 0.9) for m, p in SHARDED] + [(m, 4, {}, 0.9) for m in ("gpt
 # together; the channel mixing's receptance (a gate on the value layer's reduced output) stays whole, as Megatron
 # would hold it: 8192 of this config's 9216 block weights' elements sharded (0.89; 0.78 with value whole too)
 SHARDED += [("rwkv", 2, {}, 0.85), ("rwkv", 2, {"sequence_parallel": True}, 0.85)]
+# xLSTM's mLSTM blocks trained chunkwise: a norm per head (var over the head dim), gates through log_sigmoid, cats written
+# torch.concatenate; q, the output gate and the FFN shard (0.87; 0.83 without var's rule); k, v and the input and
+# forget gates write their chunks' states into buffers made whole (torch.zeros) and stay whole
+SHARDED += [("xlstm", 2, {}, 0.85)]
 # Phi-3's 2 kv heads at tp=4: k and v (flat slices of qkv_proj, each viewed as heads) held whole by every rank, as
 # Megatron replicates kv heads fewer than tp, q sharded: 8/9 of this config's block bytes
 SHARDED.append(("phi3", 4, {}, 8 / 9 - 1e-9))
