@@ -1,0 +1,166 @@
+"""Tensor-parallel coverage over every causal-LM class transformers registers, at generic small sizes.
+
+    python benchmarks/tp_sweep.py [--tp 2] [--only llama,jetmoe] [--json out.json] [--against before.json]
+
+Where benchmarks/tp_coverage.py measures hand-sized configs of chosen families, this builds each class of
+`MODEL_FOR_CAUSAL_LM_MAPPING` from its own config with the sizes below set where the config has them (hidden 64,
+4 heads, 2 kv heads, 2 layers of each distinct layer type, 4 experts) and compiles rank 0 on fake tensors, as
+tp_coverage.py does. Each row: the share of the blocks' weight bytes held sharded, or the error and the stage it
+came from ("build": the config or model rejected the generic sizes; "trace": torch.export; "meshc": a pass;
+"internal": a MeshcInternalError, always a defect). `--against` compares with an earlier `--json` file and prints
+the classes that moved. Generic sizes are crude: a class that fails to build or trace here may train at its own.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import multiprocessing as mp
+import os
+import resource
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SEQ, BATCH = 16, 2
+MEMORY_GIB, TIMEOUT_S = 6, 300  # per class: a default size the generic ones miss (BLT's byte embeddings) is a row
+SIZES = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+             intermediate_size=128, head_dim=16, max_position_embeddings=64, num_local_experts=4, num_experts=4,
+             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+             use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+# a size the class calls by another name (GPT-2's n_embd): set through the config's attribute_map, when it has one
+
+
+def config_for(config_cls):
+    """The class's config at the generic sizes: each size passed where the config's __init__ or attribute_map
+    knows it; layer types cut to one of each distinct kind (at least two layers)."""
+    default = config_cls()
+    text = default.get_text_config() if hasattr(default, "get_text_config") else default
+    params = set(inspect.signature(type(text).__init__).parameters) | set(getattr(type(text), "attribute_map", {}))
+    kwargs = {k: v for k, v in SIZES.items() if k in params or hasattr(text, k)}
+    types = getattr(text, "layer_types", None)
+    if isinstance(types, (list, tuple)) and types:
+        distinct = list(dict.fromkeys(types))
+        distinct = (distinct * 2)[:max(2, len(distinct))]
+        kwargs.update(layer_types=distinct, num_hidden_layers=len(distinct))
+    if text is default:
+        return config_cls(**kwargs)
+    sub = type(text)(**kwargs)
+    name = next(k for k, v in vars(default).items() if v is text)
+    return config_cls(**{name: sub.to_dict()})
+
+
+def measure(config_cls, model_cls, tp: int) -> tuple[str, float | None, str]:
+    """(stage, coverage, detail) for one class: stage "ok" with the coverage, else where it failed and why."""
+    import torch
+
+    from meshc.compiler.compile import compile_rank
+    from meshc.compiler.ir import torch_compat as compat
+    from meshc.compiler.ir.coverage import coverage
+    from meshc.compiler.ir.mesh_spec import MeshSpec
+    from meshc.compiler.ir.plan import Plan
+    from meshc.compiler.ir.errors import MeshcInternalError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = model_cls(config_for(config_cls))
+    except Exception as e:  # noqa: BLE001 - a row of the table
+        return "build", None, f"{type(e).__name__}: {e}"
+    x = torch.zeros(BATCH, SEQ, dtype=torch.long)
+
+    def run():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return compile_rank(model, (x,), {}, mesh=MeshSpec({"tp": tp}),
+                                plan=Plan(trace="non-strict", check_trace=False), rank=0)[0]
+    try:
+        try:
+            with compat.fake_tensor_mode():
+                result = run()
+        except Exception as e:  # a model that reads a tensor's value while tracing: real weights (tiny)
+            if "DataDependent" not in type(e).__name__:
+                raise
+            result = run()
+    except MeshcInternalError as e:
+        return "internal", None, str(e)
+    except Exception as e:  # noqa: BLE001
+        stage = "trace" if "torch.export" in str(e) or "trace" in type(e).__name__.lower() else "meshc"
+        return stage, None, f"{type(e).__name__}: {e}"
+    cov = coverage(result.program.params, {"tp": tp}, result.program.tp_why)
+    return "ok", cov.fractions.get("tp", 0.0), "; ".join(sorted({r for _, r in cov.replicated}))
+
+
+def _child(mtype: str, tp: int, out) -> None:
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES as CONFIGS
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as NAMES
+
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_GIB << 30, MEMORY_GIB << 30))
+    try:
+        out.put(measure(getattr(transformers, CONFIGS[mtype]), getattr(transformers, NAMES[mtype]), tp))
+    except MemoryError:
+        out.put(("build", None, f"MemoryError: over {MEMORY_GIB} GiB"))
+
+
+def _isolated(mtype: str, tp: int) -> tuple[str, float | None, str]:
+    """measure() in a process of its own, under a memory cap and a deadline."""
+    ctx = mp.get_context("forkserver")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(mtype, tp, out), daemon=True)
+    proc.start()
+    try:
+        return out.get(timeout=TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - died (killed for memory) or ran past the deadline
+        return "build", None, f"no result within {TIMEOUT_S} s (exit code {proc.exitcode})"
+    finally:
+        proc.kill()
+        proc.join()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--only", default="", help="comma-separated model types (default: all)")
+    p.add_argument("--json", default="", help="write the rows here")
+    p.add_argument("--against", default="", help="an earlier --json file: print the classes that moved")
+    args = p.parse_args()
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "transformers", "meshc.compiler.compile"])
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as NAMES
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES as CONFIGS
+
+    only = {n for n in args.only.split(",") if n}
+    rows = {}
+    print(f"| model type | class | tp={args.tp} | detail |\n|---|---|---|---|")
+    for mtype, cls_name in NAMES.items():
+        if only and mtype not in only:
+            continue
+        model_cls, config_cls = getattr(transformers, cls_name, None), getattr(transformers, CONFIGS.get(mtype, ""), None)
+        if model_cls is None or config_cls is None:
+            continue
+        stage, frac, detail = _isolated(mtype, args.tp)
+        rows[mtype] = {"class": cls_name, "stage": stage, "coverage": frac, "detail": detail.splitlines()[0][:300]
+                       if detail else ""}
+        shown = f"{frac:.2f}" if stage == "ok" else stage
+        print(f"| {mtype} | {cls_name} | {shown} | {rows[mtype]['detail'][:160]} |", flush=True)
+    ok = [r for r in rows.values() if r["stage"] == "ok"]
+    high = sum(r["coverage"] >= 0.9 for r in ok)
+    stages = {s: sum(r["stage"] == s for r in rows.values()) for s in ("build", "trace", "meshc", "internal")}
+    print(f"\n{len(rows)} classes: {high} at or above 0.9, {len(ok) - high} below; errors {stages}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.against:
+        with open(args.against) as f:
+            before = json.load(f)
+        for mtype, r in rows.items():
+            b = before.get(mtype)
+            if b and (b["stage"], b["coverage"]) != (r["stage"], r["coverage"]):
+                print(f"moved: {mtype}: {b['stage']} {b['coverage']} -> {r['stage']} {r['coverage']}")
+
+
+if __name__ == "__main__":
+    main()
