@@ -7,8 +7,8 @@ Where benchmarks/tp_coverage.py measures hand-sized configs of chosen families, 
 4 heads, 2 kv heads, 2 layers of each distinct layer type, 4 experts) and compiles rank 0 on fake tensors, as
 tp_coverage.py does. Each row: the share of the blocks' weight bytes held sharded, or the error and the stage it
 came from ("build": the config or model rejected the generic sizes; "trace": torch.export; "meshc": a pass;
-"internal": a MeshcInternalError, always a defect). `--against` compares with an earlier `--json` file and prints
-the classes that moved. Generic sizes are crude: a class that fails to build or trace here may train at its own.
+"internal": a MeshcInternalError, always a defect; "memory", "died", "timeout": over the cap, killed, too slow).
+`--against` compares with an earlier `--json` file and prints the classes that moved. Generic sizes are crude: a class that fails to build or trace here may train at its own.
 """
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ import inspect
 import json
 import multiprocessing as mp
 import os
+import queue
 import resource
 import sys
+import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,6 +87,8 @@ def measure(config_cls, model_cls, tp: int) -> tuple[str, float | None, str]:
             result = run()
     except MeshcInternalError as e:
         return "internal", None, str(e)
+    except MemoryError:
+        return "memory", None, f"MemoryError: over {MEMORY_GIB} GiB"
     except Exception as e:  # noqa: BLE001
         stage = "trace" if "torch.export" in str(e) or "trace" in type(e).__name__.lower() else "meshc"
         return stage, None, f"{type(e).__name__}: {e}"
@@ -98,10 +102,7 @@ def _child(mtype: str, tp: int, out) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as NAMES
 
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_GIB << 30, MEMORY_GIB << 30))
-    try:
-        out.put(measure(getattr(transformers, CONFIGS[mtype]), getattr(transformers, NAMES[mtype]), tp))
-    except MemoryError:
-        out.put(("build", None, f"MemoryError: over {MEMORY_GIB} GiB"))
+    out.put(measure(getattr(transformers, CONFIGS[mtype]), getattr(transformers, NAMES[mtype]), tp))
 
 
 def _isolated(mtype: str, tp: int) -> tuple[str, float | None, str]:
@@ -110,10 +111,15 @@ def _isolated(mtype: str, tp: int) -> tuple[str, float | None, str]:
     out = ctx.Queue()
     proc = ctx.Process(target=_child, args=(mtype, tp, out), daemon=True)
     proc.start()
+    deadline = time.monotonic() + TIMEOUT_S
     try:
-        return out.get(timeout=TIMEOUT_S)
-    except Exception:  # noqa: BLE001 - died (killed for memory) or ran past the deadline
-        return "build", None, f"no result within {TIMEOUT_S} s (exit code {proc.exitcode})"
+        while time.monotonic() < deadline:
+            try:
+                return out.get(timeout=1.0)
+            except queue.Empty:
+                if proc.exitcode is not None:  # died without a result (killed for memory: a build at default sizes)
+                    return "died", None, f"exited with code {proc.exitcode} without a result"
+        return "timeout", None, f"no result within {TIMEOUT_S} s"
     finally:
         proc.kill()
         proc.join()
@@ -148,7 +154,8 @@ def main() -> None:
         print(f"| {mtype} | {cls_name} | {shown} | {rows[mtype]['detail'][:160]} |", flush=True)
     ok = [r for r in rows.values() if r["stage"] == "ok"]
     high = sum(r["coverage"] >= 0.9 for r in ok)
-    stages = {s: sum(r["stage"] == s for r in rows.values()) for s in ("build", "trace", "meshc", "internal")}
+    stages = {s: sum(r["stage"] == s for r in rows.values())
+              for s in ("build", "trace", "meshc", "internal", "memory", "died", "timeout")}
     print(f"\n{len(rows)} classes: {high} at or above 0.9, {len(ok) - high} below; errors {stages}")
     if args.json:
         with open(args.json, "w") as f:

@@ -386,15 +386,19 @@ def _megatron(program: Program, weights: dict[str, Weight], n: int):
     by_node = {w.node: w for w in weights.values() if w.kind != "embedding" and not w.rows}  # rows: whole weights
     by_node.update({x: replace(w, node=x, act=x.args[0]) for w in list(by_node.values()) for x in w.also})
     nodes = list(program.gm.graph.nodes)
-    walk = (nodes, order, by_node, loop_of(program.gm.graph))
+    tried = {w.key for w in candidates}  # a partner is one of them: trainable, its uses all one kind of layer
+    partners = {x: weights[w.key] for x, w in by_node.items() if w.key in tried}  # a stack's layer: the stack
+    walk = (nodes, order, by_node, loop_of(program.gm.graph), partners)
     for members in groups.values():
         found = _pairing(walk, [m for m in members if m.key not in styles], styles, n,
                          lambda result, tried: _explain_failure(program, result, tried, n))
         if found:
             members, result = found
+            before = set(styles)  # a partner taken earlier (RWKV's key, with value) is scored once
             _take(program, weights, found, styles, companions)
             program.notes.append(f"auto: {_names(members)} column-parallel -> {_names(result.rows)} row-parallel")
-            greedy.append(_option(program, members, result.rows, n))
+            greedy.append(_option(program, [m for m in members if m.key not in before],
+                                  [r for r in result.rows if r.key not in before], n))
     return _whole_graph(program, weights, list(groups.values()), walk, n, (styles, companions), greedy)
 
 
@@ -408,18 +412,22 @@ def _applied_alike(program: Program, w: Weight, node: fx.Node) -> bool:
     return all(u is not None and u.kind == w.kind and u.bias == w.bias for u in uses)
 
 
+_PARTNER_SEARCH = 64  # nodes looked at upstream of a failed meeting: a layer's output a few views and ops away (a
+# buffer made like it, a select of it), not a search through earlier blocks
+
+
 def _pairing(walk: tuple, members: list[Weight], styles: dict[str, str], n: int, failed=None):
     """(members, the trial that found their row layers) for the first trial that does, the members its failures
     blamed dropped one trial after another; None where none does. `failed(result, members)` hears each failure."""
     joined: set[str] = set()  # partners tried: each once
     while members:
-        result = _trial(*walk, members, styles, n)
+        result = _trial(*walk[:4], members, styles, n)
         if result.rows:
             return members, result
-        partner = _partner(walk[2], members, styles, result)
+        partner = _partner(walk[4], members, styles, result)
         if partner is not None and partner.key not in joined:  # tried once with it; else the failure stands
             joined.add(partner.key)
-            merged = _trial(*walk, [*members, partner], styles, n)
+            merged = _trial(*walk[:4], [*members, partner], styles, n)
             if merged.rows:
                 return [*members, partner], merged
         if failed is not None:
@@ -430,23 +438,23 @@ def _pairing(walk: tuple, members: list[Weight], styles: dict[str, str], n: int,
     return None
 
 
-def _partner(by_node: dict, members: list[Weight], styles: dict[str, str], result: _Trial) -> Weight | None:
-    """The column candidate, not a member, whose output a failed trial's flow met whole where it needs the two to
+def _partner(partners: dict, members: list[Weight], styles: dict[str, str], result: _Trial) -> Weight | None:
+    """The column candidate, not a member, whose output a failed trial's flow met whole where it needed the two to
     match (RWKV's time mixing: the value projection's flow writes into a buffer made like the key projection's
     output, `out = zeros_like(k); out[:, t] = ...`); tried together, both flows are sharded and meet shard to
-    shard. Found upstream of the meeting op's other inputs, stopping at every layer's output."""
+    shard. Found upstream of the meeting op's inputs that the flow did not reach, stopping at every candidate's
+    output; `partners` maps each candidate's output node to it."""
     if result.met is None:
         return None
     keys = {m.key for m in members}
-    sharded_in = {x for m in members for x in (m.node, *m.also)}
-    frontier = [a for a in result.met.all_input_nodes if a not in sharded_in]
+    frontier = [a for a in result.met.all_input_nodes if a not in result.placed]
     seen: set[fx.Node] = set()
-    while frontier and len(seen) < 64:
+    while frontier and len(seen) < _PARTNER_SEARCH:
         x = frontier.pop(0)
-        if x in seen:
+        if x in seen or x in result.placed:
             continue
         seen.add(x)
-        w = by_node.get(x)
+        w = partners.get(x)
         if w is not None:
             if w.key not in keys and styles.get(w.key) != "rowwise":
                 return w
@@ -532,7 +540,8 @@ class _Trial:
     reason: str = ""
     indivisible: tuple[str, int] | None = None
     params: dict[str, Shard] | None = None  # parameters the flow reads sharded (none a Weight's): FQN -> placement
-    met: fx.Node | None = None  # where the flow met a whole value it must match (a buffer it writes into)
+    met: fx.Node | None = None  # where the flow needed an input whole (a whole buffer it writes into, RWKV's)
+    placed: frozenset = frozenset()  # with `met`: the nodes the flow had reached (sharded) by then
 
 
 def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str, str], n: int) -> _Trial:
@@ -587,7 +596,7 @@ def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str
                     reduced = True
                     continue
                 return _Trial([], blame[src], _in_loop(node, loops, dec.note or f"{node.format_node()} needs it {req}"),
-                              met=node if isinstance(req, Replicate) else None)
+                              met=node if isinstance(req, Replicate) else None, placed=frozenset(placements))
             found = param_sources(src, req.dim, node) if isinstance(req, Shard) and src not in placements else None
             for fqn, dim in (found or {}).items():
                 params[fqn] = Shard(dim, req.chunks)
@@ -626,7 +635,7 @@ def _trial_loop(loop: Loop, placements: dict, blame: dict, params: dict, n: int)
     if loop.count % n:
         return f"{what} does not divide over tp={n}", (f"{loop.count} parts", loop.count)
     body = loop.nodes()
-    inside = next((x for x in body if x in placements), None)
+    inside = next((x for b in loop.bodies for x in b if x in placements), None)
     if inside is not None:  # a member's layer inside the iterations: its shard would not be the loop's parts
         return f"{what}: %{inside.name} inside its iterations is already {placements[inside]}", None
     for x in {a for b in body for a in b.all_input_nodes} - body - set(loop.sources):

@@ -35,9 +35,15 @@ class Coverage:
         return out
 
 
+def is_weight_shape(shape) -> bool:
+    """Two or more dims of sizes other than 1: a matrix (or a stack of them), not a per-channel vector however it
+    is shaped ((1, 1, C))."""
+    return sum(int(d) != 1 for d in shape) >= 2
+
+
 def block_weights(params: dict) -> list:
     """The ParamSpecs that coverage counts (see the module docstring)."""
-    weights = [s for s in params.values() if sum(int(d) != 1 for d in s.shape) >= 2 and s.kind == "param"]
+    weights = [s for s in params.values() if is_weight_shape(s.shape) and s.kind == "param"]
     inside = [s for s in weights if _INDEXED.search(s.fqn)]
     return inside or weights
 

@@ -124,6 +124,14 @@ COMPUTE = [
     ("sum over the shard", aten.sum.dim_IntList, (T((4, 6)), [1]), [S(1)], 2, P, {}, False),
     ("sum elsewhere, shard shifts", aten.sum.dim_IntList, (T((4, 6, 2)), [0]), [S(1)], 2, S(0), {}, False),
     ("sum keepdim, shard stays", aten.sum.dim_IntList, (T((4, 6, 2)), [0], True), [S(1)], 2, S(1), {}, False),
+    # var.dim / std.dim (self, dims, unbiased, keepdim): a reduction elsewhere keeps the shard (xLSTM's norm per
+    # head), over the sharded dim needs it whole
+    ("var.dim elsewhere keeps the shard", aten.var.dim, (T((2, 4, 6)), [1], True, True), [S(2)], 2, S(2), {}, False),
+    ("var.dim elsewhere, dim dropped", aten.var.dim, (T((2, 4, 6)), [1], True, False), [S(2)], 2, S(1), {}, False),
+    ("std.dim over the shard", aten.std.dim, (T((2, 4, 6)), [2], True, True), [S(2)], 2, R, {(0,): R}, True),
+    # log_sigmoid: pointwise, though torch does not tag it so (a composite op): the shard kept, a partial sum whole
+    ("log_sigmoid keeps the shard", aten.log_sigmoid.default, (T((2, 4, 6)),), [S(2)], 2, S(2), {}, False),
+    ("log_sigmoid of P", aten.log_sigmoid.default, (T((2, 4, 6)),), [P], 2, R, {(0,): R}, False),
     ("sum of P", aten.sum.default, (T((4, 6)),), [P], 2, P, {}, False),
     ("mean over the shard: its share, partial", aten.mean.dim, (T((4, 6)), [1]), [S(1)], 2, P, {}, False),
     ("mean over a chunked shard gathers", aten.mean.dim, (T((4, 6)), [1]), [S(1, 2)], 2, R, {(0,): R}, True),
@@ -184,14 +192,6 @@ VIEWS = [
     ("expand keeps the shard", aten.expand.default, (T((3, 8)), [2, 3, 8]), [S(1)], 2, S(2), {}, False),
     # repeat: the local tensor repeated alike; copies along the sharded dim become its blocks (JetMoE's k and v
     # repeated once per routed head), leading dims repeat adds move the shard
-    # var.dim / std.dim (self, dims, unbiased, keepdim): a reduction elsewhere keeps the shard (xLSTM's norm per
-    # head), over the sharded dim needs it whole
-    ("var.dim elsewhere keeps the shard", aten.var.dim, (T((2, 4, 6)), [1], True, True), [S(2)], 2, S(2), {}, False),
-    ("var.dim elsewhere, dim dropped", aten.var.dim, (T((2, 4, 6)), [1], True, False), [S(2)], 2, S(1), {}, False),
-    ("std.dim over the shard", aten.std.dim, (T((2, 4, 6)), [2], True, True), [S(2)], 2, R, {(0,): R}, True),
-    # log_sigmoid: pointwise, though torch does not tag it so (a composite op): the shard kept, a partial sum whole
-    ("log_sigmoid keeps the shard", aten.log_sigmoid.default, (T((2, 4, 6)),), [S(2)], 2, S(2), {}, False),
-    ("log_sigmoid of P", aten.log_sigmoid.default, (T((2, 4, 6)),), [P], 2, R, {(0,): R}, False),
     ("repeat elsewhere keeps the shard", aten.repeat.default, (T((2, 4, 3)), [1, 1, 2]), [S(1)], 2, S(1), {}, False),
     ("repeat along the shard: copies as blocks", aten.repeat.default, (T((2, 4, 3)), [1, 2, 1]), [S(1)], 2, S(1, 2),
      {}, False),
