@@ -141,11 +141,24 @@ def _plain_model(family: str):
 
 def measure(family: str, tp: int = 2) -> tuple[float, list[tuple[str, str]]]:
     """(sharded fraction on tp, replicated (module, reason) pairs) for `family` at `tp`."""
-    import torch
-    import transformers
+    def build():
+        import torch
+        import transformers
 
-    from meshc.compiler.ir import torch_compat as compat
+        if family in PLAIN:
+            return _plain_model(family)
+        cfg_cls, model_cls, kwargs, kind = FAMILIES[family]
+        model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kwargs))
+        return model, (torch.zeros(BATCH, 3, 16, 16) if kind == "pixels" else torch.zeros(BATCH, SEQ, dtype=torch.long))
+    return coverage_of(build, tp)
+
+
+def coverage_of(build, tp: int) -> tuple[float, list[tuple[str, str]]]:
+    """(sharded fraction on tp, replicated (module, reason) pairs) of the model `build()` returns with its example
+    input, compiled for rank 0 at `tp` on fake tensors (built inside the fake mode: no weights), or, for a model that
+    reads a tensor's value while tracing (ViT), on real ones. Also benchmarks/tp_sweep.py's measure."""
     from meshc.compiler.compile import compile_rank
+    from meshc.compiler.ir import torch_compat as compat
     from meshc.compiler.ir.coverage import coverage
     from meshc.compiler.ir.mesh_spec import MeshSpec
     from meshc.compiler.ir.plan import Plan
@@ -155,12 +168,7 @@ def measure(family: str, tp: int = 2) -> tuple[float, list[tuple[str, str]]]:
     def run():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            if family in PLAIN:
-                model, x = _plain_model(family)
-            else:
-                cfg_cls, model_cls, kwargs, kind = FAMILIES[family]
-                model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kwargs))
-                x = (torch.zeros(BATCH, 3, 16, 16) if kind == "pixels" else torch.zeros(BATCH, SEQ, dtype=torch.long))
+            model, x = build()
             return compile_rank(model, (x,), {}, mesh=MeshSpec({"tp": tp}), plan=plan, rank=0)[0]
 
     try:

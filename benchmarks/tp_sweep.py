@@ -24,6 +24,7 @@ import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tp_coverage's compile, shared
 
 SEQ, BATCH = 16, 2
 MEMORY_GIB, TIMEOUT_S = 6, 300  # per class: a default size the generic ones miss (BLT's byte embeddings) is a row
@@ -57,12 +58,8 @@ def measure(config_cls, model_cls, tp: int) -> tuple[str, float | None, str]:
     """(stage, coverage, detail) for one class: stage "ok" with the coverage, else where it failed and why."""
     import torch
 
-    from meshc.compiler.compile import compile_rank
-    from meshc.compiler.ir import torch_compat as compat
-    from meshc.compiler.ir.coverage import coverage
-    from meshc.compiler.ir.mesh_spec import MeshSpec
-    from meshc.compiler.ir.plan import Plan
     from meshc.compiler.ir.errors import MeshcInternalError
+    from tp_coverage import coverage_of
 
     try:
         with warnings.catch_warnings():
@@ -71,20 +68,8 @@ def measure(config_cls, model_cls, tp: int) -> tuple[str, float | None, str]:
     except Exception as e:  # noqa: BLE001 - a row of the table
         return "build", None, f"{type(e).__name__}: {e}"
     x = torch.zeros(BATCH, SEQ, dtype=torch.long)
-
-    def run():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return compile_rank(model, (x,), {}, mesh=MeshSpec({"tp": tp}),
-                                plan=Plan(trace="non-strict", check_trace=False), rank=0)[0]
     try:
-        try:
-            with compat.fake_tensor_mode():
-                result = run()
-        except Exception as e:  # a model that reads a tensor's value while tracing: real weights (tiny)
-            if "DataDependent" not in type(e).__name__:
-                raise
-            result = run()
+        frac, replicated = coverage_of(lambda: (model, x), tp)
     except MeshcInternalError as e:
         return "internal", None, str(e)
     except MemoryError:
@@ -92,8 +77,7 @@ def measure(config_cls, model_cls, tp: int) -> tuple[str, float | None, str]:
     except Exception as e:  # noqa: BLE001
         stage = "trace" if "torch.export" in str(e) or "trace" in type(e).__name__.lower() else "meshc"
         return stage, None, f"{type(e).__name__}: {e}"
-    cov = coverage(result.program.params, {"tp": tp}, result.program.tp_why)
-    return "ok", cov.fractions.get("tp", 0.0), "; ".join(sorted({r for _, r in cov.replicated}))
+    return "ok", frac, "; ".join(sorted({r for _, r in replicated}))
 
 
 def _child(mtype: str, tp: int, out) -> None:
