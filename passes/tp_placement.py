@@ -386,8 +386,8 @@ def _megatron(program: Program, weights: dict[str, Weight], n: int):
     by_node = {w.node: w for w in weights.values() if w.kind != "embedding" and not w.rows}  # rows: whole weights
     by_node.update({x: replace(w, node=x, act=x.args[0]) for w in list(by_node.values()) for x in w.also})
     nodes = list(program.gm.graph.nodes)
-    tried = {w.key for w in candidates}  # a partner is one of them: trainable, its uses all one kind of layer
-    partners = {x: weights[w.key] for x, w in by_node.items() if w.key in tried}  # a stack's layer: the stack
+    candidate_keys = {w.key for w in candidates}  # a partner is one: trainable, its uses all one kind of layer
+    partners = {x: weights[w.key] for x, w in by_node.items() if w.key in candidate_keys}  # a stack's layer: the stack
     walk = (nodes, order, by_node, loop_of(program.gm.graph), partners)
     for members in groups.values():
         found = _pairing(walk, [m for m in members if m.key not in styles], styles, n,
