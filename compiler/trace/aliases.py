@@ -1,9 +1,9 @@
 """ATen ops that are another op's alias, traced under their own names, rewritten to the op the passes know.
 
 `torch.concatenate(xs, dim)` and `torch.concat` trace as aten::concatenate and aten::concat, the same op as
-aten::cat with the same schema (tensors, dim): the sharding rules, the loop finder and the cost model know `cat`
-alone, so a model that wrote the alias (xLSTM's blocks) kept its layers whole ("no tensor-parallel rule or
-DTensor strategy for aten::concatenate").
+aten::cat with the same schema (tensors, dim): the sharding rules and the loop finder know `cat` alone, so a
+model that wrote the alias (xLSTM's blocks) kept its layers whole ("no tensor-parallel rule or DTensor strategy
+for aten::concatenate").
 """
 from __future__ import annotations
 
