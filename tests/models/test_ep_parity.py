@@ -27,9 +27,9 @@ EXPERTS = {"mixtral": 4, "mixtral4": 4, "mixtral_gathered": 4, "deepseek_v3": 4,
 CASES = [  # Mixtral at plain dp=2 × ep=2 also runs through the torch.compile door (tests/compiler/test_backend.py)
     ("deepseek_v3", {"dp": 2, "ep": 2}, {}),  # a dense first layer, a shared expert beside the routed ones
     ("olmoe", {"dp": 2, "ep": 2}, {"remat": "full"}),  # recompute runs the dispatch again in backward
+    ("mixtral", {"dp": 2, "ep": 2, "tp": 2}, {}),
     # compiled: the routing (dispatch, the expert matmuls its row counts size, combine) runs as FX code between
     # regions Inductor compiles (runtime/regions.py); under a zero-bubble schedule, each region's backward in halves
-    ("mixtral", {"dp": 2, "ep": 2, "tp": 2}, {"inductor": True}),
     ("mixtral4", {"dp": 2, "ep": 2, "pp": 2}, {"microbatches": 2, "schedule": "zb-h1", "inductor": True}),
     # experts over ep, replicas over edp; the rest ZeRO-3 over dp; compiled: the experts' gathers run as FX code
     ("mixtral", {"dp": 4, "ep": 2}, {"zero": 3, "inductor": True}),
