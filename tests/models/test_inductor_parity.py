@@ -24,8 +24,8 @@ from tests.harness import run_ranks
 STEPS, BATCH = 3, 8
 FAST = {"trace": "non-strict", "inductor": True}
 CASES = [  # two launches, every plan kind of the compiled parity file in one of them (the suite's budget: each case
-    # compiles its ranks' graphs cold, 30-50 s here; the plan matrix's compiled cases run ZeRO-1 under pipelines, each
-    # schedule, the zero-bubble halves and offload: tests/models/test_plan_matrix.py)
+    # compiles its ranks' graphs cold, 30-50 s here; the plan matrix's compiled cases run each schedule, the
+    # zero-bubble halves, ZeRO stages under pipelines and offload: tests/models/test_plan_matrix.py)
     # ZeRO-3 as graph nodes: each bucket's all-gather in the forward graph, recomputed in backward (never saved for
     # it), the gradients' reduce-scatters in the backward graph; with tp and SP's own gathers (f/g pairs too); remat
     # "full" as the partitioner's recompute decisions: the block recomputed in backward, its tp collectives included

@@ -26,7 +26,7 @@ message names the option. Anything else raised (in job.step, the optimizer step,
 at construction) is a failure. The inductor factor is crossed with the others in a second, small array:
 the first covers every pair of the other factors with Inductor off; the second adds, greedily, cases with
 Inductor on until every value in effect of every factor but the mesh has met it (7 cases: six schedules need six
-pp cases, and sequence parallelism on a tp mesh with dp one more, dp2xtp2). Together they cover every pair of the
+pp cases, and the greedy choice takes one on dp2xtp2 besides). Together they cover every pair of the
 twelve factors but inductor with the meshes dp2 and tp2 alone, whose compiled runs are the compiled parity file's
 dp2 x tp2 cases (tests/models/test_inductor_parity.py); the compiled cases cost seconds of Inductor each, not the
 whole array's (until 2026-12-07 the mesh's values too: 9 cases, two more compiled launches for no plan they alone
