@@ -558,7 +558,7 @@ def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str
     ctx = RuleCtx(n, placements)
     rows: list[Weight] = []
     params: dict[str, Shard] = {}
-    stats: set[fx.Node] = set()  # partial statistics (a norm's mean over the sharded features): all-reduced
+    stats: set[fx.Node] = set()  # partial statistics (a norm's mean or sum of squares over the sharded features)
     start = min(order[x] for _, x in seeds)
     for node in nodes[start + 1:]:
         if not pending:
@@ -604,7 +604,7 @@ def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str
             continue
         if isinstance(dec.out, Replicate) and not dec.inputs:  # made whole locally (a part held whole, a replicated
             continue  # part of a tuple, sizes only): nothing sharded to follow
-        if isinstance(dec.out, Partial) and node.target == aten.mean.dim:
+        if isinstance(dec.out, Partial) and node.target in (aten.mean.dim, aten.sum.dim_IntList):
             stats.add(node)
         elif not _all_shard(dec.out):
             return _Trial([], origin, f"{node.format_node()} would hold a partial sum")

@@ -651,3 +651,20 @@ def mamba(seed: int = 0, layers: int = 2) -> torch.nn.Module:
 
 MODELS["mamba"] = mamba
 MODELS["mamba2_groups"] = lambda seed=0: mamba2(seed, groups=4)  # B and C of 4 groups: sharded with their heads
+
+
+def dory(seed: int = 0) -> torch.nn.Module:
+    """Hugging Face Dory (nGPT on the unit sphere): every norm an L2 norm (`x * rsqrt(sum(x²))`, a sum, not a mean),
+    two of them between a column- and a row-parallel layer (over the attention's gated heads and over the MLP's
+    features), per-channel scales read beside the projections, a middle layer looped twice with its weights shared."""
+    from transformers import DoryConfig, DoryForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = DoryConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ, n_input_layers=1,
+                     n_recurrent_layers=1, n_output_layers=1, n_recurrent_loops=2, sliding_window=SEQ, use_cache=False,
+                     bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return DoryForCausalLM(cfg)
+
+
+MODELS["dory"] = dory

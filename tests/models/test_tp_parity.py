@@ -235,6 +235,9 @@ SHARDED += [("rwkv", 2, {}, 0.85), ("rwkv", 2, {"sequence_parallel": True}, 0.85
 # torch.concatenate; q, the output gate and the FFN shard (0.87; 0.83 without var's rule); k, v and the input and
 # forget gates write their chunks' states into buffers made whole (torch.zeros) and stay whole
 SHARDED += [("xlstm", 2, {}, 0.85)]
+# Dory (nGPT): L2 norms (a sum of squares) between the column and row layers of its attention and MLP, their partial
+# sums all-reduced as statistics; one-process placements at tp=2 and 4: tests/passes/test_tensor_parallel.py
+SHARDED += [("dory", 2, {}, 0.9)]
 # Phi-3's 2 kv heads at tp=4: k and v (flat slices of qkv_proj, each viewed as heads) held whole by every rank, as
 # Megatron replicates kv heads fewer than tp, q sharded: 8/9 of this config's block bytes
 SHARDED.append(("phi3", 4, {}, 8 / 9 - 1e-9))

@@ -11,7 +11,7 @@ import torch
 
 import meshc
 from meshc.compiler.driver import run_passes
-from meshc.compiler.ir.placement import Shard
+from meshc.compiler.ir.placement import Replicate, Shard
 from meshc.compiler.trace.export import trace
 from meshc.runtime.monitor.census import CommCensus
 from tests import zoo
@@ -249,6 +249,27 @@ def test_norm_over_a_sharded_projection_all_reduces_its_statistic(fake_mesh):
     for node in stats:
         (reduce,) = node.users
         assert "all_reduce" in str(reduce.target) and tuple(reduce.meta["val"].shape)[-1] == 1
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_an_l2_norm_between_column_and_row_layers_all_reduces_its_sum(fake_mesh, tp):
+    """Dory (nGPT) normalizes by a sum of squares, not a mean: `x * rsqrt(sum(x²) + eps)` over the attention's gated
+    heads before o_proj and over the MLP's features before down_proj. Each rank's sum over its features is a partial
+    sum of the whole one, all-reduced as a (B, T, 1) statistic (no division, unlike a mean), so the projections on
+    both sides keep Megatron's pairing; before, the sum ended the column flow and the blocks stayed whole (0.00 at
+    tp=2). Kv heads (2) fewer than tp=4 are held whole, as Megatron does. Parity: tests/models/test_tp_parity.py."""
+    program = _program(fake_mesh(tp=tp), zoo.dory())
+    for name in ("self_attn.q_proj", "self_attn.gate_proj", "mlp.gate_proj", "mlp.up_proj"):
+        assert program.params[f"model.layers.1.{name}.weight"].placements["tp"] == Shard(0), name
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        assert program.params[f"model.layers.1.{name}.weight"].placements["tp"] == Shard(1), name
+    kv = program.params["model.layers.1.self_attn.k_proj.weight"].placements["tp"]
+    assert kv == (Shard(0) if tp == 2 else Replicate())
+    sums = [n for n in program.gm.graph.nodes if n.target == torch.ops.aten.sum.dim_IntList
+            and any("all_reduce" in str(u.target) for u in n.users)]
+    assert len(sums) == 2 * 4  # the two sub-norms of each of the 4 layer applications (the middle layer looped twice)
+    for node in sums:
+        assert tuple(node.meta["val"].shape)[-1] == 1
 
 
 class _WriteThroughView(torch.nn.Module):
