@@ -176,7 +176,18 @@ def factory_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
 
 @handles(aten.new_ones.default, aten.new_zeros.default, aten.new_empty.default, aten.new_full.default)
 def new_factory_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
-    return Decision({}, R)  # sizes come from the arguments (global), not from the (maybe sharded) input
+    """x.new_*(sizes): a buffer made like x. Where x is sharded on a dim that the buffer has at the same size
+    (HY-V4's `kv.new_empty(*kv.shape[:-1], d)`, then filled by writes of the heads' shards into slices of it), the
+    buffer is sharded alike, made at its local sizes, as zeros_like(x) is: its values (a constant, or none before the
+    writes) are the same whichever part a rank holds, and the placement of x keeps the writes into it local. Elsewhere
+    its sizes (global) make it whole."""
+    x = node.args[0]
+    p = ctx.pl(x)
+    src, dst = static_sizes(x), static_sizes(node)
+    if isinstance(p, Shard) and not has_whole(p.chunks) and len(src) == len(dst) and src[p.dim] == dst[p.dim]:
+        local = [s // ctx.n if d == p.dim else s for d, s in enumerate(dst)]
+        return Decision({}, p, rewrite=lambda nd: nd.update_arg(1, local))
+    return Decision({}, R)
 
 
 # ---------------------------------------------------------------------------------------- matmuls

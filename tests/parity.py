@@ -30,7 +30,7 @@ def reference(model: str, steps: int, batch: int, optimizer: str = "adamw", seq:
         loss = zoo.model_loss(model, m, x, y)
         loss.backward()
         if i == 0:
-            grads0 = {n: p.grad.clone() for n, p in m.named_parameters()}
+            grads0 = {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}  # frozen: none
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

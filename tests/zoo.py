@@ -668,3 +668,26 @@ def dory(seed: int = 0) -> torch.nn.Module:
 
 
 MODELS["dory"] = dory
+
+
+def hy_v4(seed: int = 0) -> torch.nn.Module:
+    """Hugging Face HY-V4: multi-head latent attention whose key heads are built in a buffer made like the expanded
+    latent (`kv.new_empty(*kv.shape[:-1], d)`, the no-rope and rope parts copied into its two slices), a sparse-attention
+    indexer run under no_grad, hyper-connections, a dense first layer and routed experts beside a shared one."""
+    from transformers import HYV4Config, HYV4ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = HYV4Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24,
+                     qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, index_n_heads=2, index_head_dim=8,
+                     index_topk=8, n_routed_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ,
+                     layer_types=["indexed_attention"] * 2, indexer_types=["full", "shared"], use_cache=False,
+                     bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = HYV4ForCausalLM(cfg)
+    for name, p in model.named_parameters():  # the indexer runs under no_grad: the LM loss gives it no gradient
+        if ".indexer." in name:
+            p.requires_grad_(False)
+    return model
+
+
+MODELS["hy_v4"] = hy_v4

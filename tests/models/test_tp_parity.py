@@ -238,6 +238,11 @@ SHARDED += [("xlstm", 2, {}, 0.85)]
 # Dory (nGPT): L2 norms (a sum of squares) between the column and row layers of its attention and MLP, their partial
 # sums all-reduced as statistics; one-process placements at tp=2 and 4: tests/passes/test_tensor_parallel.py
 SHARDED += [("dory", 2, {}, 0.9)]
+# HY-V4: key heads built in a buffer made like kv_b_proj's head-sharded output (`new_empty`), sharded alike, so
+# kv_b_proj, q_b_proj, the gate, o_proj and the experts shard; whole: the latent down-projections kv_a (Megatron's MLA
+# holds them whole too) and layer 0's q_a (read by the indexer, under no_grad), and the frozen indexer (0.81 of this
+# config's block bytes sharded)
+SHARDED += [("hy_v4", 2, {}, 0.8)]
 # Phi-3's 2 kv heads at tp=4: k and v (flat slices of qkv_proj, each viewed as heads) held whole by every rank, as
 # Megatron replicates kv heads fewer than tp, q sharded: 8/9 of this config's block bytes
 SHARDED.append(("phi3", 4, {}, 8 / 9 - 1e-9))

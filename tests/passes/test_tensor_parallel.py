@@ -272,6 +272,20 @@ def test_an_l2_norm_between_column_and_row_layers_all_reduces_its_sum(fake_mesh,
         assert tuple(node.meta["val"].shape)[-1] == 1
 
 
+def test_a_buffer_made_like_a_sharded_value_is_sharded_alike(fake_mesh):
+    """HY-V4 builds its key heads in `kv.new_empty(*kv.shape[:-1], d)` and copies the no-rope part (kv_b_proj's
+    output, sharded by heads) and the rope part (one head expanded to all) into its two slices. The buffer is made at
+    its local sizes with kv's head shard, so kv_b_proj stays column-parallel (before: a whole buffer, the copy of a
+    shard into it "needs it R", kv_b_proj whole). Parity: tests/models/test_tp_parity.py (hy_v4)."""
+    program = _program(fake_mesh(tp=2), zoo.hy_v4())
+    assert program.params["model.layers.0.self_attn.kv_b_proj.weight"].placements["tp"] == Shard(0)
+    buffers = [n for n in program.gm.graph.nodes if n.target == torch.ops.aten.new_empty.default]
+    assert len(buffers) == 2  # one per layer
+    for node in buffers:
+        assert node.meta["meshc.placement"]["tp"] == Shard(1)
+        assert list(node.args[1]) == [B, 4 // 2, zoo.SEQ, 16]  # batch, the rank's 2 of 4 heads, tokens, nope + rope
+
+
 class _WriteThroughView(torch.nn.Module):
     """An MLP that scales part of its hidden features in place through a view (`h[..., :4].mul_(2)`)."""
 
