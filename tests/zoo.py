@@ -691,3 +691,18 @@ def hy_v4(seed: int = 0) -> torch.nn.Module:
 
 
 MODELS["hy_v4"] = hy_v4
+
+
+def hrm_text(seed: int = 0) -> torch.nn.Module:
+    """Hugging Face HRM-Text: a low-level and a high-level stack of layers, each applied in cycles with its weights
+    shared; the low-level stack's early cycles run under `torch.no_grad()` (only its trailing cycle trains)."""
+    from transformers import HrmTextConfig, HrmTextForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = HrmTextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, head_dim=8, H_cycles=2, L_cycles=2, L_bp_cycles=[1],
+                        max_position_embeddings=SEQ, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return HrmTextForCausalLM(cfg)
+
+
+MODELS["hrm_text"] = hrm_text

@@ -21,7 +21,7 @@ import torch
 
 from meshc.compiler.ir.torch_compat import is_fake, tree_flatten, tree_unflatten
 from meshc.compiler.ir.errors import TraceError
-from meshc.compiler.ir.program import Program
+from meshc.compiler.ir.program import GRAD_REGION, Program
 
 AUTO_LIMIT = 16 * 2**20  # elements of parameters up to which Plan(check_trace=None) checks
 RTOL, ATOL = 1e-4, 1e-6
@@ -95,7 +95,7 @@ def _probe(out) -> torch.Tensor | None:
 
 def _message(traced: Program, what: str, diff: float, expected, extra: str = "") -> str:
     scale = f" (largest |eager| value {expected.abs().max().item():.3g})" if isinstance(expected, torch.Tensor) else ""
-    suspects = [n for n in traced.gm.graph.nodes if "wrap_with_set_grad_enabled" in str(n.target)
+    suspects = [n for n in traced.gm.graph.nodes if n.meta.get(GRAD_REGION)  # a no_grad region's result
                 or "autograd_function" in str(n.target)]
     hint = ""
     if suspects:

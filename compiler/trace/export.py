@@ -24,6 +24,7 @@ from meshc.compiler.trace.aliases import canonical_aliases
 from meshc.compiler.trace.autograd_functions import functions_as_ops
 from meshc.compiler.trace.constant_indices import slices_for_constant_indices
 from meshc.compiler.trace.elementwise_functions import annotate_elementwise
+from meshc.compiler.trace.grad_regions import inline_grad_regions
 from meshc.compiler.ir.errors import MeshcValueError, TraceError, internal_folders, is_internal
 from meshc.compiler.ir.mesh_spec import as_spec
 from meshc.compiler.ir.program import ParamSpec, Program, replicated
@@ -95,6 +96,9 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, me
         _devices_from_meta(ep.graph_module, device)
     program, tensors = _program_from_export(ep, model, mesh, plan, rank, mode, prefix)
     canonical_aliases(program.gm)  # torch.concatenate is cat
+    regions = inline_grad_regions(program.gm)  # no_grad blocks: their ops seen, their results detached
+    if regions:
+        program.notes.append(f"trace: {regions} torch.no_grad()/enable_grad() region(s) inlined")
     annotate_elementwise(program.gm)  # user Functions the sharding rules may see through
     slices_for_constant_indices(program.gm, tensors)  # x[..., [-2], :] is a slice
     if on_meta:

@@ -148,3 +148,50 @@ def test_cats_aliases_are_traced_as_cat_and_shard_as_it_does():
     assert aten.concatenate.default not in targets and aten.concat.default not in targets
     assert {f: s.placements["tp"] for f, s in program.params.items() if f.endswith("weight")} == {
         "a.weight": Shard(0), "out.weight": Shard(1)}
+
+
+class _Refine(torch.nn.Module):
+    """A block applied three times, the first two under torch.no_grad() (HRM's early cycles), the second of those
+    turning gradients back on for a side branch: only the last application and the side branch train the block."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(zoo.VOCAB, 16)
+        self.up, self.down, self.side = (torch.nn.Linear(16, 32), torch.nn.Linear(32, 16), torch.nn.Linear(16, 16))
+        self.head = torch.nn.Linear(16, zoo.VOCAB)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        z = h
+        with torch.no_grad():
+            z = z + self.down(self.up(z).relu())
+            with torch.enable_grad():
+                s = self.side(h)
+            z = z + self.down(self.up(z).relu())
+        z = z + self.down(self.up(z + h).relu())
+        return self.head(z + s)
+
+
+def test_no_grad_regions_are_inlined_and_train_as_eager(fake_mesh):
+    """torch.export keeps a no_grad block as one op (wrap_with_set_grad_enabled), opaque to every pass: inlined,
+    its ops are the graph's own (the block's layers shard on tp), and its results are detached, so no gradient
+    crosses it. check_trace compares the loss and every gradient with eager (up/down's from the last application
+    alone, side's through its enable_grad branch); `test_tp_parity.py -k hrm` trains such a model sharded."""
+    from meshc.compiler.compile import compile_program
+    from meshc.compiler.ir.mesh_spec import MeshSpec
+
+    model = _Refine()
+    x = zoo.batches(1, 2)[0][0]
+    traced, program, _ = compile_program(model, (x,), {}, mesh=MeshSpec({"tp": 2}),
+                                         plan=meshc.Plan(trace="non-strict", check_trace=True), rank=0)
+    nodes = list(traced.gm.graph.nodes)
+    assert not any("wrap_with_set_grad_enabled" in str(n.target) for n in nodes)
+    # torch.export cuts the no_grad block around its enable_grad branch: two regions, each handing z on detached
+    assert "trace: 2 torch.no_grad()/enable_grad() region(s) inlined" in traced.notes
+    assert sum(bool(n.meta.get("meshc.grad_region")) for n in nodes) == 2
+    assert sum(n.target == torch.ops.aten.linear.default for n in nodes) == 8  # 3 ups, 3 downs, side and head
+    assert any("loss and 9 gradients equal eager" in note for note in traced.notes + program.notes)
+    from meshc.compiler.ir.placement import Shard
+    assert program.params["up.weight"].placements["tp"] == Shard(0)
+    assert program.params["down.weight"].placements["tp"] == Shard(1)

@@ -240,9 +240,12 @@ SHARDED += [("xlstm", 2, {}, 0.85)]
 SHARDED += [("dory", 2, {}, 0.9)]
 # HY-V4: key heads built in a buffer made like kv_b_proj's head-sharded output (`new_empty`), sharded alike, so
 # kv_b_proj, q_b_proj, the gate, o_proj and the experts shard; whole: the latent down-projections kv_a (Megatron's MLA
-# holds them whole too) and layer 0's q_a (read by the indexer, under no_grad), and the frozen indexer (0.81 of this
-# config's block bytes sharded)
+# holds them whole too) and the frozen indexer (0.84 of this config's block bytes sharded; 0.81 while the indexer's
+# no_grad region was one opaque op, which kept layer 0's q_a whole)
 SHARDED += [("hy_v4", 2, {}, 0.8)]
+# HRM-Text: its low-level stack's early cycles under torch.no_grad(), inlined by the trace (their results detached),
+# so the stack's layers (shared by every cycle) shard as one; 0.50 of the blocks while the region was one opaque op
+SHARDED += [("hrm_text", 2, {}, 0.9)]
 # Phi-3's 2 kv heads at tp=4: k and v (flat slices of qkv_proj, each viewed as heads) held whole by every rank, as
 # Megatron replicates kv heads fewer than tp, q sharded: 8/9 of this config's block bytes
 SHARDED.append(("phi3", 4, {}, 8 / 9 - 1e-9))

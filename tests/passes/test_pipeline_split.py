@@ -97,17 +97,20 @@ def test_microbatches_must_divide_the_batch(fake_mesh):
                       plan=meshc.Plan(trace="non-strict", microbatches=3))
 
 
-def test_stage_graphs_keep_higher_order_op_bodies(fake_mesh):
-    # a strict export holds a Function's forward as wrap_with_set_grad_enabled(False, %submod_N, ...): a stage
-    # must carry the body its op calls (it raised KeyError: submod_5 on BLOOM); check_trace is off because the
-    # strict trace drops these Functions' backward (meshc refuses it by default)
+def test_stage_graphs_hold_what_no_grad_regions_ran(fake_mesh):
+    # a strict export holds a Function's forward as wrap_with_set_grad_enabled(False, %submod_N, ...): a stage once
+    # called a body it lacked (KeyError: submod_5 on BLOOM); the trace now inlines such regions, their results
+    # detached (compiler/trace/grad_regions.py), so each stage holds the region's own ops. check_trace is off because
+    # the strict trace drops these Functions' backward (meshc refuses it by default)
     traced, _ = trace(zoo.custom_fn(), (zoo.batches(1, 2)[0][0],), mesh=fake_mesh(pp=2),
                       plan=meshc.Plan(verify=True, trace="strict", check_trace=False))
+    assert any("region(s) inlined" in note for note in traced.notes)
     stages = stage_graphs(run_passes(traced), 2)
     for stage in stages:
-        bodies = [n for n in stage.gm.graph.nodes if n.op == "get_attr"]
-        assert bodies and all(hasattr(stage.gm, n.target) for n in bodies)
+        assert not any("wrap_with_set_grad_enabled" in str(n.target) for n in stage.gm.graph.nodes)
+        assert all(hasattr(stage.gm, n.target) for n in stage.gm.graph.nodes if n.op == "get_attr")
         stage.gm.graph.lint()
+    assert sum(n.meta.get("meshc.grad_region", False) for s in stages for n in s.gm.graph.nodes) > 0
 
 
 class _ViT(torch.nn.Module):
