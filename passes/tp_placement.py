@@ -424,6 +424,11 @@ def _pairing(walk: tuple, members: list[Weight], styles: dict[str, str], n: int,
         result = _trial(*walk[:4], members, styles, n)
         if result.rows:
             return members, result
+        if result.rechunk and all(m.chunks == 1 for m in members):  # a chunk of the heads into c groups (DiffLlama's
+            parts = [replace(m, chunks=result.rechunk) for m in members]  # head pairs): each rank holds its share of
+            again = _trial(*walk[:4], parts, styles, n)                 # every group, the members sharded in c blocks
+            if again.rows:
+                return parts, again
         partner = _partner(walk[4], members, styles, result)
         if partner is not None and partner.key not in joined:  # tried once with it; else the failure stands
             joined.add(partner.key)
@@ -468,6 +473,7 @@ def _take(program: Program, weights: dict[str, Weight], found: tuple, styles: di
     """Record a pairing (members, trial): its members column-, its row layers row-parallel, and the other
     parameters its flow reads sharded as the members' companions."""
     members, result = found
+    weights.update({m.key: m for m in members if m.chunks != weights[m.key].chunks})  # sharded in blocks: _pairing's
     styles.update({m.key: "colwise" for m in members})
     styles.update({r.key: "rowwise" for r in result.rows})
     companions.update({f: (p, tuple(m.key for m in members)) for f, p in (result.params or {}).items()
@@ -542,6 +548,7 @@ class _Trial:
     params: dict[str, Shard] | None = None  # parameters the flow reads sharded (none a Weight's): FQN -> placement
     met: fx.Node | None = None  # where the flow needed an input whole (a whole buffer it writes into, RWKV's)
     placed: frozenset = frozenset()  # with `met`: the nodes the flow had reached (sharded) by then
+    rechunk: int = 0  # the equal parts a split or chunk cut a plain shard into, where that was the failure
 
 
 def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str, str], n: int) -> _Trial:
@@ -596,7 +603,8 @@ def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str
                     reduced = True
                     continue
                 return _Trial([], blame[src], _in_loop(node, loops, dec.note or f"{node.format_node()} needs it {req}"),
-                              met=node if isinstance(req, Replicate) else None, placed=frozenset(placements))
+                              met=node if isinstance(req, Replicate) else None, placed=frozenset(placements),
+                              rechunk=_equal_parts(node, placements[src]))
             found = param_sources(src, req.dim, node) if isinstance(req, Shard) and src not in placements else None
             for fqn, dim in (found or {}).items():
                 params[fqn] = Shard(dim, req.chunks)
@@ -615,6 +623,17 @@ def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str
         blame[node] = origin
         pending.update(node.users)
     return _Trial(rows, set(), "" if rows else "no row-parallel layer consumes it", params=params)
+
+
+def _equal_parts(node: fx.Node, p) -> int:
+    """How many equal parts a split or chunk of `node` cuts its input's plain shard into, on the sharded dim; else 0."""
+    if node.target not in (aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default):
+        return 0
+    shapes = node.meta.get("meshc.shape") or ()
+    dim = node.args[2] if len(node.args) > 2 else 0
+    if not isinstance(p, Shard) or p.chunks != 1 or len(shapes) < 2 or dim % len(shapes[0]) != p.dim:
+        return 0
+    return len(shapes) if len({str(s[p.dim]) for s in shapes}) == 1 else 0
 
 
 def _in_loop(node: fx.Node, loops: dict[fx.Node, Loop], reason: str) -> str:
