@@ -425,10 +425,9 @@ def _pairing(walk: tuple, members: list[Weight], styles: dict[str, str], n: int,
         if result.rows:
             return members, result
         if result.rechunk and all(m.chunks == 1 for m in members):  # a chunk of the heads into c groups (DiffLlama's
-            parts = [replace(m, chunks=result.rechunk) for m in members]  # head pairs): each rank holds its share of
-            again = _trial(*walk[:4], parts, styles, n)                 # every group, the members sharded in c blocks
-            if again.rows:
-                return parts, again
+            found = _in_blocks(walk, members, result.rechunk, styles, n, failed)  # head pairs): the members sharded
+            if found:                                                               # in c blocks instead
+                return found
         partner = _partner(walk[4], members, styles, result)
         if partner is not None and partner.key not in joined:  # tried once with it; else the failure stands
             joined.add(partner.key)
@@ -441,6 +440,19 @@ def _pairing(walk: tuple, members: list[Weight], styles: dict[str, str], n: int,
             return None
         members = [m for m in members if m.key not in result.blamed]
     return None
+
+
+def _in_blocks(walk: tuple, members: list[Weight], c: int, styles: dict[str, str], n: int, failed):
+    """_pairing of `members` sharded in c blocks (S(0)xc: each rank its share of each of c groups of heads), where a
+    plain shard failed because a chunk cut it into c: what is found, its failures told to `failed` only then (an
+    indivisible size that is an artifact of the blocks is not an error); None where nothing is."""
+    told: list = []
+    found = _pairing(walk, [replace(m, chunks=c) for m in members], styles, n, lambda r, t: told.append((r, t)))
+    if found and failed is not None:
+        for result, tried in told:
+            if not result.indivisible or n % result.indivisible[1] == 0:
+                failed(result, tried)
+    return found
 
 
 def _partner(partners: dict, members: list[Weight], styles: dict[str, str], result: _Trial) -> Weight | None:

@@ -708,16 +708,18 @@ def hrm_text(seed: int = 0) -> torch.nn.Module:
 MODELS["hrm_text"] = hrm_text
 
 
-def diffllama(seed: int = 0) -> torch.nn.Module:
+def diffllama(seed: int = 0, kv_heads: int = 4) -> torch.nn.Module:
     """Hugging Face DiffLlama: differential attention pairs head h with head h + H/2 (the attention's output cut in two
     by `chunk(2)` over the heads, v's kv heads likewise, each half repeated to every kv head)."""
     from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = DiffLlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=SEQ, use_cache=False,
+                          num_attention_heads=8, num_key_value_heads=kv_heads, max_position_embeddings=SEQ,
+                          use_cache=False,
                           bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return DiffLlamaForCausalLM(cfg)
 
 
 MODELS["diffllama"] = diffllama
+MODELS["diffllama_kv2"] = lambda seed=0: diffllama(seed, kv_heads=2)  # each half of v one kv head: fewer than tp=2

@@ -246,8 +246,9 @@ SHARDED += [("hy_v4", 2, {}, 0.8)]
 # HRM-Text: its low-level stack's early cycles under torch.no_grad(), inlined by the trace (their results detached),
 # so the stack's layers (shared by every cycle) shard as one; 0.50 of the blocks while the region was one opaque op
 SHARDED += [("hrm_text", 2, {}, 0.9)]
-# DiffLlama: head h paired with head h + H/2 (a chunk of the heads in two): q, k and v sharded in two blocks
-SHARDED += [("diffllama", 2, {}, 0.9)]
+# DiffLlama: head h paired with head h + H/2 (a chunk of the heads in two): q, k and v sharded in two blocks; with 2
+# kv heads, k and v whole (each half one head, fewer than tp), q in two blocks (0.94 of this config's block bytes)
+SHARDED += [("diffllama", 2, {}, 0.9), ("diffllama_kv2", 2, {}, 0.9)]
 # Phi-3's 2 kv heads at tp=4: k and v (flat slices of qkv_proj, each viewed as heads) held whole by every rank, as
 # Megatron replicates kv heads fewer than tp, q sharded: 8/9 of this config's block bytes
 SHARDED.append(("phi3", 4, {}, 8 / 9 - 1e-9))

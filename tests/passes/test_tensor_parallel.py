@@ -286,15 +286,18 @@ def test_a_buffer_made_like_a_sharded_value_is_sharded_alike(fake_mesh):
         assert list(node.args[1]) == [B, 4 // 2, zoo.SEQ, 16]  # batch, the rank's 2 of 4 heads, tokens, nope + rope
 
 
-def test_heads_chunked_into_pairs_shard_in_two_blocks(fake_mesh):
+@pytest.mark.parametrize("model", ["diffllama", "diffllama_kv2"])
+def test_heads_chunked_into_pairs_shard_in_two_blocks(fake_mesh, model):
     """DiffLlama pairs head h with head h + H/2 (`chunk(out, 2)` over the heads after attention, v's kv heads cut in
     two the same way): a plain shard of the heads puts both halves' cut on one rank ("chunk across the blocks of a
     shard", q, k and v whole). The trial that failed at the chunk is tried again with q, k and v sharded in two
     blocks, each rank holding its share of each half (S(0)x2), and o_proj reads the pairs' output row-parallel.
-    Parity: tests/models/test_tp_parity.py (diffllama)."""
-    program = _program(fake_mesh(tp=2), zoo.diffllama())
-    for name in ("q_proj", "k_proj", "v_proj"):
-        assert program.params[f"model.layers.0.self_attn.{name}.weight"].placements["tp"] == Shard(0, 2), name
+    With 2 kv heads each half of k and v is one head, fewer than tp=2: they are held whole, q still in two blocks.
+    Parity: tests/models/test_tp_parity.py (diffllama, diffllama_kv2)."""
+    program = _program(fake_mesh(tp=2), zoo.build(model))
+    kv = Shard(0, 2) if model == "diffllama" else Replicate()
+    for name, want in (("q_proj", Shard(0, 2)), ("k_proj", kv), ("v_proj", kv)):
+        assert program.params[f"model.layers.0.self_attn.{name}.weight"].placements["tp"] == want, name
     assert program.params["model.layers.0.self_attn.o_proj.weight"].placements["tp"] == Shard(1)
     assert sum("all_reduce" == getattr(n.target, "__name__", "") for n in program.gm.graph.nodes) == 2 * 2  # Megatron's
 
