@@ -36,7 +36,6 @@ def inline_grad_regions(gm: fx.GraphModule) -> int:
             break
         count += 1
     if count:
-        gm.graph.eliminate_dead_code()
         gm.delete_all_unused_submodules()
         gm.recompile()
     return count
@@ -72,6 +71,8 @@ def _inline(gm: fx.GraphModule, region: fx.Node) -> bool:
         user.replace_all_uses_with(outs[user.args[1]])
         graph.erase_node(user)
     graph.erase_node(region)
+    if not holder.users:  # the submodule's get_attr (nothing else of the graph is removed)
+        graph.erase_node(holder)
     return True
 
 
