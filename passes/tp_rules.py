@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler.ir.fx_ops import grouped_mm_args, op_name, tensor_args
-from meshc.compiler.ir.placement import P, Partial, Placement, R, Replicate, Shard, has_whole
+from meshc.compiler.ir.placement import P, Partial, Placement, R, Replicate, Shard, has_whole, local_shape
 from meshc.compiler.ir.program import OPAQUE
 from meshc.compiler.ir.sizes import static_sizes
 from meshc.runtime.ops.context import context_attention
@@ -185,8 +185,7 @@ def new_factory_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     p = ctx.pl(x)
     src, dst = static_sizes(x), static_sizes(node)
     if isinstance(p, Shard) and not has_whole(p.chunks) and len(src) == len(dst) and src[p.dim] == dst[p.dim]:
-        local = [s // ctx.n if d == p.dim else s for d, s in enumerate(dst)]
-        return Decision({}, p, rewrite=lambda nd: nd.update_arg(1, local))
+        return Decision({}, p, rewrite=lambda nd: nd.update_arg(1, list(local_shape(dst, p, ctx.n))))
     return Decision({}, R)
 
 
