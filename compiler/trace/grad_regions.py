@@ -28,13 +28,17 @@ def _is_region(node: fx.Node) -> bool:
 
 
 def inline_grad_regions(gm: fx.GraphModule) -> int:
-    """Inline every grad-mode region of `gm` (nested ones too) in place; returns how many were."""
-    count = 0
+    """Inline every grad-mode region of `gm` (nested ones too) in place; returns how many were. A region that cannot
+    be (its tuple of results read whole) stays one op; the ones after it are inlined all the same."""
+    count, kept = 0, set()
     while True:
-        region = next((n for n in gm.graph.nodes if _is_region(n)), None)
-        if region is None or not _inline(gm, region):
+        region = next((n for n in gm.graph.nodes if _is_region(n) and n not in kept), None)
+        if region is None:
             break
-        count += 1
+        if _inline(gm, region):
+            count += 1
+        else:
+            kept.add(region)
     if count:
         gm.delete_all_unused_submodules()
         gm.recompile()

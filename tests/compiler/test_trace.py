@@ -195,3 +195,20 @@ def test_no_grad_regions_are_inlined_and_train_as_eager(fake_mesh):
     from meshc.compiler.ir.placement import Shard
     assert program.params["up.weight"].placements["tp"] == Shard(0)
     assert program.params["down.weight"].placements["tp"] == Shard(1)
+
+
+def test_a_region_left_whole_does_not_stop_the_next_from_being_inlined():
+    """A region whose tuple of results is read whole cannot be inlined (its results are not one value each): it stays
+    one op, and the regions after it are inlined all the same."""
+    import operator
+
+    from meshc.compiler.trace.grad_regions import inline_grad_regions
+
+    gm = torch.export.export(_Refine(), (zoo.batches(1, 2)[0][0],), strict=False).graph_module
+    regions = [n for n in gm.graph.nodes if "wrap_with_set_grad_enabled" in str(n.target)]
+    assert len(regions) == 2
+    with gm.graph.inserting_after(regions[0]):  # the first region's tuple read whole
+        whole = gm.graph.call_function(operator.length_hint, (regions[0],))
+    assert inline_grad_regions(gm) == 1
+    left = [n for n in gm.graph.nodes if "wrap_with_set_grad_enabled" in str(n.target)]
+    assert left == [regions[0]] and whole.args == (regions[0],)
