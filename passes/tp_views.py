@@ -110,9 +110,13 @@ def view_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
         if out is None:
             whole = shard_through_view(src, dst, p, 1)
             bad = None
-            if whole is not None:
-                bad = (f"the view to {dst} splits the sharded dim into dim {whole.dim} of size "
-                       f"{dst[whole.dim]} (e.g. heads), not divisible by tp", dst[whole.dim])
+            if whole is not None:  # the parts each rank would hold a share of: the dim, or each of its blocks
+                size = dst[whole.dim]
+                parts = [b for b in block_sizes(whole.chunks, size) if not isinstance(b, Whole)]
+                part = next((b for b in parts if b % ctx.n), size)
+                within = f" in {len(parts)} blocks of {part}" if len(parts) > 1 else ""
+                bad = (f"the view to {dst} splits the sharded dim into dim {whole.dim} of size {size} (e.g. heads)"
+                       f"{within}, not divisible by tp", part)
             return Decision({(0,): R}, R, note=f"shard {p} of {src} cannot follow the view to {dst}",
                             indivisible=bad)
     else:

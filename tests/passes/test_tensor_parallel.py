@@ -300,6 +300,12 @@ def test_heads_chunked_into_pairs_shard_in_two_blocks(fake_mesh, model):
         assert program.params[f"model.layers.0.self_attn.{name}.weight"].placements["tp"] == want, name
     assert program.params["model.layers.0.self_attn.o_proj.weight"].placements["tp"] == Shard(1)
     assert sum("all_reduce" == getattr(n.target, "__name__", "") for n in program.gm.graph.nodes) == 2 * 2  # Megatron's
+    if model == "diffllama":  # at tp=4 each half's 2 kv heads are fewer than tp: k and v whole, and the reason says so
+        program = _program(fake_mesh(tp=4), zoo.build(model))
+        assert program.params["model.layers.0.self_attn.q_proj.weight"].placements["tp"] == Shard(0, 2)
+        assert program.params["model.layers.0.self_attn.k_proj.weight"].placements["tp"] == Replicate()
+        why = program.tp_why["model.layers.0.self_attn.k_proj"]
+        assert "of size 4 (e.g. heads) in 2 blocks of 2, not divisible by tp: 2 < tp=4" in why, why
 
 
 class _WriteThroughView(torch.nn.Module):
