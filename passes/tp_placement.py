@@ -357,16 +357,25 @@ def _swaps_2d(node: fx.Node) -> bool:
 
 def _vocab_styles(program: Program, weights: dict[str, Weight]) -> dict[str, str]:
     """The token embedding (indexed by a model input) and every matmul weight with that many output rows."""
-    tokens = [w for w in weights.values() if w.kind == "embedding" and is_model_input(w.act)]
+    tokens = _token_embeddings(weights)
     if not tokens:
         raise MeshcValueError("Plan.vocab_parallel: expected a token embedding indexed by a model input, got none")
+    return {**{w.key: "vocab" for w in tokens}, **{key: "vocab" for key in _lm_heads(program, weights)}}
+
+
+def _token_embeddings(weights: dict[str, Weight]) -> list[Weight]:
+    return [w for w in weights.values() if w.kind == "embedding" and is_model_input(w.act)]
+
+
+def _lm_heads(program: Program, weights: dict[str, Weight]) -> set[str]:
+    """The LM heads: matmul weights with as many output rows as the token embedding has (the first one indexed by a
+    model input), whose logits go to the output or a cross-entropy; none without a token embedding."""
+    tokens = _token_embeddings(weights)
+    if not tokens:
+        return set()
     vocab = program.params[tokens[0].fqn].shape[0]
-    out = {w.key: "vocab" for w in tokens}
-    for w in weights.values():  # the LM heads: their logits go to the output or a cross-entropy
-        if w.kind != "embedding" and not w.rows and program.params[w.fqn].shape[w.out_dim] == vocab and \
-                logits_end(w.node):
-            out[w.key] = "vocab"
-    return out
+    return {w.key for w in weights.values() if w.kind != "embedding" and not w.rows and
+            program.params[w.fqn].shape[w.out_dim] == vocab and logits_end(w.node)}
 
 
 # ---------------------------------------------------------------------------------------- Megatron
@@ -383,7 +392,10 @@ def _megatron(program: Program, weights: dict[str, Weight], n: int):
     styles: dict[str, str] = {}
     companions: dict[str, tuple[Shard, tuple[str, ...]]] = {}
     greedy: list[Option] = []
-    by_node = {w.node: w for w in weights.values() if w.kind != "embedding" and not w.rows}  # rows: whole weights
+    # row layers: whole weights, none an LM head (its logits' traffic is the vocabulary decision's to weigh: a row-
+    # parallel head all-reduces the logits, more than the vocabulary-parallel head moves to save the same bytes)
+    heads = _lm_heads(program, weights)
+    by_node = {w.node: w for w in weights.values() if w.kind != "embedding" and not w.rows and w.key not in heads}
     by_node.update({x: replace(w, node=x, act=x.args[0]) for w in list(by_node.values()) for x in w.also})
     nodes = list(program.gm.graph.nodes)
     candidate_keys = {w.key for w in candidates}  # a partner is one: trainable, its uses all one kind of layer

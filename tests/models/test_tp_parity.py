@@ -181,13 +181,15 @@ def _at_parity_holding(model: str, shapes: dict) -> None:
 
 # A loop over heads (passes/sharding/loops.py): each rank runs the iterations of the heads it holds. Zamba scans each
 # of its 4 Mamba heads on its own, reading per-head stacks (x_proj, dt_proj, A_log, D: sharded by head); it was 0.18 at tp=2.
-# The plain head loop's heads share one matrix (`mix`, whole): its gradient, a sum over every rank's heads, is reduced.
+# The plain head loop's heads share one matrix (`mix`, whole): its gradient, a sum over every rank's heads, is reduced;
+# its last block pairs as the first (the LM head, left to the vocabulary decision, is no row layer: it was 0.72).
 LOOPS = {
     "zamba": {"model.layers.0.mamba.in_proj.weight": (64, 32), "model.layers.0.mamba.x_proj_weight": (2, 20, 16),
               "model.layers.0.mamba.dt_proj_weight": (2, 16, 4), "model.layers.0.mamba.A_log": (2, 16, 8),
               "model.layers.0.mamba.D": (2, 16), "model.layers.0.mamba.out_proj.weight": (32, 32)},
     "head_loop_plain": {"blocks.0.inp.weight": (16, 32), "blocks.0.scale": (2, 8), "blocks.0.mix": (8, 8),
-                        "blocks.0.out.weight": (32, 16)},
+                        "blocks.0.out.weight": (32, 16), "blocks.1.inp.weight": (16, 32), "blocks.1.out.weight": (32, 16),
+                        "head.weight": (64, 32)},
 }
 
 

@@ -77,13 +77,11 @@ def test_each_rank_runs_the_iterations_of_its_heads():
         local = {f: tuple(s.local_shape(program.mesh.sizes)) for f, s in program.params.items()}
         cats = [n for n in program.gm.graph.nodes if n.target == aten.cat.default]
         assert len(cats) == 2
-        # block 0 as Megatron pairs it; the last block's out may pair with the head instead (the whole-graph choice
-        # shards more bytes that way): its loop then runs whole, every iteration on every rank
-        assert local["blocks.0.inp.weight"] == (32 // tp, 32)
+        # every block as Megatron pairs it; the last block's out is not the head's row layer (an LM head is left to
+        # the vocabulary decision: a row-parallel head all-reduces the logits)
+        assert local["head.weight"] == (64, 32)
         for b, cat in enumerate(cats):
-            if local[f"blocks.{b}.inp.weight"] == (32, 32):
-                assert len(cat.args[0]) == 4 and cat.meta["meshc.placement"]["tp"] == Replicate()
-                continue
+            assert local[f"blocks.{b}.inp.weight"] == (32 // tp, 32)
             assert local[f"blocks.{b}.scale"] == (4 // tp, 8) and local[f"blocks.{b}.out.weight"] == (32, 32 // tp)
             assert local[f"blocks.{b}.mix"] == (8, 8)
             assert len(cat.args[0]) == 4 // tp and cat.meta["meshc.placement"]["tp"] == Shard(2)
