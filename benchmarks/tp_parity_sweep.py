@@ -1,6 +1,6 @@
 """Tensor-parallel parity over transformers' causal-LM classes at generic small sizes: tp ranks against one process.
 
-    python benchmarks/tp_parity_sweep.py [--tp 2] [--only llama,cpmant] [--skip-zoo]
+    python benchmarks/tp_parity_sweep.py [--tp 2] [--sequence-parallel] [--only llama,cpmant] [--skip-zoo]
 
 Where benchmarks/tp_sweep.py measures what the automatic plan shards, this trains it: each class is built from its own
 config at tp_sweep's generic sizes (every dropout 0), trained 3 SGD steps on tp ranks (gloo, non-strict trace) and in
@@ -83,7 +83,7 @@ def worst_grad(grads: dict, ref: dict) -> tuple[float, str]:
     return max(rows) if rows else (0.0, "")
 
 
-def compare(mtype: str, tp: int) -> str:
+def compare(mtype: str, tp: int, plan: dict) -> str:
     """The row's verdict for one class."""
     from tests import parity, zoo
     from tests.harness import run_ranks
@@ -91,7 +91,8 @@ def compare(mtype: str, tp: int) -> str:
     import tp_parity_sweep as me  # the ranks import this module by its name, not as __main__
     register(mtype)
     ref = reference(mtype)
-    outs = run_ranks(me.rank, tp, mtype, STEPS, BATCH, {"tp": tp}, {"trace": "non-strict"}, "sgd", timeout=400)
+    outs = run_ranks(me.rank, tp, mtype, STEPS, BATCH, {"tp": tp}, {"trace": "non-strict", **plan}, "sgd",
+                     timeout=400)
     share = parity.block_coverage(outs[0]["local_shapes"], zoo.build(mtype), tp)
     problems, grad = [], 0.0
     for r, out in enumerate(outs):
@@ -122,6 +123,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--only", default="", help="comma-separated model types (default: every causal-LM class)")
+    p.add_argument("--sequence-parallel", action="store_true", help="Plan(sequence_parallel=True)")
     p.add_argument("--skip-zoo", action="store_true", help="leave out the families the test suite trains")
     args = p.parse_args()
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as NAMES
@@ -133,7 +135,7 @@ def main() -> None:
             continue
         start = time.time()
         try:
-            verdict = compare(mtype, args.tp)
+            verdict = compare(mtype, args.tp, {"sequence_parallel": True} if args.sequence_parallel else {})
         except Exception as e:  # noqa: BLE001 - a row of the table (tp_sweep.py says which classes build and trace)
             verdict = f"- | error: {type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"
         print(f"| {mtype} | {verdict} ({time.time() - start:.0f} s) |", flush=True)
