@@ -38,12 +38,13 @@ from meshc.compiler.ir.logits import logits_end
 from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_model_input, op_name
 from meshc.compiler.ir.placement import Partial, Replicate, Shard, Whole, as_chunks, in_parts
 from meshc.compiler.ir.plan import Decision
-from meshc.compiler.ir.program import Program
+from meshc.compiler.ir.program import TP_FACTORY, Program
 from meshc.compiler.ir.sizes import bounded_sizes
 
 from meshc.passes.blocks import block_of
 from meshc.passes.sharding.whole_graph import Option, choose, score
 from meshc.passes.shapes import shard_divides
+from meshc.passes.sharding.buffers import written_factory
 from meshc.passes.sharding.loops import Loop, loop_of
 from meshc.passes.tp_parts import bias_piece, chunks_of, linear_of_index, param_sources, weight_pieces
 from meshc.passes.tp_rules import RuleCtx
@@ -114,7 +115,10 @@ def tp_placement_pass(program: Program) -> Program:
             program.tp_why[weights[key].module] = "Plan.tp asks for it"
     _apply_pieces(program, weights, styles)
     for fqn, (placement, keys) in companions.items():  # sharded with their column group, where it stays sharded
-        if all(styles.get(k) == "colwise" for k in keys) and fqn not in styles:
+        if isinstance(fqn, fx.Node):  # a buffer the group's writes fill (passes/sharding/buffers.py)
+            if all(styles.get(k) == "colwise" for k in keys):
+                fqn.meta[TP_FACTORY] = placement
+        elif all(styles.get(k) == "colwise" for k in keys) and fqn not in styles:
             program.params[fqn].placements[AXIS] = placement
     for fqn, placements in fixed.items():  # decided by an earlier graph (torch.compile's graph breaks)
         if fqn in program.params:
@@ -434,6 +438,9 @@ def _pairing(walk: tuple, members: list[Weight], styles: dict[str, str], n: int,
     joined: set[str] = set()  # partners tried: each once
     while members:
         result = _trial(*walk[:4], members, styles, n)
+        found = _with_buffers(walk, members, styles, n, result)
+        if found:
+            return found
         if result.rows:
             return members, result
         if result.rechunk and all(m.chunks == 1 for m in members):  # a chunk of the heads into c groups (DiffLlama's
@@ -452,6 +459,21 @@ def _pairing(walk: tuple, members: list[Weight], styles: dict[str, str], n: int,
             return None
         members = [m for m in members if m.key not in result.blamed]
     return None
+
+
+_BUFFERS = 8  # buffers seeded sharded in one pairing, at most (a scan's states, normalizers, maxima, ...)
+
+
+def _with_buffers(walk: tuple, members: list[Weight], styles: dict[str, str], n: int, result: _Trial):
+    """(members, trial) where a trial that failed at a write into a buffer made from sizes alone (written_factory)
+    finds its row layers with such buffers seeded sharded, one more each time a write into another needs it; None
+    where it does not (the first failure then stands)."""
+    buffers: dict = {}
+    while not result.rows and result.factory is not None and result.factory[0] not in buffers and \
+            len(buffers) < _BUFFERS:
+        buffers = {**buffers, result.factory[0]: result.factory[1]}
+        result = _trial(*walk[:4], members, styles, n, buffers)
+    return (members, result) if result.rows and buffers else None
 
 
 def _in_blocks(walk: tuple, members: list[Weight], c: int, styles: dict[str, str], n: int, failed):
@@ -502,6 +524,7 @@ def _take(program: Program, weights: dict[str, Weight], found: tuple, styles: di
     styles.update({r.key: "rowwise" for r in result.rows})
     companions.update({f: (p, tuple(m.key for m in members)) for f, p in (result.params or {}).items()
                        if f in program.params and f not in weights})
+    companions.update({x: (p, tuple(m.key for m in members)) for x, p in (result.factories or {}).items()})
 
 
 def _whole_graph(program: Program, weights: dict[str, Weight], groups: list, walk: tuple, n: int, taken: tuple,
@@ -573,11 +596,15 @@ class _Trial:
     met: fx.Node | None = None  # where the flow needed an input whole (a whole buffer it writes into, RWKV's)
     placed: frozenset = frozenset()  # with `met`: the nodes the flow had reached (sharded) by then
     rechunk: int = 0  # the equal parts a split or chunk cut a plain shard into, where that was the failure
+    factory: tuple | None = None  # (node, placement): a buffer made from sizes whose whole value a write needed
+    factories: dict | None = None  # the buffers seeded sharded in a trial that found its row layers
 
 
-def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str, str], n: int) -> _Trial:
+def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str, str], n: int,
+           buffers: dict | None = None) -> _Trial:
     """Follow the members' outputs, column-parallel, until row-parallel consumers; any needed
-    communication on the way fails the trial and blames the members whose flow needed it."""
+    communication on the way fails the trial and blames the members whose flow needed it. `buffers`: factory nodes
+    seeded sharded beside the members (written_factory)."""
     placements: dict[fx.Node, object] = {}
     blame: dict[fx.Node, set[str]] = {}
     pending: set[fx.Node] = set()  # users of sharded values not visited yet: the walk ends when none is left
@@ -586,11 +613,15 @@ def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str
         placements[x] = Shard(len(x.meta["meshc.shape"]) - 1, m.chunks)
         blame[x] = {m.key}
         pending.update(x.users)
+    for x, p in (buffers or {}).items():
+        placements[x] = p
+        blame[x] = {m.key for m in members}
+        pending.update(x.users)
     ctx = RuleCtx(n, placements)
     rows: list[Weight] = []
     params: dict[str, Shard] = {}
     stats: set[fx.Node] = set()  # partial statistics (a norm's mean or sum of squares over the sharded features)
-    start = min(order[x] for _, x in seeds)
+    start = min(order[x] for x in [*(x for _, x in seeds), *(buffers or {})])
     for node in nodes[start + 1:]:
         if not pending:
             break
@@ -628,7 +659,8 @@ def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str
                     continue
                 return _Trial([], blame[src], _in_loop(node, loops, dec.note or f"{node.format_node()} needs it {req}"),
                               met=node if isinstance(req, Replicate) else None, placed=frozenset(placements),
-                              rechunk=_equal_parts(node, placements[src]))
+                              rechunk=_equal_parts(node, placements[src]),
+                              factory=written_factory(node, placements[src], n) if path == (1,) else None)
             found = param_sources(src, req.dim, node) if isinstance(req, Shard) and src not in placements else None
             for fqn, dim in (found or {}).items():
                 params[fqn] = Shard(dim, req.chunks)
@@ -646,7 +678,8 @@ def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str
         placements[node] = dec.out
         blame[node] = origin
         pending.update(node.users)
-    return _Trial(rows, set(), "" if rows else "no row-parallel layer consumes it", params=params)
+    return _Trial(rows, set(), "" if rows else "no row-parallel layer consumes it", params=params,
+                  factories=dict(buffers or {}))
 
 
 def _equal_parts(node: fx.Node, p) -> int:

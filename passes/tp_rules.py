@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from meshc.compiler.ir.fx_ops import grouped_mm_args, op_name, tensor_args
 from meshc.compiler.ir.placement import P, Partial, Placement, R, Replicate, Shard, has_whole, local_shape
-from meshc.compiler.ir.program import OPAQUE
+from meshc.compiler.ir.program import OPAQUE, TP_FACTORY
 from meshc.compiler.ir.sizes import static_sizes
 from meshc.runtime.ops.context import context_attention
 from meshc.runtime.ops.experts import combine, dispatch
@@ -154,7 +154,8 @@ def _reduced(node: fx.Node, ctx: RuleCtx) -> Placement:
          aten.__and__.Tensor, aten.__or__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
          aten.bitwise_not.default, aten.logical_not.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
          aten.masked_fill_.Scalar, aten.masked_fill_.Tensor,
-         aten.log_sigmoid.default)  # pointwise, though torch's tags do not say so (a composite op: xLSTM's gates)
+         aten.log_sigmoid.default,  # pointwise, though torch's tags do not say so (a composite op: xLSTM's gates)
+         aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)  # where() with a scalar branch: the same
 def same_as_input_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
     if node.target == aten.dropout.default:
         p, seq = ctx.pl(node.args[0]), ctx.sp_dim(node)
@@ -171,6 +172,12 @@ def assert_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
 @handles(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
          aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default)
 def factory_rule(node: fx.Node, ctx: RuleCtx) -> Decision:
+    """Whole, but for a buffer that tp_placement found sharded writes fill (passes/sharding/buffers.py): sharded as
+    it decided, made at its local sizes."""
+    p = node.meta.get(TP_FACTORY)
+    if isinstance(p, Shard):
+        sizes = list(static_sizes(node))
+        return Decision({}, p, rewrite=lambda nd: nd.update_arg(0, list(local_shape(sizes, p, ctx.n))))
     return Decision({}, R)
 
 

@@ -20,6 +20,8 @@ Node metadata keys meshc writes (always namespaced):
     "meshc.elementwise" on a user autograd.Function's op the trace found elementwise (True)
     "meshc.opaque"     on one it did not: why (compiler/trace/elementwise_functions.py)
     "meshc.grad_region" on the detach of a torch.no_grad() region's result, once inlined (True; trace/grad_regions.py)
+    "meshc.tp_factory" on a buffer made from sizes alone that sharded writes fill: its placement on tp, decided by
+                       tp_placement (passes/sharding/buffers.py), made so by the tensor_parallel pass's factory rule
 The constants below spell them once: ROLE ... OPAQUE, META_KEYS (all of them: compiler/verify.py fails a
 "meshc.*" key outside it) and VALUE_META (what a node that stands for another's value copies from it).
 """
@@ -43,7 +45,9 @@ if TYPE_CHECKING:
 ROLE, FQN, PLACEMENT, WHY, COMM = "meshc.role", "meshc.fqn", "meshc.placement", "meshc.why", "meshc.comm"
 SHAPE, STAGE, BUCKET = "meshc.shape", "meshc.stage", "meshc.bucket"
 ELEMENTWISE, OPAQUE, GRAD_REGION = "meshc.elementwise", "meshc.opaque", "meshc.grad_region"
-META_KEYS = frozenset({ROLE, FQN, PLACEMENT, WHY, COMM, SHAPE, STAGE, BUCKET, ELEMENTWISE, OPAQUE, GRAD_REGION})
+TP_FACTORY = "meshc.tp_factory"
+META_KEYS = frozenset({ROLE, FQN, PLACEMENT, WHY, COMM, SHAPE, STAGE, BUCKET, ELEMENTWISE, OPAQUE, GRAD_REGION,
+                       TP_FACTORY})
 VALUE_META = ("val", SHAPE, PLACEMENT)  # copied by a node standing for another's value (a bucket's getitem)
 
 

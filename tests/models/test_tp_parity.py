@@ -234,9 +234,10 @@ SHARDED = [(m, 2, p, 0.9) for m, p in SHARDED] + [(m, 4, {}, 0.9) for m in ("gpt
 # would hold it: 8192 of this config's 9216 block weights' elements sharded (0.89; 0.78 with value whole too)
 SHARDED += [("rwkv", 2, {}, 0.85), ("rwkv", 2, {"sequence_parallel": True}, 0.85)]
 # xLSTM's mLSTM blocks trained chunkwise: a norm per head (var over the head dim), gates through log_sigmoid, cats written
-# torch.concatenate; q, the output gate and the FFN shard (0.87; 0.83 without var's rule); k, v and the input and
-# forget gates write their chunks' states into buffers made whole (torch.zeros) and stay whole
-SHARDED += [("xlstm", 2, {}, 0.85)]
+# torch.concatenate; k, v and the input and forget gates write their chunks' states, normalizers and maxima into
+# buffers made by torch.zeros, which are sharded by head with them (passes/sharding/buffers.py): every block weight
+# sharded (0.87 while those buffers were whole and k, v and the gates with them; 0.83 without var's rule)
+SHARDED += [("xlstm", 2, {}, 0.99), ("xlstm", 2, {"sequence_parallel": True}, 0.99), ("xlstm", 4, {}, 0.99)]
 # Dory (nGPT): L2 norms (a sum of squares) between the column and row layers of its attention and MLP, their partial
 # sums all-reduced as statistics; one-process placements at tp=2 and 4: tests/passes/test_tensor_parallel.py
 SHARDED += [("dory", 2, {}, 0.9)]

@@ -328,3 +328,45 @@ def test_a_write_through_a_view_of_a_moved_value_is_an_error(fake_mesh):
     An error naming the write and the model's line, not a silently different model."""
     with pytest.raises(ValueError, match=r"in-place write into a view .*mul_.*h\[\.\.\., :4\]\.mul_\(2\.0\)"):
         _program(fake_mesh(tp=2), _WriteThroughView(), tp={"up": "colwise", "down": "rowwise"})
+
+
+class _ChunkStates(torch.nn.Module):
+    """A chunkwise scan as xLSTM's mLSTM writes it: keys by head, each chunk's running state written into a buffer
+    made by torch.zeros (`states[:, :, i * C:(i + 1) * C] = ...`), read back whole by heads before the output layer."""
+
+    def __init__(self, width: int = 16, heads: int = 4, chunk: int = 4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads, self.chunk = heads, chunk
+        self.emb = torch.nn.Embedding(zoo.VOCAB, width)
+        self.k = torch.nn.Linear(width, width, bias=False)
+        self.out = torch.nn.Linear(width, width, bias=False)
+        self.head = torch.nn.Linear(width, zoo.VOCAB, bias=False)
+
+    def forward(self, tokens):
+        b, t = tokens.shape
+        x = self.emb(tokens)
+        k = self.k(x).view(b, t, self.heads, -1).transpose(1, 2)  # (b, heads, t, d)
+        states = torch.zeros(b, self.heads, t, k.shape[-1])
+        carry = torch.zeros(b, self.heads, 1, k.shape[-1])
+        for i in range(0, t, self.chunk):
+            carry = carry + k[:, :, i:i + self.chunk].cumsum(2)
+            states[:, :, i:i + self.chunk] = carry
+            carry = carry[:, :, -1:]
+        return self.head(x + self.out(states.transpose(1, 2).reshape(b, t, -1)))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_buffer_made_from_sizes_is_sharded_with_the_writes_into_it(fake_mesh, tp):
+    """The states buffer is made whole by its sizes; a write of a head-sharded chunk into it needed the chunk whole,
+    so k stayed replicated. Its values before the writes are a constant, so it is sharded by head instead, made at its
+    local sizes, and each write lands in the rank's own heads: k column-, out row-parallel, the forward's one
+    all-reduce Megatron's (passes/sharding/buffers.py). Parity of a model that writes such buffers: xLSTM in
+    tests/models/test_tp_parity.py."""
+    program = _program(fake_mesh(tp=tp), _ChunkStates())
+    assert program.params["k.weight"].placements["tp"] == Shard(0)
+    assert program.params["out.weight"].placements["tp"] == Shard(1)
+    (states,) = [n for n in program.gm.graph.nodes if n.target == torch.ops.aten.zeros.default and
+                 list(n.args[0])[2] == zoo.SEQ]
+    assert states.meta["meshc.placement"]["tp"] == Shard(1) and list(states.args[0]) == [B, 4 // tp, zoo.SEQ, 4]
+    assert sum("all_reduce" == getattr(n.target, "__name__", "") for n in program.gm.graph.nodes) == 1
