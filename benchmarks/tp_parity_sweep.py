@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import time
 import warnings
@@ -124,8 +125,11 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--only", default="", help="comma-separated model types (default: every causal-LM class)")
     p.add_argument("--sequence-parallel", action="store_true", help="Plan(sequence_parallel=True)")
+    p.add_argument("--memory-gib", type=int, default=8, help="address-space cap of this process and its ranks (a "
+                   "class whose default sizes the generic ones miss fails with MemoryError instead of taking the machine)")
     p.add_argument("--skip-zoo", action="store_true", help="leave out the families the test suite trains")
     args = p.parse_args()
+    resource.setrlimit(resource.RLIMIT_AS, (args.memory_gib << 30, args.memory_gib << 30))  # ranks fork from here
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as NAMES
 
     only = [n for n in args.only.split(",") if n] or list(NAMES)
