@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from meshc.compiler.ir.coverage import block_weights, coverage
 from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
-from meshc.compiler.ir.logits import logits_end
+from meshc.compiler.ir.logits import LOGIT_VIEWS, logits_end
 from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_model_input, op_name
 from meshc.compiler.ir.placement import Partial, Replicate, Shard, Whole, as_chunks, in_parts
 from meshc.compiler.ir.plan import Decision
@@ -364,7 +364,8 @@ def _vocab_styles(program: Program, weights: dict[str, Weight]) -> dict[str, str
     tokens = _token_embeddings(weights)
     if not tokens:
         raise MeshcValueError("Plan.vocab_parallel: expected a token embedding indexed by a model input, got none")
-    return {**{w.key: "vocab" for w in tokens}, **{key: "vocab" for key in _lm_heads(program, weights)}}
+    return {**{w.key: "vocab" for w in tokens},
+            **{key: "vocab" for key in _lm_heads(program, weights) if logits_end(weights[key].node)}}
 
 
 def _token_embeddings(weights: dict[str, Weight]) -> list[Weight]:
@@ -373,13 +374,32 @@ def _token_embeddings(weights: dict[str, Weight]) -> list[Weight]:
 
 def _lm_heads(program: Program, weights: dict[str, Weight]) -> set[str]:
     """The LM heads: matmul weights with as many output rows as the token embedding has (the first one indexed by a
-    model input), whose logits go to the output or a cross-entropy; none without a token embedding."""
+    model input), whose logits go to the output or a loss through views and pointwise ops (a scale, a softcap);
+    none without a token embedding."""
     tokens = _token_embeddings(weights)
     if not tokens:
         return set()
     vocab = program.params[tokens[0].fqn].shape[0]
     return {w.key for w in weights.values() if w.kind != "embedding" and not w.rows and
-            program.params[w.fqn].shape[w.out_dim] == vocab and logits_end(w.node)}
+            program.params[w.fqn].shape[w.out_dim] == vocab and _to_the_end(w.node)}
+
+
+def _to_the_end(node: fx.Node) -> bool:
+    """Does `node`'s value reach only the graph's output or a cross-entropy, through views and pointwise ops?"""
+    todo, seen = [node], set()
+    while todo:
+        for user in todo.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op == "output" or user.target == aten.cross_entropy_loss.default:
+                continue
+            if user.target in LOGIT_VIEWS or torch.Tag.pointwise in getattr(user.target, "tags", ()):
+                todo.append(user)
+                continue
+            if user.target is not aten._assert_tensor_metadata.default:
+                return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------- Megatron
@@ -453,6 +473,10 @@ def _pairing(walk: tuple, members: list[Weight], styles: dict[str, str], n: int,
             merged = _trial(*walk[:4], [*members, partner], styles, n)
             if merged.rows:
                 return [*members, partner], merged
+        if result.indivisible and n % result.indivisible[1]:  # an error only where the layers would shard otherwise:
+            whole = _trial(*walk[:4], members, styles, 1)  # an LM head whose vocabulary tp does not divide, read by no
+            if not whole.rows:  # row layer, is replicated for that, as before any size was looked at
+                result = whole
         if failed is not None:
             failed(result, members)
         if not result.blamed:
@@ -674,7 +698,8 @@ def _trial(nodes, order, by_node, loops, members: list[Weight], styles: dict[str
             return _Trial([], origin, f"{node.format_node()} would hold a partial sum")
         size = _indivisible(node, dec.out, n) if node not in stats else None
         if size:
-            return _Trial([], origin, f"{node.format_node()} has a dim of size {size}", (f"size {size}", size))
+            return _Trial([], origin, f"{node.format_node()} has a dim of size {size}",
+                          (f"size {size} not divisible by tp", size))
         placements[node] = dec.out
         blame[node] = origin
         pending.update(node.users)

@@ -370,3 +370,33 @@ def test_a_buffer_made_from_sizes_is_sharded_with_the_writes_into_it(fake_mesh, 
                  list(n.args[0])[2] == zoo.SEQ]
     assert states.meta["meshc.placement"]["tp"] == Shard(1) and list(states.args[0]) == [B, 4 // tp, zoo.SEQ, 4]
     assert sum("all_reduce" == getattr(n.target, "__name__", "") for n in program.gm.graph.nodes) == 1
+
+
+class _OddVocab(torch.nn.Module):
+    """An MLP block between a token embedding and an LM head of 66 tokens (a vocabulary tp=4 does not divide), its
+    logits scaled (Cohere's logit_scale, Gemma's softcapping: an op between the head and the output)."""
+
+    def __init__(self, hidden: int = 64):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(66, 16)
+        self.up, self.down = torch.nn.Linear(16, hidden), torch.nn.Linear(hidden, 16)
+        self.head = torch.nn.Linear(16, 66)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        return self.head(x + self.down(self.up(x).relu())) * 0.5
+
+
+def test_a_size_tp_does_not_divide_is_an_error_only_where_the_layers_would_shard(fake_mesh):
+    """The LM head tried column-parallel at tp=4 meets its 66 logits first: indivisible, which was an error ("lm_head
+    cannot be split over tp=4"), though no row layer reads the head and it could not shard anyway. It is replicated
+    for what stops it at any tp (its logits are the output); an MLP whose hidden size tp does not divide is still an
+    error naming the layer and the size."""
+    program = _program(fake_mesh(tp=4), _OddVocab())
+    assert program.params["up.weight"].placements["tp"] == Shard(0)
+    assert program.params["down.weight"].placements["tp"] == Shard(1)
+    assert program.params["head.weight"].placements["tp"] == Replicate()
+    assert "reaches the graph output" in program.tp_why["head"], program.tp_why
+    with pytest.raises(ValueError, match=r"up cannot be split over tp=4: size 6 not divisible by tp=4"):
+        _program(fake_mesh(tp=4), _OddVocab(hidden=6))
