@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from meshc.compiler.ir.coverage import block_weights, coverage
 from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
-from meshc.compiler.ir.logits import LOGIT_VIEWS, logits_end
+from meshc.compiler.ir.logits import logits_end
 from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_model_input, op_name
 from meshc.compiler.ir.placement import Partial, Replicate, Shard, Whole, as_chunks, in_parts
 from meshc.compiler.ir.plan import Decision
@@ -381,25 +381,7 @@ def _lm_heads(program: Program, weights: dict[str, Weight]) -> set[str]:
         return set()
     vocab = program.params[tokens[0].fqn].shape[0]
     return {w.key for w in weights.values() if w.kind != "embedding" and not w.rows and
-            program.params[w.fqn].shape[w.out_dim] == vocab and _to_the_end(w.node)}
-
-
-def _to_the_end(node: fx.Node) -> bool:
-    """Does `node`'s value reach only the graph's output or a cross-entropy, through views and pointwise ops?"""
-    todo, seen = [node], set()
-    while todo:
-        for user in todo.pop().users:
-            if user in seen:
-                continue
-            seen.add(user)
-            if user.op == "output" or user.target == aten.cross_entropy_loss.default:
-                continue
-            if user.target in LOGIT_VIEWS or torch.Tag.pointwise in getattr(user.target, "tags", ()):
-                todo.append(user)
-                continue
-            if user.target is not aten._assert_tensor_metadata.default:
-                return False
-    return True
+            program.params[w.fqn].shape[w.out_dim] == vocab and logits_end(w.node, pointwise=True)}
 
 
 # ---------------------------------------------------------------------------------------- Megatron

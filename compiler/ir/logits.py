@@ -18,10 +18,10 @@ LOGIT_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.defaul
 _CHECKS = {aten._assert_tensor_metadata.default}  # export's checks of a value: read nothing into the result
 
 
-def logits_end(node: fx.Node) -> str | None:
-    """Where the output of a matmul over the vocabulary goes, through views, casts and slices: "loss" (only into
-    plain cross-entropies, which run vocabulary-parallel), "output" (returned, at least in part), None (something
-    else reads it: not an LM head's logits)."""
+def logits_end(node: fx.Node, pointwise: bool = False) -> str | None:
+    """Where the output of a matmul over the vocabulary goes, through views, casts and slices (and pointwise ops, a
+    logit scale or softcap, with `pointwise`): "loss" (only into plain cross-entropies, which run vocabulary-parallel),
+    "output" (returned, at least in part), None (something else reads it: not an LM head's logits)."""
     todo, seen, ends = [node], set(), set()
     while todo:
         cur = todo.pop()
@@ -29,7 +29,7 @@ def logits_end(node: fx.Node) -> str | None:
             if user in seen:
                 continue
             seen.add(user)
-            if user.target in LOGIT_VIEWS:
+            if user.target in LOGIT_VIEWS or pointwise and torch.Tag.pointwise in getattr(user.target, "tags", ()):
                 todo.append(user)
             elif user.target in _CHECKS:
                 continue
