@@ -6,7 +6,7 @@ mLSTM keys, values and gates, written chunk by chunk into its states). Its value
 (or none), the same whichever part of it a rank holds, so the buffer can be sharded on the dim the writes are
 sharded on instead, made at its local sizes, and each write lands in the rank's own part. tp_placement seeds such a
 buffer's placement into a trial where a write into it needed the written value whole; where the trial's pairing is
-taken, the factory node carries the placement (FACTORY) and the tensor_parallel pass's rule makes it at its local
+taken, the factory node carries the placement (TP_FACTORY) and the tensor_parallel pass's rule makes it at its local
 sizes.
 
     written_factory(copy_node, placement of the written value, n) -> (factory node, its placement) | None
@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler.ir.placement import Shard, has_whole
-from meshc.compiler.ir.sizes import sizes_of
+from meshc.compiler.ir.sizes import static_sizes
 
 aten = torch.ops.aten
 FACTORIES = (aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format)
@@ -33,18 +33,14 @@ def written_factory(node: fx.Node, p, n: int) -> tuple[fx.Node, Shard] | None:
     dst, src = node.args[0], node.args[1]
     if not isinstance(dst, fx.Node) or not isinstance(src, fx.Node):
         return None
-    src_sizes, dst_sizes = _sizes(src), _sizes(dst)
-    if not src_sizes or not dst_sizes:
-        return None
+    src_sizes, dst_sizes = static_sizes(src), static_sizes(dst)
     dim = p.dim + len(dst_sizes) - len(src_sizes)  # src broadcast over dst: dims aligned from the right
     if dim < 0 or dst_sizes[dim] != src_sizes[p.dim]:
         return None
     x = dst
     while x.op == "call_function" and x.target in _VIEWS:
         base = x.args[0]
-        if not _sizes(base):
-            return None
-        cut = x.args[1] % len(_sizes(base))
+        cut = x.args[1] % len(static_sizes(base))
         if x.target is aten.select.int:
             dim += dim >= cut  # the selected dim is gone from the view
         elif cut == dim:  # a slice of the written dim itself: its shard would not line up
@@ -52,12 +48,7 @@ def written_factory(node: fx.Node, p, n: int) -> tuple[fx.Node, Shard] | None:
         x = base
     if x.op != "call_function" or x.target not in FACTORIES or x.all_input_nodes:
         return None
-    sizes = _sizes(x)
-    if not sizes or not isinstance(sizes[dim], int) or sizes[dim] != src_sizes[p.dim] or sizes[dim] % n:
+    sizes = static_sizes(x)
+    if not isinstance(sizes[dim], int) or sizes[dim] != src_sizes[p.dim] or sizes[dim] % n:
         return None
     return x, Shard(dim, p.chunks)
-
-
-def _sizes(node) -> tuple:
-    shape = node.meta.get("meshc.shape") if isinstance(node, fx.Node) else None
-    return sizes_of(shape) if shape is not None else ()
