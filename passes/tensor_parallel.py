@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError, MeshcWarning, warn
-from meshc.compiler.ir.fx_ops import get_arg, model_source, op_name, set_arg
+from meshc.compiler.ir.fx_ops import get_arg, is_alias, is_op_call, model_source, op_name, set_arg, written_in_place
 from meshc.compiler.ir.placement import Partial, R, Replicate, Shard, has_whole, in_parts, local_length
 from meshc.compiler.ir.program import CommRecord, Program
 from meshc.compiler.ir import torch_compat as compat
@@ -140,9 +140,9 @@ def redistribute_inputs(node: fx.Node, dec, ctx: RuleCtx, red) -> None:
         cur = ctx.pl(src)
         if cur != req:
             why = dec.note or f"{op_name(node.target)} needs {req} of %{src.name} ({cur})"
-            writes = path == (0,) and _is_op(node) and compat.op_is_mutable(node.target)
-            writer = node if writes and _is_view(src) else \
-                _written_in_place(node) if path == (0,) and _is_view(node) else None
+            writes = path == (0,) and is_op_call(node) and compat.op_is_mutable(node.target)
+            writer = node if writes and is_alias(src) else \
+                written_in_place(node) if path == (0,) and is_alias(node) else None
             if writer is not None:  # the write would land in the redistribution's copy, not in the tensor viewed
                 raise MeshcValueError(
                     f"tensor_parallel: expected an in-place write into a view to keep the placement of the tensor it "
@@ -154,32 +154,6 @@ def redistribute_inputs(node: fx.Node, dec, ctx: RuleCtx, red) -> None:
             if writes:
                 value = _own_copy(value, node, ctx)  # `node` writes it: not the shared, autograd-owned redistribution
             set_arg(node, path, value)
-
-
-def _is_op(node) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and compat.is_op_overload(node.target)
-
-
-def _is_view(node) -> bool:
-    """A view of its input (its result aliases it), not an in-place op (whose result is its written input: later
-    reads take that result, so writing into a redistributed copy of it is seen)."""
-    return _is_op(node) and compat.op_returns_view(node.target) and not compat.op_is_mutable(node.target)
-
-
-def _written_in_place(view: fx.Node) -> fx.Node | None:
-    """An op that writes in place into `view` or a view of it (as its first argument), if any."""
-    todo, seen = [view], set()
-    while todo:
-        current = todo.pop()
-        for user in current.users:
-            if user in seen or not _is_op(user):
-                continue
-            seen.add(user)
-            if compat.op_is_mutable(user.target) and user.args and user.args[0] is current:
-                return user
-            if _is_view(user) and user.args and user.args[0] is current:
-                todo.append(user)
-    return None
 
 
 def _own_copy(value: fx.Node, consumer: fx.Node, ctx: RuleCtx) -> fx.Node:

@@ -106,6 +106,33 @@ def is_view(target: Any) -> bool:
     return op_short_name(target) in VIEW_NAMES
 
 
+def is_op_call(node: Any) -> bool:
+    """A call of an op overload (ATen or a registered custom op)."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and compat.is_op_overload(node.target)
+
+
+def is_alias(node: Any) -> bool:
+    """A view of its input (its result aliases it), not an in-place op (whose result is its written input: later
+    reads take that result, so writing into a copy of it is seen)."""
+    return is_op_call(node) and compat.op_returns_view(node.target) and not compat.op_is_mutable(node.target)
+
+
+def written_in_place(value: fx.Node) -> fx.Node | None:
+    """An op that writes in place into `value` or a view of it (as its first argument), if any."""
+    todo, seen = [value], set()
+    while todo:
+        current = todo.pop()
+        for user in current.users:
+            if user in seen or not is_op_call(user):
+                continue
+            seen.add(user)
+            if compat.op_is_mutable(user.target) and user.args and user.args[0] is current:
+                return user
+            if is_alias(user) and user.args and user.args[0] is current:
+                todo.append(user)
+    return None
+
+
 # ---------------------------------------------------------------------------------------- arg paths
 def tensor_args(node: fx.Node) -> list[tuple[tuple, fx.Node]]:
     """(path, node) of every tensor-valued input (an input whose "val" is a tensor)."""

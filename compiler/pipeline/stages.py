@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError
-from meshc.compiler.ir.fx_ops import op_name
+from meshc.compiler.ir.fx_ops import op_name, written_in_place
 from meshc.compiler.ir.program import VALUE_META, Program
 
 MARKER = "pippy::_pipe_split"
@@ -106,6 +106,9 @@ def _build(program, k, count, stage_of, crossing, inputs, order) -> Stage:
         if op_name(n.target) == MARKER:
             continue
         env[n] = new.node_copy(n, lambda a: env[a])
+    for n in recv:
+        if written_in_place(env[n]) is not None:
+            _own_copy(new, env[n])
     if k == count - 1:
         out = [a for a in graph.nodes if a.op == "output"][0]
         new.output(fx.node.map_arg(out.args[0], lambda a: env[a]))
@@ -119,6 +122,18 @@ def _build(program, k, count, stage_of, crossing, inputs, order) -> Stage:
         inputs=[inputs.index(n) for n in used_inputs],
         recv=[_boundary(n) for n in recv], send=[_boundary(n) for n in send], last=k == count - 1,
     )
+
+
+def _own_copy(graph: fx.Graph, received: fx.Node) -> None:
+    """Read a received activation through a clone where the stage writes into it in place (Gemma 4's
+    `hidden_states *= layer_scalar` at a layer's end, the cut just before it): the received tensor is a leaf of
+    autograd on this stage, which may not be written into; every later read, a send onward included, reads the copy,
+    as every later read of the written value did in the whole graph."""
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    with graph.inserting_before(first):
+        copy = graph.call_function(torch.ops.aten.clone.default, (received,))
+    copy.meta.update(received.meta)
+    received.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
 
 
 def _closure(own: list[fx.Node], stage_of: dict) -> set[fx.Node]:

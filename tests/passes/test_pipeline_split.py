@@ -285,3 +285,56 @@ def test_rows_known_only_at_run_time_are_costed_at_their_bound(fake_mesh):
         n.meta.get("nn_module_stack", {})) and n.target is torch.ops.aten.linear.default)
     rows = 2 * zoo.SEQ * 2  # torch.where over the (batch, seq, top-2) choices: at most every token twice
     assert node_flops(w1) == 2.0 * rows * 32 * 64, node_flops(w1)
+
+
+class _ScaledBlock(torch.nn.Module):
+    """A block that first scales its input in place by a buffer (`x *= scale`: Gemma 4 scales each layer's output so),
+    the write landing on the stage that receives x when a cut falls before it."""
+
+    def __init__(self, dim: int, scale: float):
+        super().__init__()
+        self.norm, self.ff = torch.nn.LayerNorm(dim), torch.nn.Linear(dim, dim)
+        self.register_buffer("scale", torch.tensor(scale))
+
+    def forward(self, x):
+        x *= self.scale
+        return x + self.ff(self.norm(x))
+
+
+class _ScaledLM(torch.nn.Module):
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(zoo.VOCAB, dim)
+        self.blocks = torch.nn.ModuleList([_ScaledBlock(dim, 0.5), _ScaledBlock(dim, 2.0)])
+        self.head = torch.nn.Linear(dim, zoo.VOCAB)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_stage_that_writes_into_what_it_receives_writes_into_a_copy(fake_mesh):
+    # the received activation is a leaf of autograd on its stage, which may not be written into ("a leaf Variable that
+    # requires grad is being used in an in-place operation": Gemma 4 at pp=2); the stage reads it through a clone
+    model = _ScaledLM()
+    program = _program(fake_mesh(pp=2), model, split_points=["blocks.1"])
+    first, last = stage_graphs(program, 2)
+    (received,) = [n for n in last.gm.graph.nodes if n.name.startswith("recv_")]
+    assert [u.target for u in received.users] == [torch.ops.aten.clone.default]
+    values = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    tokens = zoo.batches(1, 2)[0][0]
+    (sent,) = first.gm(*(values[f] for f in first.params + first.buffers), tokens)
+    x = sent.detach().requires_grad_()
+    logits = last.gm(*(values[f] for f in last.params + last.buffers), x)
+    logits = logits[0] if isinstance(logits, (tuple, list)) else logits
+    torch.testing.assert_close(logits, model(tokens), rtol=0, atol=0)  # the same ops in the same order
+    logits.sum().backward()
+    staged = {f: model.get_parameter(f).grad.clone() for f in last.params}
+    assert x.grad is not None and x.grad.shape == sent.shape
+    model.zero_grad()
+    model(tokens).sum().backward()
+    for fqn, grad in staged.items():
+        torch.testing.assert_close(grad, model.get_parameter(fqn).grad, rtol=0, atol=0)
