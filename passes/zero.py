@@ -74,6 +74,9 @@ def zero_pass(program: Program) -> Program:
     order = {n: i for i, n in enumerate(program.gm.graph.nodes)}
     if stage == 3:
         _gather_buckets(program, buckets, order)
+        # a parameter the graph never reads (a decoder's cross-attention when used as a causal LM; one name of a tied
+        # pair) is held as a flat shard all the same: its placeholder receives one
+        _flat_placeholders(program, [fqn for fqn, node in program.param_nodes().items() if not node.users])
         compiled = program.decisions.get("inductor")
         if compiled is not None and compiled.value:
             program.notes.append("compiled: each bucket's all-gather is a forward graph node marked for recompute, "
