@@ -67,7 +67,7 @@ def context_pass(program: Program) -> Program:
         elif node.op == "call_function":
             _place(program, node, ctx, red, grad)
         elif node.op == "output":
-            _partial_outputs(node, ctx, red)
+            _outputs(program, node, ctx, red)
     for node, p in ctx.placements.items():
         if p is not None:
             node.meta["meshc.placement"] = {**node.meta.get("meshc.placement", {}), AXIS: p}
@@ -203,13 +203,48 @@ def _attention_comms(method: str, kv_local: int, q_local: int, n: int, why: str,
             CommRecord("all_to_all", AXIS, 2 * q_local + kv_local, "backward", why)]
 
 
-def _partial_outputs(node: fx.Node, ctx: RuleCtx, red) -> None:
-    """Outputs keep their sequence shards (each rank's loss is over its own tokens); a partial sum is summed."""
+def _outputs(program: Program, node: fx.Node, ctx: RuleCtx, red) -> None:
+    """Outputs keep their sequence shards (each rank's loss is over its own tokens): a partial sum is summed, and a
+    value gathered whole on its way (a prompt cat before the tokens, an op without a rule) that still has the inputs'
+    sequence as its dim 1 is sliced back to this rank's positions, the inputs' layout (before, CPM-Ant's logits came out
+    whole, twice the rows of the rank's targets)."""
     outs = list(node.args[0])
+    length = _sequence_length(program, ctx)
     for i, a in enumerate(outs):
-        if isinstance(a, fx.Node) and isinstance(ctx.pl(a), Partial):
+        if not isinstance(a, fx.Node):
+            continue
+        if isinstance(ctx.pl(a), Partial):
             outs[i] = red.convert(a, ctx.pl(a), R, node, "graph outputs are whole sums")
+        elif isinstance(ctx.pl(a), Replicate) and length and _gathered_sequence(a, length):
+            outs[i] = red.convert(a, R, Shard(1), node, "graph outputs keep the inputs' sequence shards")
+            program.notes.append(f"cp: output %{a.name}, gathered whole on its way, sliced back to this rank's "
+                                 f"positions of the sequence")
     node.update_arg(0, tuple(outs))
+
+
+def _sequence_length(program: Program, ctx: RuleCtx) -> int | None:
+    """The global sequence length of the inputs split on dim 1, where they agree."""
+    sizes = {int(x.meta["val"].shape[1]) for x in program.placeholders("input") if ctx.pl(x) == Shard(1)}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _gathered_sequence(node: fx.Node, length: int) -> bool:
+    """Is `node`, whole, of 3 or more dims with the sequence's length as its dim 1 (logits, hidden states: a 2-D
+    (batch, features) output of the same size stays whole, as a pooled one must), with a sequence gather among the
+    values it is made of?"""
+    shape = node.meta.get("meshc.shape")
+    if not isinstance(node.meta.get("val"), torch.Tensor) or not shape or len(shape) < 3 or shape[1] != length:
+        return False
+    todo, seen = [node], set()
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x.target is seq.seq_gather:
+            return True
+        todo.extend(x.all_input_nodes)
+    return False
 
 
 class _Redistributor:

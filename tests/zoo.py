@@ -723,3 +723,35 @@ def diffllama(seed: int = 0, kv_heads: int = 4) -> torch.nn.Module:
 
 MODELS["diffllama"] = diffllama
 MODELS["diffllama_kv2"] = lambda seed=0: diffllama(seed, kv_heads=2)  # each half of v one kv head: fewer than tp=2
+
+
+class PromptLM(torch.nn.Module):
+    """Learned prompt vectors put before the embedded tokens (a `cat` on the sequence, as CPM-Ant does), a causal
+    self-attention block over both, the prompt cut off again before the head."""
+
+    def __init__(self, dim: int = 32, prompt: int = 4, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(VOCAB, dim)
+        self.prompt = torch.nn.Parameter(torch.randn(prompt, dim) * 0.02)
+        # no bias on qkv: k's would have a gradient of zero but for rounding (softmax ignores a constant per query),
+        # which AdamW turns into steps of lr either way, a parameter that no comparison can hold to a tolerance
+        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim, bias=False), torch.nn.Linear(dim, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens):
+        b = tokens.shape[0]
+        h = torch.cat([self.prompt.expand(b, -1, -1), self.embed(tokens)], dim=1)
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(h).chunk(3, dim=-1))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(a.transpose(1, 2).flatten(2))
+        return self.head(self.norm(h[:, self.prompt.shape[0]:]))
+
+
+def prompt_lm(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return PromptLM()
+
+
+MODELS["prompt_lm"] = prompt_lm

@@ -117,3 +117,15 @@ def test_alibi_attention_on_sequence_shards_matches_single_process():
         # the sequence really is split: the scores' operands gathered over cp, per block (2 blocks)
         gathers = [ln for ln in out["report"].splitlines() if "all_gather" in ln and " cp " in ln and "baddbmm" in ln]
         assert len(gathers) == 2, out["report"]
+
+
+def test_a_prompt_put_before_the_tokens_trains_on_sequence_shards():
+    """A prompt cat before the token shards gathers the sequence whole (noted), and the logits, whole after it, are
+    sliced back to each rank's positions (passes/context.py `_outputs`): before 2026-12-07 they came out whole and the
+    loss met twice the rank's targets (CPM-Ant, Gemma 3 at cp=2)."""
+    ref = parity.reference("prompt_lm", STEPS, BATCH)
+    results = run_ranks(parity.meshc_rank, 2, "prompt_lm", STEPS, BATCH, {"cp": 2}, {"trace": "non-strict"},
+                        timeout=300)
+    for rank, out in enumerate(results):
+        parity.assert_matches(rank, out, ref, STEPS)
+        assert "sliced back to this rank's positions" in out["report"], out["report"]
