@@ -125,6 +125,9 @@ def _attention_rule(program: Program, node: fx.Node, ctx: RuleCtx, grad) -> Deci
         raise MeshcValueError(f"cp attention: {at}: attention dropout {dropout} under context parallelism is not "
                               f"supported (each rank would drop different probabilities); set the attention "
                               f"dropout to 0")
+    per_position = _per_position(node, ctx, mask)
+    if per_position is not None:
+        return per_position
     if isinstance(mask, fx.Node) and grad.get(mask):
         raise MeshcValueError(f"cp attention: {at}: the attention mask %{mask.name} depends on parameters (a "
                               f"learned bias); context parallelism needs a mask without gradient")
@@ -164,6 +167,27 @@ def _attention_rule(program: Program, node: fx.Node, ctx: RuleCtx, grad) -> Deci
         item = k.meta["val"].dtype.itemsize
         nd.meta["meshc.comm"] = _attention_comms(method, kv_sent, _bytes(q) // n, n, why, item)
     return Decision(need, Shard(dim), rewrite=rewrite)
+
+
+def _per_position(node: fx.Node, ctx: RuleCtx, mask) -> Decision | None:
+    """Attention with the sequence among its batch or head dims, not its query or key positions (each token attends
+    over its own few values: Inkling2's attention over a block's residual streams, q a learned query expanded): q, k
+    and v split on that dim, the mask too where it varies along it, plain attention on each rank's positions. None
+    where the shards are not all on one such dim."""
+    q, k, v = node.args[:3]
+    places = [ctx.pl(t) for t in (q, k, v)]
+    dims = {p.dim for p in places if isinstance(p, Shard)}
+    ndim = len(node.meta["meshc.shape"])
+    if any(isinstance(p, Partial) for p in places) or len(dims) != 1 or next(iter(dims)) >= ndim - 2 or \
+            any(isinstance(p, Shard) and p.chunks != 1 for p in places):
+        return None
+    (dim,) = dims
+    need = {(i,): Shard(dim) for i in range(3)}
+    if isinstance(mask, fx.Node):
+        shape = mask.meta.get("meshc.shape") or ()
+        at = dim - (ndim - len(shape))  # the mask broadcasts from the right
+        need[(3,) if len(node.args) > 3 else ("attn_mask",)] = Shard(at) if at >= 0 and shape[at] != 1 else R
+    return Decision(need, Shard(dim))
 
 
 def _numel(node: fx.Node) -> int:

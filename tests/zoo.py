@@ -726,13 +726,17 @@ MODELS["diffllama_kv2"] = lambda seed=0: diffllama(seed, kv_heads=2)  # each hal
 
 
 class PromptLM(torch.nn.Module):
-    """Learned prompt vectors put before the embedded tokens (a `cat` on the sequence, as CPM-Ant does), a causal
-    self-attention block over both, the prompt cut off again before the head."""
+    """Each token position attending over its own two streams first (the embedding and a layer's output, a learned
+    query: Inkling2's attention residuals, the sequence in SDPA's heads dim); then learned prompt vectors put before the
+    tokens (a `cat` on the sequence, as CPM-Ant does), a causal self-attention block over both, and the prompt cut off
+    again before the head."""
 
     def __init__(self, dim: int = 32, prompt: int = 4, heads: int = 4):
         super().__init__()
         self.heads = heads
         self.embed = torch.nn.Embedding(VOCAB, dim)
+        self.pre = torch.nn.Linear(dim, dim)
+        self.mix = torch.nn.Parameter(torch.randn(dim) * 0.5)
         self.prompt = torch.nn.Parameter(torch.randn(prompt, dim) * 0.02)
         # no bias on qkv: k's would have a gradient of zero but for rounding (softmax ignores a constant per query),
         # which AdamW turns into steps of lr either way, a parameter that no comparison can hold to a tolerance
@@ -741,11 +745,14 @@ class PromptLM(torch.nn.Module):
         self.head = torch.nn.Linear(dim, VOCAB)
 
     def forward(self, tokens):
-        b = tokens.shape[0]
-        h = torch.cat([self.prompt.expand(b, -1, -1), self.embed(tokens)], dim=1)
-        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(h).chunk(3, dim=-1))
+        b, t = tokens.shape
+        e = self.embed(tokens)
+        streams = torch.stack([e, e + torch.tanh(self.pre(e))], dim=2)  # (B, T, 2, dim): each position's two streams
+        e = torch.nn.functional.scaled_dot_product_attention(self.mix.expand(b, t, 1, -1), streams, streams).squeeze(2)
+        x = torch.cat([self.prompt.expand(b, -1, -1), e], dim=1)
+        q, k, v = (z.unflatten(-1, (self.heads, -1)).transpose(1, 2) for z in self.qkv(x).chunk(3, dim=-1))
         a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = h + self.proj(a.transpose(1, 2).flatten(2))
+        h = x + self.proj(a.transpose(1, 2).flatten(2))
         return self.head(self.norm(h[:, self.prompt.shape[0]:]))
 
 

@@ -39,7 +39,7 @@ def zigzag_slice(x: torch.Tensor, dim: int, chunks: int, size: int, index: int) 
     """Rank `index`'s part of a whole sequence dim."""
     b = _blocks(x, dim, chunks, 2 * size)
     part = b[:, [index, 2 * size - 1 - index]]  # (c, 2, piece, *rest)
-    return part.reshape(-1, *b.shape[3:]).movedim(0, dim).contiguous()
+    return part.flatten(0, 2).movedim(0, dim).contiguous()
 
 
 def zigzag_pad(x: torch.Tensor, dim: int, chunks: int, size: int, index: int) -> torch.Tensor:
@@ -47,7 +47,7 @@ def zigzag_pad(x: torch.Tensor, dim: int, chunks: int, size: int, index: int) ->
     b = _blocks(x, dim, chunks, 2)
     out = b.new_zeros(chunks, 2 * size, *b.shape[2:])
     out[:, index], out[:, 2 * size - 1 - index] = b[:, 0], b[:, 1]
-    return out.reshape(-1, *b.shape[3:]).movedim(0, dim)
+    return out.flatten(0, 2).movedim(0, dim)
 
 
 def zigzag_gather(x: torch.Tensor, dim: int, chunks: int, size: int, group: str) -> torch.Tensor:
@@ -57,7 +57,7 @@ def zigzag_gather(x: torch.Tensor, dim: int, chunks: int, size: int, group: str)
     full = full.reshape(size, chunks, 2, *b.shape[2:]).transpose(0, 1).reshape(chunks, 2 * size, *b.shape[2:])
     out = torch.empty_like(full)
     out[:, _order(size, x.device)] = full  # rank-major (r, half) -> global chunk
-    return out.reshape(-1, *b.shape[3:]).movedim(0, dim)
+    return out.flatten(0, 2).movedim(0, dim)
 
 
 def zigzag_reduce_scatter(x: torch.Tensor, dim: int, chunks: int, size: int, group: str) -> torch.Tensor:
@@ -65,7 +65,7 @@ def zigzag_reduce_scatter(x: torch.Tensor, dim: int, chunks: int, size: int, gro
     b = _blocks(x, dim, chunks, 2 * size)  # (c, 2·size, piece, *rest)
     ranked = b[:, _order(size, x.device)].reshape(chunks, size, 2, *b.shape[2:]).transpose(0, 1)
     out = compat.reduce_scatter_sum(ranked.reshape(size * chunks, *ranked.shape[2:]).contiguous(), size, group)
-    return out.reshape(-1, *b.shape[3:]).movedim(0, dim).contiguous()
+    return out.flatten(0, 2).movedim(0, dim).contiguous()
 
 
 class _Slice(torch.autograd.Function):

@@ -16,7 +16,7 @@ from meshc.compiler.ir.mesh_spec import MeshSpec
 from meshc.compiler.ir.placement import Shard
 from meshc.runtime.mesh import sequence_shard, sequence_unshard
 from meshc.runtime.ops.context import context_attention, positions
-from meshc.runtime.ops.sequence import seq_gather, seq_slice
+from meshc.runtime.ops.sequence import seq_gather, seq_slice, zigzag_pad, zigzag_slice
 from tests import zoo
 
 SEQ, BATCH = 64, 2
@@ -172,3 +172,24 @@ def test_an_output_gathered_whole_on_its_way_keeps_the_inputs_sequence_shards():
     assert logits.meta["meshc.placement"]["cp"] == Shard(1)
     assert pooled.target is not seq_slice and tuple(pooled.meta["val"].shape) == (BATCH, SEQ)
     assert any(n.target is seq_gather for n in program.gm.graph.nodes)
+
+
+def test_attention_over_each_positions_own_values_runs_on_the_rank_s_positions():
+    # the sequence in SDPA's heads dim (each position attends over its own two streams): q, k and v split there and
+    # plain attention on each rank's positions, no ring and no gather for it; before, the rule sliced its query
+    # positions (size 1) as a sequence ("dim 2 of size 1 does not split into 2·cp = 4 chunks": Inkling2 at cp=2)
+    program = _compile(zoo.prompt_lm(), 2)
+    attentions = [n for n in program.gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    (mixing,) = [n for n in attentions if n.args[0].meta["val"].shape[2] == 1]
+    for arg, length in zip(mixing.args[:3], (1, 2, 2)):
+        assert tuple(arg.meta["val"].shape) == (BATCH, SEQ // 2, length, 32), arg
+    assert mixing.meta["meshc.placement"]["cp"] == Shard(1)
+    assert not any(n.target is seq_gather for n in mixing.all_input_nodes)
+
+
+def test_a_sequence_of_no_positions_splits_into_empty_parts():
+    # a buffer empty on the sequence and on another dim (Inkling2's, made by `new_zeros`) sliced or padded over cp:
+    # "cannot reshape tensor of 0 elements into shape [-1, 4, 0, 64]" before
+    empty = torch.zeros(2, 0, 3, 0)
+    assert zigzag_slice(empty, 1, 1, 2, 1).shape == (2, 0, 3, 0)
+    assert zigzag_pad(empty, 1, 1, 2, 1).shape == (2, 0, 3, 0)
