@@ -1,8 +1,8 @@
 """Parity over transformers' causal-LM classes at generic small sizes: a mesh's ranks against one process.
 
-    python benchmarks/tp_parity_sweep.py [--tp 2] [--sequence-parallel] [--only llama,cpmant] [--skip-zoo]
-    python benchmarks/tp_parity_sweep.py --mesh pp=2 --plan microbatches=2 [--plan schedule=zbv,virtual=2]
-    python benchmarks/tp_parity_sweep.py --mesh dp=2 --plan zero=3
+    python benchmarks/parity_sweep.py [--tp 2] [--sequence-parallel] [--only llama,cpmant] [--skip-zoo]
+    python benchmarks/parity_sweep.py --mesh pp=2 --plan microbatches=2 [--plan schedule=zbv,virtual=2]
+    python benchmarks/parity_sweep.py --mesh dp=2 --plan zero=3
 
 Where benchmarks/tp_sweep.py measures what the automatic plan shards, this trains it: each class is built from its own
 config at tp_sweep's generic sizes (every dropout 0), trained 3 SGD steps on the mesh's ranks (tp=2 unless --mesh
@@ -88,7 +88,7 @@ def compare(mtype: str, sizes: dict, plan: dict) -> str:
     from tests import parity, zoo
     from tests.harness import run_ranks
 
-    import tp_parity_sweep as me  # the ranks import this module by its name, not as __main__
+    import parity_sweep as me  # the ranks import this module by its name, not as __main__
     register(mtype)
     ref = reference(mtype)
     world = math.prod(sizes.values())
