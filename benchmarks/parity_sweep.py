@@ -95,7 +95,8 @@ def compare(mtype: str, sizes: dict, plan: dict) -> str:
     outs = run_ranks(me.rank, world, mtype, STEPS, BATCH, sizes, {"trace": "non-strict", **plan}, "sgd", timeout=400)
     tp = sizes.get("tp", 1)
     model = zoo.build(mtype)
-    share = f"{parity.block_coverage(outs[0]['local_shapes'], model, tp):.2f}" if tp > 1 else "-"
+    share = f"{parity.block_coverage(outs[0]['local_shapes'], model, tp, held_only=sizes.get('pp', 1) > 1):.2f}" \
+        if tp > 1 else "-"  # under pp, of the blocks rank 0's stage holds
     held = sum(math.prod(s) for s in outs[0]["local_shapes"].values()) / sum(p.numel() for p in model.parameters())
     share += f" | {held:.2f}"  # what rank 0 holds of the model's parameter elements: its stage's, its ZeRO shard
     problems, grad = [], 0.0
