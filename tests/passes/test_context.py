@@ -144,29 +144,26 @@ def test_constant_masks_become_a_causal_flag_or_stay():
     assert tuple(attn[0].args[3].meta["val"].shape) == (BATCH, 1, SEQ, SEQ)
 
 
-class _PromptLM(torch.nn.Module):
-    """Learned prompt vectors put before the tokens (`cat` on the sequence, as CPM-Ant does), cut off again before the
-    head; a pooled (batch, features) output beside the logits, its features as many as the sequence's positions."""
+class _Pooled(torch.nn.Module):
+    """tests/zoo.py's prompt LM (learned prompt vectors put before the tokens, a `cat` on the sequence as CPM-Ant does,
+    cut off again before the head), with a pooled (batch, vocabulary) output beside its logits: as many features as
+    the sequence has positions (zoo.VOCAB == SEQ)."""
 
-    def __init__(self, dim: int = SEQ, prompt: int = 4):
+    def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(zoo.VOCAB, dim)
-        self.prompt = torch.nn.Parameter(torch.randn(prompt, dim))
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.GELU())
-        self.head = torch.nn.Linear(dim, zoo.VOCAB)
+        self.lm = zoo.prompt_lm()
 
     def forward(self, tokens):
-        h = torch.cat([self.prompt.expand(tokens.shape[0], -1, -1), self.embed(tokens)], dim=1)
-        h = self.mlp(h)[:, self.prompt.shape[0]:]
-        return self.head(h), h.mean(dim=1)
+        logits = self.lm(tokens)
+        return logits, logits.mean(dim=1)
 
 
 def test_an_output_gathered_whole_on_its_way_keeps_the_inputs_sequence_shards():
     # the cat of a whole prompt with the token shards gathers the tokens whole; the logits then came out whole, the
     # global sequence's rows against the rank's own targets (CPM-Ant, Gemma 3 at cp=2: "Expected input batch_size
     # (64) to match target batch_size (32)"); they are sliced back to the rank's positions, the pooled output stays whole
-    program = _compile(_PromptLM(), 2)
+    assert zoo.VOCAB == SEQ
+    program = _compile(_Pooled(), 2)
     logits, pooled = [n for n in program.gm.graph.nodes if n.op == "output"][0].args[0]
     assert logits.target is seq_slice and tuple(logits.meta["val"].shape) == (BATCH, SEQ // 2, zoo.VOCAB)
     assert logits.meta["meshc.placement"]["cp"] == Shard(1)
