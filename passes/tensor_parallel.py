@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError, MeshcWarning, warn
 from meshc.compiler.ir.fx_ops import get_arg, is_alias, is_op_call, model_source, op_name, set_arg, written_in_place
-from meshc.compiler.ir.placement import Partial, R, Replicate, Shard, has_whole, in_parts, local_length
+from meshc.compiler.ir.placement import Owned, Partial, R, Replicate, Shard, has_whole, in_parts, local_length
 from meshc.compiler.ir.program import CommRecord, Program
 from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.sizes import bounded_sizes
@@ -40,6 +40,7 @@ from meshc.runtime.ops.tp_ops import join_blocks
 
 from meshc.passes.layout import refresh_vals
 from meshc.passes.shapes import check_divisible
+from meshc.passes.sharding.branches import fold_owned, owned_groups
 from meshc.passes.sharding.loops import fold, loop_of
 from meshc.passes.tp_rules import RuleCtx
 from meshc.passes.tp_table import infer
@@ -57,11 +58,22 @@ def tensor_parallel_pass(program: Program) -> Program:
     graph = program.gm.graph
     _split_rowwise_biases(program)
     placements: dict[fx.Node, object] = {}
-    ctx = RuleCtx(n, placements, sp_dim=_sp_target(program), axis=AXIS, index=program.mesh.coord(AXIS, program.rank),
-                  group=program.mesh.group_name(AXIS, program.rank))
+    local: set[fx.Node] = set()  # the ops of this rank's own heads (an owned group's): whole values, no collective
+    apart: set[fx.Node] = set()  # ops each rank runs on other parts (local, a folded loop's): none sequence-parallel
+    sp = _sp_target(program)
+    ctx = RuleCtx(n, placements, sp_dim=lambda node: None if node in apart else sp(node), axis=AXIS,
+                  index=program.mesh.coord(AXIS, program.rank), group=program.mesh.group_name(AXIS, program.rank))
     red = _Redistributor(program, ctx)
     origin: dict[fx.Node, str] = {}
     loops, joins, pieces, dropped = loop_of(graph), {}, set(), set()
+    owned = {}  # an owned group's cat -> its dim
+    for group in owned_groups(program):  # whole heads per rank: this rank's branches kept, the others' erased
+        kept, erased = fold_owned(group, ctx.index, n, placements)
+        pieces |= kept
+        dropped |= erased
+        owned[group.join] = group.dim
+        local |= {x for g in group.kept(ctx.index, n) for x in group.bodies[g]}
+    apart |= local
     for node in list(graph.nodes):
         if node in dropped:
             continue
@@ -71,17 +83,33 @@ def tensor_parallel_pass(program: Program) -> Program:
             joins[loop.join] = folded is not None
             if folded:
                 pieces |= folded[0]
+                apart |= folded[0]
                 dropped |= folded[1]
-        if node in pieces and node in loop.seeds:  # local part g: another part of the whole on each rank
+        if node in pieces and loop is not None and node in loop.seeds:  # local part g: another part of the whole on each rank
             placements[node] = R
         elif joins.get(node):
             placements[node] = Shard(loops[node.args[0][0]].dim)
+        elif node in owned:  # the cat of this rank's whole heads: its shard of the whole cat
+            why = "whole heads on each tp rank: the cat of this rank's heads is its shard of all of them"
+            for a in list(node.args[0]):
+                if not isinstance(ctx.pl(a), Replicate):  # a head's result sharded by the rules (its rows, under SP)
+                    node.replace_input_with(a, red.convert(a, ctx.pl(a), R, node, why))
+            placements[node] = Shard(owned[node])
+        elif node in placements and node in pieces:  # the zero an owned group's cat adds
+            continue
         elif node.op == "placeholder":
             spec = program.params.get(node.meta.get("meshc.fqn")) or program.buffers.get(node.meta.get("meshc.fqn"))
             placements[node] = spec.placements[AXIS] if spec else R
+            if isinstance(placements[node], Owned):  # held whole here, or not at all (never read then)
+                placements[node] = R
             if spec and not isinstance(placements[node], Replicate):
                 origin[node] = spec.fqn
         elif node.op == "call_function":
+            if node in local:  # each rank runs other heads: what a head reads from outside is made whole first
+                for a in list(node.all_input_nodes):
+                    if a not in local and ctx.pl(a) is not None and not isinstance(ctx.pl(a), Replicate):
+                        node.replace_input_with(a, red.convert(a, ctx.pl(a), R, node, "each tp rank runs its own "
+                                                               "heads whole, on the whole input"))
             _place(program, node, ctx, red, origin)
         elif node.op == "output":
             outs = [(i, a) for i, a in enumerate(node.args[0]) if isinstance(a, fx.Node)]
@@ -92,12 +120,17 @@ def tensor_parallel_pass(program: Program) -> Program:
     for node in reversed(list(graph.nodes)):
         if node in dropped:
             graph.erase_node(node)
+        elif node.target in COMM_FNS and node.args[0] in apart:  # ranks run different parts there: none pairs up
+            raise MeshcInternalError(f"tp: {node.format_node()} inside a head each rank runs whole ({where(node)})")
     _insert_f(program, ctx, red, pieces)
     if program.plan.sequence_parallel:
         _fuse_gather_f(program)
     for node in graph.nodes:
         if node in placements and placements[node] is not None:
             node.meta["meshc.placement"] = {**node.meta.get("meshc.placement", {}), AXIS: placements[node]}
+        spec = program.params.get(node.meta.get("meshc.fqn")) if node.op == "placeholder" else None
+        if spec is not None and isinstance(spec.placements.get(AXIS), Owned):  # R to the rules; here or not at all
+            node.meta["meshc.placement"][AXIS] = spec.placements[AXIS]
     graph.lint()
     program.gm.recompile()
     program.local_axes = program.local_axes | {AXIS}

@@ -36,14 +36,15 @@ from meshc.compiler.ir.coverage import block_weights, coverage
 from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
 from meshc.compiler.ir.logits import logits_end
 from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_model_input, op_name
-from meshc.compiler.ir.placement import Partial, Replicate, Shard, Whole, as_chunks, in_parts
+from meshc.compiler.ir.placement import Owned, Partial, Replicate, Shard, Whole, as_chunks, in_parts
 from meshc.compiler.ir.plan import Decision
-from meshc.compiler.ir.program import TP_FACTORY, Program
+from meshc.compiler.ir.program import FQN, ROLE, TP_FACTORY, Program
 from meshc.compiler.ir.sizes import bounded_sizes
 
 from meshc.passes.blocks import block_of
 from meshc.passes.sharding.whole_graph import Option, choose, score
 from meshc.passes.shapes import shard_divides
+from meshc.passes.sharding.branches import branch_groups
 from meshc.passes.sharding.buffers import written_factory
 from meshc.passes.sharding.loops import Loop, loop_of
 from meshc.passes.tp_parts import bias_piece, chunks_of, linear_of_index, param_sources, weight_pieces
@@ -91,6 +92,7 @@ def tp_placement_pass(program: Program) -> Program:
     if fixed and all(f in fixed for f in program.params):  # another program of the same job decided already
         for fqn, spec in program.params.items():
             spec.placements = dict(fixed[fqn])
+        _mark_held(program)
         program.notes.append("placements taken from the job's first program")
         return program
     weights = _weights(program)
@@ -98,7 +100,7 @@ def tp_placement_pass(program: Program) -> Program:
     vocab = program.decisions.get("vocab_parallel")  # the plan's, or the cost model's where it left it open
     if program.plan.vocab_parallel or (program.plan.vocab_parallel is None and vocab is not None and vocab.value):
         styles.update(_vocab_styles(program, weights))
-    auto, companions = _megatron(program, weights, n)
+    auto, companions, owned = _megatron(program, weights, n)
     styles.update({k: v for k, v in auto.items() if k not in styles})
     for glob, style in (program.plan.tp or {}).items():
         matched = [w for w in weights.values() if fnmatch.fnmatchcase(w.module, glob) or fnmatch.fnmatchcase(w.fqn, glob)]
@@ -120,9 +122,13 @@ def tp_placement_pass(program: Program) -> Program:
                 fqn.meta[TP_FACTORY] = placement
         elif all(styles.get(k) == "colwise" for k in keys) and fqn not in styles:
             program.params[fqn].placements[AXIS] = placement
+    for fqn, coord in owned.items():  # whole heads on each rank, unless Plan.tp styled them
+        if not any(w.fqn == fqn and w.key in styles for w in weights.values()):
+            program.params[fqn].placements[AXIS] = Owned(coord)
     for fqn, placements in fixed.items():  # decided by an earlier graph (torch.compile's graph breaks)
         if fqn in program.params:
             program.params[fqn].placements = dict(placements)
+    _mark_held(program)
     _untried_reasons(program, weights)
     _row_reasons(program, weights)
     col = sorted({weights[f].module for f, s in styles.items() if s == "colwise"})
@@ -140,7 +146,7 @@ def _untried_reasons(program: Program, weights: dict[str, Weight]) -> None:
     bias_of = {w.bias: w for w in weights.values() if w.bias}
     for spec in block_weights(program.params):
         module = spec.fqn.rsplit(".", 1)[0]
-        if module in program.tp_why or spec.fqn not in nodes or isinstance(spec.placements.get(AXIS), Shard):
+        if module in program.tp_why or spec.fqn not in nodes or isinstance(spec.placements.get(AXIS), (Shard, Owned)):
             continue
         uses = sorted({op_name(u.target) for u in nodes[spec.fqn].users})
         if spec.fqn in bias_of:  # a per-expert bias (2-D) of a row-parallel layer
@@ -164,7 +170,7 @@ def _row_reasons(program: Program, weights: dict[str, Weight]) -> None:
     """A replicated layer fed (within its block, past no norm) by another replicated layer could only have been
     its row-parallel consumer: say so, rather than why it failed as a column-parallel layer itself."""
     by_node = {w.node: w for w in weights.values() if w.kind != "embedding"}
-    whole = lambda w: not isinstance(program.params[w.fqn].placements.get(AXIS), Shard)
+    whole = lambda w: not isinstance(program.params[w.fqn].placements.get(AXIS), (Shard, Owned))
     for w in by_node.values():
         if not whole(w) or not isinstance(w.act, fx.Node):
             continue
@@ -417,7 +423,54 @@ def _megatron(program: Program, weights: dict[str, Weight], n: int):
             program.notes.append(f"auto: {_names(members)} column-parallel -> {_names(result.rows)} row-parallel")
             greedy.append(_option(program, [m for m in members if m.key not in before],
                                   [r for r in result.rows if r.key not in before], n))
-    return _whole_graph(program, weights, list(groups.values()), walk, n, (styles, companions), greedy)
+    styles, companions = _whole_graph(program, weights, list(groups.values()), walk, n, (styles, companions), greedy)
+    return styles, companions, _owned_branches(program, walk, styles, n)
+
+
+def _owned_branches(program: Program, walk: tuple, styles: dict[str, str], n: int) -> dict[str, int]:
+    """{FQN: the tp coordinate holding it whole} for the parameters of branches over their own parameters
+    (passes/sharding/branches.py: a ModuleList of per-head modules), each rank its share of whole heads, where the
+    branches' cat reaches row-parallel layers (the attention's output projection), as a column layer's output
+    would; those become row-parallel (`styles`). None of a group's parameters may be sharded otherwise."""
+    out: dict[str, int] = {}
+    joins = {lp.join for lp in walk[3].values()}
+    for group in branch_groups(program.gm.graph):
+        params = [p.meta[FQN] for ps in group.own for p in ps if p.meta.get(ROLE) == "param"]
+        modules = sorted({f.rsplit(".", 1)[0] for f in params})
+        where = f"{len(params)} parameters of the {group.count} branches joined at %{group.join.name}"
+        if group.join in joins or any(w.split("[")[0] in params for w in styles) or \
+                not all(program.params[f].requires_grad for f in params):
+            continue
+        if group.count % n or group.dim != len(group.join.meta["meshc.shape"]) - 1:
+            why = f"{group.count} branches do not divide over tp={n}" if group.count % n else \
+                f"joined on dim {group.dim}, not the features"
+            program.notes.append(f"auto: {where} replicated: {why}")
+            continue
+        seed = Weight("", modules[0], "linear", group.join, None, None, 1, key=f"branches:{group.join.name}")
+        result = _trial(*walk[:4], [seed], styles, n)
+        if not result.rows:
+            program.notes.append(f"auto: {where} replicated: {result.reason}")
+            continue
+        styles.update({r.key: "rowwise" for r in result.rows})
+        k = group.count // n
+        for g, ps in enumerate(group.own):
+            out.update({p.meta[FQN]: g // k for p in ps if p.meta.get(ROLE) == "param"})
+        named = [m.rsplit(".", 1)[0] for m in modules] + [r.module for r in result.rows]
+        stale = re.compile("|".join(rf"(?<![\w.]){re.escape(m)}(?!\w)" for m in named))
+        program.notes = [t for t in program.notes if not (t.startswith("auto: ") and stale.search(t))]  # failed
+        for m in modules:  # as column layers, before
+            program.tp_why.pop(m, None)
+        program.notes.append(f"auto: {where} held whole by their tp rank, {k} branches each -> "
+                             f"{_names(result.rows)} row-parallel")
+    return out
+
+
+def _mark_held(program: Program) -> None:
+    """Which parameters this program's rank holds: all but those another tp rank owns."""
+    coord = program.mesh.coord(AXIS, program.rank)
+    for spec in program.params.values():
+        p = spec.placements.get(AXIS)
+        spec.held = not isinstance(p, Owned) or p.coord == coord
 
 
 def _applied_alike(program: Program, w: Weight, node: fx.Node) -> bool:

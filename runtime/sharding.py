@@ -8,7 +8,7 @@ import torch
 
 from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.ir.placement import FlatShard, Partial, Shard
+from meshc.compiler.ir.placement import FlatShard, Owned, Partial, Shard
 from meshc.compiler.ir.program import ParamSpec
 
 from meshc.runtime.ops.collectives import gather_shard, slice_shard
@@ -33,6 +33,8 @@ def local_shard(full: torch.Tensor, spec: ParamSpec, mesh, rank: int | None = No
             raise MeshcValueError(f"{spec.fqn}: a stored tensor cannot be Partial on {axis}")
         if isinstance(p, Shard) and mesh.sizes[axis] > 1:
             out = slice_shard(out, p.dim, p.chunks, mesh.sizes[axis], coords[axis])
+        if isinstance(p, Owned) and coords[axis] != p.coord:  # another rank's: none of it here
+            out = out[:0]
     for axis, p in spec.placements.items():  # a flat shard applies to what the dim shards leave
         if isinstance(p, FlatShard):
             out = flat_shard(out, mesh.sizes[axis], coords[axis])
@@ -60,6 +62,8 @@ def read_local(read, spec: ParamSpec, mesh) -> torch.Tensor:
             raise MeshcValueError(f"{spec.fqn}: a stored tensor cannot be Partial on {axis}")
         if isinstance(p, Shard) and mesh.sizes[axis] > 1:
             indices[p.dim] = slice_shard(indices[p.dim], 0, p.chunks, mesh.sizes[axis], coords[axis])
+        if isinstance(p, Owned) and coords[axis] != p.coord and indices:
+            indices[0] = indices[0][:0]
     flats = [axis for axis, p in spec.placements.items() if isinstance(p, FlatShard)]
     if not flats:
         return read(indices).contiguous()
@@ -103,4 +107,8 @@ def full_tensor(local: torch.Tensor, spec: ParamSpec, mesh) -> torch.Tensor:
     for axis, p in reversed(list(spec.placements.items())):
         if isinstance(p, Shard) and mesh.sizes[axis] > 1:
             out = gather_shard(out, p.dim, p.chunks, mesh.sizes[axis], mesh.group_name(axis))
+        if isinstance(p, Owned) and mesh.sizes[axis] > 1:  # from its owner, to every rank of the axis
+            whole = out if out.shape[:1] == tuple(spec.shape[:1]) else out.new_empty(spec.shape)
+            out = whole.contiguous()
+            torch.distributed.broadcast(out, src=mesh.group_ranks(axis)[p.coord], group=mesh.group(axis))
     return out.contiguous()

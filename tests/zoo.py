@@ -594,6 +594,7 @@ MODELS["scan_plain"] = _plain("scan_lm")
 MODELS["widening_plain"] = _plain("widening")
 MODELS["loop_moe_plain"] = _plain("loop_moe")
 MODELS["head_loop_plain"] = _plain("head_loop")
+MODELS["head_list_plain"] = _plain("head_list")
 LOSS_INSIDE = {"nanogpt_plain"}  # forward(tokens, targets) -> (logits, loss): trained on that loss (model_loss)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from meshc.compiler.ir.placement import FlatShard, Shard, Whole, block_sizes
+from meshc.compiler.ir.placement import FlatShard, Owned, Shard, Whole, block_sizes
 
 _INDEXED = re.compile(r"(^|\.)\d+(\.|$)")
 
@@ -61,7 +61,7 @@ def coverage(params: dict, sizes: dict[str, int], reasons: dict[str, str] | None
     replicated: dict[str, str] = {}
     if sizes.get("tp", 1) > 1:
         for s in weights:
-            if not isinstance(s.placements.get("tp"), Shard):
+            if not isinstance(s.placements.get("tp"), (Shard, Owned)):
                 module = s.fqn.rsplit(".", 1)[0]
                 replicated.setdefault(module, (reasons or {}).get(module, "no rule of the plan tried it"))
     return Coverage(fractions, total, sorted(replicated.items()))
@@ -70,7 +70,7 @@ def coverage(params: dict, sizes: dict[str, int], reasons: dict[str, str] | None
 def _sharded_bytes(spec, placement) -> int:
     """The bytes of `spec` held in parts under `placement`: all of them when sharded, but the blocks every
     rank holds whole (Whole chunks: multi-query k and v beside q's shard)."""
-    if isinstance(placement, FlatShard):
+    if isinstance(placement, (FlatShard, Owned)):  # a flat shard; whole heads each on its own rank
         return _bytes(spec)
     if not isinstance(placement, Shard):
         return 0

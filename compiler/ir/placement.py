@@ -50,7 +50,19 @@ class Partial:
         return "P"
 
 
-Placement = Replicate | Shard | Partial | FlatShard
+@dataclass(frozen=True)
+class Owned:
+    """The whole tensor on the rank at coordinate `coord` of the axis; the others hold none of it (an empty tensor,
+    0 rows). A ModuleList of per-head modules dealt out over tp: each rank holds and runs its own heads whole
+    (passes/sharding/branches.py); its program is then its own, not every rank's."""
+
+    coord: int
+
+    def __str__(self) -> str:
+        return f"O({self.coord})"
+
+
+Placement = Replicate | Shard | Partial | FlatShard | Owned
 R = Replicate()
 P = Partial()
 
@@ -136,6 +148,12 @@ def data_axis(placements: dict) -> str:
     if isinstance(placements.get("ep"), Shard):
         return "edp"
     return "dps" if isinstance(placements.get("dps"), FlatShard) else "dp"
+
+
+def split_over(p) -> bool:
+    """Does `p` split the tensor's elements between the axis' ranks (each holds part: S(d), a flat shard, an owner's
+    whole)? What a gradient norm sums and a checkpoint writes once per rank, not once per axis."""
+    return isinstance(p, (Shard, FlatShard, Owned))
 
 
 def in_parts(p) -> bool:

@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from meshc.compiler.ir.plan import DEFAULT_BUCKET_MB
-from meshc.compiler.ir.placement import FlatShard, Placement, Replicate, Shard, data_axis, local_length
+from meshc.compiler.ir.placement import FlatShard, Owned, Placement, Replicate, Shard, data_axis, local_length
 
 if TYPE_CHECKING:
     from meshc.compiler.ir.mesh_spec import MeshSpec
@@ -64,16 +64,20 @@ class ParamSpec:
     aliases: tuple[str, ...] = ()  # other FQNs of the same tensor (tied weights)
     grad_partial: tuple[str, ...] = ()  # axes over which the local gradient is a partial sum
     zero: int = 0  # ZeRO stage managing this parameter on dp (0: none)
+    held: bool = True  # False where an Owned placement gives it to another rank: this program's rank holds none of it
 
     def local_shape(self, mesh_sizes: dict[str, int], axes=None) -> tuple[int, ...]:
-        """The shape one rank holds, given the size of every mesh axis (only `axes`, if given).
+        """The shape this program's rank holds, given the size of every mesh axis (only `axes`, if given).
 
-        Dim shards apply first; a flat (ZeRO) shard then flattens what they leave and pads it.
+        Dim shards apply first; a flat (ZeRO) shard then flattens what they leave and pads it. A parameter another
+        rank owns (Owned, `held` False) has 0 rows here.
         """
         shape = list(self.shape)
         for axis, p in self.placements.items():
             if isinstance(p, Shard) and (axes is None or axis in axes):
                 shape[p.dim] = local_length(p, shape[p.dim], mesh_sizes[axis])
+            if isinstance(p, Owned) and not self.held and (axes is None or axis in axes) and shape:
+                shape[0] = 0
         for axis, p in self.placements.items():
             if isinstance(p, FlatShard) and (axes is None or axis in axes):
                 shape = [-(-math.prod(shape) // mesh_sizes[axis])]
@@ -81,7 +85,7 @@ class ParamSpec:
 
     def unflat_shape(self, mesh_sizes: dict[str, int]) -> tuple[int, ...]:
         """The shape before any flat shard: the tensor a ZeRO gather rebuilds on each rank."""
-        return self.local_shape(mesh_sizes, [a for a, p in self.placements.items() if isinstance(p, Shard)])
+        return self.local_shape(mesh_sizes, [a for a, p in self.placements.items() if isinstance(p, (Shard, Owned))])
 
     def local_bytes(self, mesh_sizes: dict[str, int]) -> int:
         return math.prod(self.local_shape(mesh_sizes)) * self.dtype.itemsize

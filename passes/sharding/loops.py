@@ -77,7 +77,7 @@ def _select_groups(nodes: list[fx.Node]) -> dict[tuple[fx.Node, int], dict[int, 
     return {k: v for k, v in groups.items() if sorted(v) == list(range(int(k[0].meta["meshc.shape"][k[1]])))}
 
 
-def _labels(nodes, order, seeds: dict[fx.Node, int], stop: fx.Node | None = None):
+def reached(nodes, order, seeds: dict[fx.Node, int], stop: fx.Node | None = None):
     """Each node reached from the seeds -> the indices that reach it, from the first seed on (to `stop`, excluded);
     and the first node reached by two indices (None if none before `stop`)."""
     labels: dict[fx.Node, frozenset[int]] = {}
@@ -97,7 +97,7 @@ def _labels(nodes, order, seeds: dict[fx.Node, int], stop: fx.Node | None = None
 def _join(nodes, order, seeds: dict[fx.Node, int], count: int) -> fx.Node | None:
     """The cat/stack where the iterations meet, taking one result of each in index order; None where they meet
     anywhere else first (one feeds another) or never."""
-    labels, meet = _labels(nodes, order, seeds)
+    labels, meet = reached(nodes, order, seeds)
     if meet is None or meet.target not in _JOINS or len(meet.args[0]) != count:
         return None
     if [labels.get(t) for t in meet.args[0]] != [frozenset({g}) for g in range(count)]:
@@ -119,12 +119,12 @@ def _loop(nodes, order, join: fx.Node, groups: dict) -> Loop | None:
     count = len(next(iter(groups.values())))
     if any(len(by_index) != count for by_index in groups.values()):
         return None
-    labels, meet = _labels(nodes, order, seeds, stop=join)
+    labels, meet = reached(nodes, order, seeds, stop=join)
     if meet is not None:
         return None
     member = {n: next(iter(lab)) for n, lab in labels.items()}
     first = min(order[n] for n in member)
-    _absorb(nodes[first:order[join]], member)
+    absorb(nodes[first:order[join]], member)
     bodies: list[list[fx.Node]] = [[] for _ in range(count)]
     for n, g in member.items():
         bodies[g].append(n)
@@ -140,7 +140,7 @@ def _loop(nodes, order, join: fx.Node, groups: dict) -> Loop | None:
     return Loop(sources, count, bodies, join, set(seeds))
 
 
-def _absorb(span: list[fx.Node], member: dict[fx.Node, int]) -> None:
+def absorb(span: list[fx.Node], member: dict[fx.Node, int]) -> None:
     """Ops inside the loop that no select reaches but only one iteration uses (a scan's initial state, `zeros(...)`,
     made anew by each iteration), and checks that read only one iteration's values: that iteration's."""
     changed = True
@@ -168,14 +168,14 @@ def _alike(first: list[fx.Node], body: list[fx.Node], g: int, seeds: dict[fx.Nod
             if b not in seeds or seeds[a] != 0 or seeds[b] != g:
                 return False
             args_a, args_b = args_a[:2], args_b[:2]
-        if not _same(args_a, args_b, twin) or not _same(list(a.kwargs.values()), list(b.kwargs.values()), twin):
+        if not same_args(args_a, args_b, twin) or not same_args(list(a.kwargs.values()), list(b.kwargs.values()), twin):
             return False
     return True
 
 
-def _same(xs, ys, twin: dict[fx.Node, fx.Node]) -> bool:
+def same_args(xs, ys, twin: dict[fx.Node, fx.Node]) -> bool:
     if isinstance(xs, (list, tuple)):
-        return isinstance(ys, (list, tuple)) and len(xs) == len(ys) and all(_same(x, y, twin) for x, y in zip(xs, ys))
+        return isinstance(ys, (list, tuple)) and len(xs) == len(ys) and all(same_args(x, y, twin) for x, y in zip(xs, ys))
     if isinstance(xs, fx.Node):
         return twin.get(xs, xs) is ys
     return type(xs) is type(ys) and xs == ys

@@ -46,7 +46,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError
-from meshc.compiler.ir.placement import FlatShard, Shard, Whole, block_sizes, data_axis, local_blocks, local_length
+from meshc.compiler.ir.placement import (FlatShard, Owned, Shard, Whole, block_sizes, data_axis, local_blocks, local_length,
+                                         split_over)
 
 from meshc.runtime.monitor import failures
 
@@ -72,8 +73,8 @@ def pieces(local: torch.Tensor, shape: tuple, placements: dict, sizes: dict, coo
     the boxes of blocks every rank of an axis holds whole (Whole chunks) only on that axis' rank 0, so that the
     ranks' boxes tile the tensor once."""
     shape = tuple(shape)
-    if math.prod(shape) == 0:
-        return []
+    if math.prod(shape) == 0 or any(isinstance(p, Owned) and coords[a] != p.coord for a, p in placements.items()):
+        return []  # nothing, or another rank's whole
     steps, dims, lengths = [], list(shape), []
     for axis, p in placements.items():  # the slices local_shard applies, in its order
         if isinstance(p, Shard) and sizes[axis] > 1:
@@ -161,7 +162,7 @@ def writes(key: str, placements: dict, sizes: dict, coords: dict, pp_owner: int)
     if coords.get("pp", 0) != pp_owner:
         return False
     replicated = [a for a in (data_axis(placements), "dpr", "tp")  # experts' replicas: edp; hybrid ZeRO's: dpr
-                  if sizes.get(a, 1) > 1 and not isinstance(placements.get(a), (Shard, FlatShard))]
+                  if sizes.get(a, 1) > 1 and not split_over(placements.get(a))]
     choice = zlib.crc32(key.encode()) % max(1, math.prod(sizes[a] for a in replicated))
     for a in reversed(replicated):
         choice, want = divmod(choice, sizes[a])

@@ -20,7 +20,7 @@ import torch
 
 from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.ir.placement import FlatShard, Replicate, Shard, Whole, has_whole, local_blocks
+from meshc.compiler.ir.placement import FlatShard, Replicate, Shard, Whole, has_whole, local_blocks, split_over
 from meshc.compiler.ir.program import Program
 
 from meshc.runtime.zero import offload
@@ -184,8 +184,7 @@ class ParamStore:
         for fqn, p in self.masters.items():
             if p.grad is None or fqn in skip:
                 continue
-            axes = tuple(a for a, pl in self.specs[fqn].placements.items()
-                         if isinstance(pl, (Shard, FlatShard)) and self.mesh.size(a) > 1)
+            axes = tuple(a for a, pl in self.specs[fqn].placements.items() if split_over(pl) and self.mesh.size(a) > 1)
             square = p.grad.detach().double().pow(2)
             if fqn not in self._weights:
                 self._weights[fqn] = self._whole_weights(fqn)

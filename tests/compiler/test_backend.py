@@ -99,7 +99,7 @@ def test_backend_matches_single_process_and_meshc_compile(case):
 # 15 parameters, 0.95 of the blocks' weight bytes, as under meshc.compile).
 # transformers families, a custom autograd.Function, and models written in plain PyTorch (tests/plain_models.py)
 FAMILIES = ["llama", "bert", "mixtral", "t5", "bloom", "falcon", "custom_fn", "llama3_plain", "encoder_lm",
-            "seq2seq_plain", "vit_plain", "mha_plain", "nanogpt_plain"]
+            "seq2seq_plain", "vit_plain", "mha_plain", "nanogpt_plain", "head_list_plain"]
 REFUSED: dict[str, str] = {}  # model -> the refusal's expected message, for a family the door cannot train
 # SGD where a key projection has a bias, whose gradient is zero in exact arithmetic: AdamW scales its fp32 noise
 # into +-lr steps (tests/models/test_plain_parity.py says more)

@@ -214,6 +214,47 @@ def test_load_on_more_ranks_is_bitwise(matrix):
     _assert_same_state(out["more_ranks"], out["one_rank"])
 
 
+def _owned_heads_rank(folder: str) -> dict:
+    """tp=2 holding whole heads per rank (a ModuleList of per-head modules, Owned): one AdamW step, saved; then
+    loaded into a fresh tp=2 job and into dp=2 (heads whole on every rank), from other weights."""
+    data = zoo.batches(1, 8)
+
+    def train(sizes: dict, seed: int):
+        mesh = meshc.mesh(timeout_s=60, **sizes)
+        job = meshc.compile(zoo.build("head_list_plain", seed), mesh, example_inputs=(mesh.shard_batch(data[0][0]),),
+                            plan=meshc.Plan(**PLAN))
+        return mesh, job, job.optimizer(torch.optim.AdamW, lr=LR)
+
+    mesh, job, opt = train({"tp": 2}, 0)
+    _step(mesh, job, opt, data[0])
+    job.save(folder, step=1)
+    out = {"held": {f: tuple(p.shape) for f, p in job.named_parameters() if ".heads." in f},
+           "saved": {"params": _params(job), "optim": checkpoint.full_optimizer_state(job, opt)}}
+    for name, sizes in {"tp2": {"tp": 2}, "dp2": {"dp": 2}}.items():
+        mesh, job, opt = train(sizes, 1)
+        assert job.load(folder) == (1, {})
+        out[name] = {"params": _params(job), "optim": checkpoint.full_optimizer_state(job, opt)}
+    return out
+
+
+def test_whole_heads_held_per_rank_save_and_load_under_any_plan_bitwise(tmp_path, single_mesh):
+    folder = str(tmp_path / "heads")
+    results = run_ranks(_owned_heads_rank, 2, folder, timeout=240)
+    for rank, out in enumerate(results):  # each rank holds two of the four heads whole, none of the others
+        mine = {h for h in range(4) if out["held"][f"blocks.0.heads.{h}.query.weight"] == (8, 32)}
+        assert mine == {2 * rank, 2 * rank + 1} and all(out["held"][f"blocks.0.heads.{h}.query.weight"] == (0, 32)
+                                                        for h in set(range(4)) - mine), out["held"]
+        for name in ("tp2", "dp2"):
+            _assert_same_state(out[name], results[0]["saved"])
+    data = zoo.batches(1, 8)
+    job = meshc.compile(zoo.build("head_list_plain", 1), single_mesh, example_inputs=(data[0][0],),
+                        plan=meshc.Plan(**PLAN))
+    opt = job.optimizer(torch.optim.AdamW, lr=LR)
+    assert job.load(folder) == (1, {})
+    _assert_same_state({"params": _params(job), "optim": checkpoint.full_optimizer_state(job, opt)},
+                       results[0]["saved"])
+
+
 # ---------------------------------------------------------------------------------------- export
 @pytest.mark.parametrize("to", ["hf", "torch"])
 def test_export_loads_into_the_original_model(matrix, tmp_path, to):

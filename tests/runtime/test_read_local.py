@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from meshc.compiler.ir.mesh_spec import MeshSpec
-from meshc.compiler.ir.placement import FlatShard, Replicate, Shard
+from meshc.compiler.ir.placement import FlatShard, Owned, Replicate, Shard
 from meshc.compiler.ir.program import ParamSpec
 from meshc.runtime.sharding import local_shard, read_local, take
 
@@ -37,6 +37,8 @@ CASES = [
     ((24, 4), {"dp": FlatShard(), "tp": Shard(0, 3)}),
     ((9,), {"dp": FlatShard(), "tp": Replicate()}),
     ((), {"dp": FlatShard()}),
+    ((8, 4), {"tp": Owned(0)}),  # a head's weight, whole on the first tp rank, none of it on the others
+    ((8, 4), {"dp": FlatShard(), "tp": Owned(0)}),
 ]
 
 
@@ -59,3 +61,18 @@ def test_read_local_equals_local_shard(shape, placements, sizes):
         if isinstance(placements.get("dp"), FlatShard) and sizes["dp"] > 1 and len(shape) == 2:
             local_rows = want.numel() // math.prod(shape[1:]) + 2  # the window's rows, and two it starts/ends in
             assert sum(rows) <= local_rows, f"rank {rank} read {sum(rows)} rows for a shard of {want.numel()} elements"
+
+
+def test_an_owned_tensor_is_whole_on_its_owner_and_empty_elsewhere():
+    spec_mesh = MeshSpec({"dp": 2, "tp": 2})
+    full = torch.arange(32, dtype=torch.float32).reshape(8, 4)
+    spec = ParamSpec(fqn="w", shape=(8, 4), dtype=full.dtype, placements={"dp": Replicate(), "tp": Owned(1)})
+    for rank in range(4):
+        mesh = _Rank(spec_mesh, rank)
+        got = local_shard(full, spec, mesh)
+        if mesh.coords()["tp"] == 1:
+            assert torch.equal(got, full), rank
+        else:
+            assert got.shape == (0, 4), (rank, got.shape)
+        spec.held = mesh.coords()["tp"] == 1  # as the tp_placement pass marks each rank's program
+        assert spec.local_shape(spec_mesh.sizes) == tuple(got.shape)
