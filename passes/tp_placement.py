@@ -35,7 +35,7 @@ import torch.fx as fx
 from meshc.compiler.ir.coverage import block_weights, coverage
 from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
 from meshc.compiler.ir.logits import logits_end
-from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_model_input, op_name
+from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_model_input, op_name, written_in_place
 from meshc.compiler.ir.placement import Owned, Partial, Replicate, Shard, Whole, as_chunks, in_parts
 from meshc.compiler.ir.plan import Decision
 from meshc.compiler.ir.program import FQN, ROLE, TP_FACTORY, Program
@@ -441,9 +441,12 @@ def _owned_branches(program: Program, walk: tuple, styles: dict[str, str], n: in
         if group.join in joins or any(w.split("[")[0] in params for w in styles) or \
                 not all(program.params[f].requires_grad for f in params):
             continue
-        if group.count % n or group.dim != len(group.join.meta["meshc.shape"]) - 1:
+        written = sorted(p.meta[FQN] for ps in group.own for p in ps if p.meta.get(ROLE) == "buffer" and
+                         (p.meta[FQN] in program.mutated_buffers or written_in_place(p) is not None))
+        if group.count % n or group.dim != len(group.join.meta["meshc.shape"]) - 1 or written:
             why = f"{group.count} branches do not divide over tp={n}" if group.count % n else \
-                f"joined on dim {group.dim}, not the features"
+                f"joined on dim {group.dim}, not the features" if not written else \
+                f"the branches update buffers of their own ({written[0]}, ...), which every rank must hold alike"
             program.notes.append(f"auto: {where} replicated: {why}")
             continue
         seed = Weight("", modules[0], "linear", group.join, None, None, 1, key=f"branches:{group.join.name}")

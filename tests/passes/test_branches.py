@@ -107,3 +107,38 @@ def test_a_style_in_the_plan_keeps_the_heads_as_it_says():
     program = _compile(plain_models.head_list(), {"tp": 2}, tp={"*.heads.*": "replicate"})
     heads = [s for f, s in program.params.items() if ".heads." in f]
     assert heads and all(s.placements["tp"] == Replicate() and s.held for s in heads)
+
+
+class _RunningHead(nn.Module):
+    """A head that keeps running statistics of its output (a buffer its forward writes)."""
+
+    def __init__(self, width: int, size: int):
+        super().__init__()
+        self.q = nn.Linear(width, size, bias=False)
+        self.register_buffer("running", torch.zeros(size))
+
+    def forward(self, x):
+        y = self.q(x)
+        with torch.no_grad():
+            self.running.mul_(0.9).add_(0.1 * y.mean((0, 1)))
+        return y - self.running
+
+
+class _RunningHeadsLM(nn.Module):
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.emb = nn.Embedding(plain_models.VOCAB, width)
+        self.heads = nn.ModuleList(_RunningHead(width, width // HEADS) for _ in range(HEADS))
+        self.proj, self.out = nn.Linear(width, width), nn.Linear(width, plain_models.VOCAB)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        return self.out(x + self.proj(torch.cat([h(x) for h in self.heads], dim=-1)))
+
+
+def test_heads_that_write_buffers_of_their_own_stay_replicated():
+    """Each rank runs only its heads: a buffer a head writes would be stale on the other ranks, which hold it too."""
+    assert len(branch_groups(_compile(_RunningHeadsLM(), {"dp": 1}).gm.graph)) == 1  # found as branches
+    program = _compile(_RunningHeadsLM(), {"tp": 2})
+    assert all(not isinstance(s.placements["tp"], Owned) for s in program.params.values())
+    assert any("update buffers of their own (heads.0.running" in t for t in program.notes), program.notes
