@@ -2,12 +2,17 @@
 over transformers families built from small configs and models written in plain PyTorch (tests/plain_models.py:
 rows "plain: ..."), with the plan's reason for each replicated module.
 
-    python benchmarks/tp_coverage.py [--tp 2] [--only falcon,phi3]
+    python benchmarks/tp_coverage.py [--tp 2] [--only falcon,phi3] [--own-sizes]
 
 Each model is built and compiled for rank 0 on fake tensors with no process group (as `meshc explain` does):
 no weights, no processes (a model that reads a tensor's value while tracing, as ViT does, is built with real
 weights instead: the configs are tiny). Parity tests show the sharded runs are right; this shows they shard. What counts as
 a block weight: compiler/ir/coverage.py. Prints a markdown table.
+
+A share of bytes depends on the model's proportions, which the small configs change (hidden 64 and FFN 128 for every
+family: RWKV's own FFN is 4x its width, HY-V4's hyper-connection matrices are a tenth of its block at width 64).
+`--own-sizes` builds each transformers family at its config's default sizes instead (the dims below left to the
+config; its 2 layers, its vocabulary cut to VOCAB), on fake tensors: the proportions a user's model has.
 """
 from __future__ import annotations
 
@@ -152,8 +157,19 @@ def _plain_model(family: str):
     return model, torch.zeros(BATCH, plain_models.SEQ, dtype=torch.long)
 
 
-def measure(family: str, tp: int = 2) -> tuple[float, list[tuple[str, str]]]:
-    """(sharded fraction on tp, replicated (module, reason) pairs) for `family` at `tp`."""
+# the sizes --own-sizes leaves to each config's defaults (layer counts, vocabulary, positions and layout stay as above)
+SIZES = {"hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+         "num_attention_heads", "num_key_value_heads", "num_kv_heads", "head_dim", "attention_hidden_size", "kv_lora_rank",
+         "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",
+         "n_head", "n_heads", "emb_dim", "embedding_size", "n_inner", "n_embd", "ffn_dim", "num_heads",
+         "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+         "mamba_d_ssm", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "state_size", "expand", "time_step_rank",
+         "conv_kernel", "n_groups", "intermediate_ratio"}
+
+
+def measure(family: str, tp: int = 2, own_sizes: bool = False) -> tuple[float, list[tuple[str, str]]]:
+    """(sharded fraction on tp, replicated (module, reason) pairs) for `family` at `tp`; `own_sizes`: a transformers
+    family at its config's default sizes (SIZES left out of the small config)."""
     def build():
         import torch
         import transformers
@@ -161,6 +177,8 @@ def measure(family: str, tp: int = 2) -> tuple[float, list[tuple[str, str]]]:
         if family in PLAIN:
             return _plain_model(family)
         cfg_cls, model_cls, kwargs, kind = FAMILIES[family]
+        if own_sizes:
+            kwargs = {k: v for k, v in kwargs.items() if k not in SIZES}
         model = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kwargs))
         return model, (torch.zeros(BATCH, 3, 16, 16) if kind == "pixels" else torch.zeros(BATCH, SEQ, dtype=torch.long))
     return coverage_of(build, tp)
@@ -197,13 +215,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--only", default="", help="comma-separated families (default: all)")
+    p.add_argument("--own-sizes", action="store_true", help="transformers families at their configs' default sizes")
     args = p.parse_args()
-    names = [n for n in args.only.split(",") if n] or list(FAMILIES) + list(PLAIN)
-    print(f"| family (small config) | sharded at tp={args.tp} | replicated modules: why |")
+    names = [n for n in args.only.split(",") if n] or list(FAMILIES) + ([] if args.own_sizes else list(PLAIN))
+    print(f"| family ({'its own sizes' if args.own_sizes else 'small config'}) | sharded at tp={args.tp} | "
+          "replicated modules: why |")
     print("|---|---|---|")
     for name in names:
         try:
-            frac, replicated = measure(name, args.tp)
+            frac, replicated = measure(name, args.tp, args.own_sizes)
         except Exception as e:  # a family that does not compile is a row of the table, not the end of it
             print(f"| {name} | error | {type(e).__name__}: {str(e).splitlines()[0][:160]} |", flush=True)
             continue
