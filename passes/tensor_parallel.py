@@ -74,6 +74,7 @@ def tensor_parallel_pass(program: Program) -> Program:
         owned[group.join] = group.dim
         local |= {x for g in group.kept(ctx.index, n) for x in group.bodies[g]}
     apart |= local
+    _check_owned_reads(program, pieces | dropped)
     for node in list(graph.nodes):
         if node in dropped:
             continue
@@ -138,6 +139,20 @@ def tensor_parallel_pass(program: Program) -> Program:
     census = red.census()
     program.notes.append(f"tp={n}: inserted {census or 'no collectives'}")
     return program
+
+
+def _check_owned_reads(program: Program, grouped: set[fx.Node]) -> None:
+    """A parameter dealt to one tp rank (Owned) may be read only by its group's branches, here kept or erased: read
+    anywhere else (a graph of the torch.compile door cut inside the heads), a rank without it would compute on
+    nothing."""
+    for node in program.placeholders("param"):
+        spec = program.params[node.meta["meshc.fqn"]]
+        if isinstance(spec.placements.get(AXIS), Owned) and any(u not in grouped for u in node.users):
+            user = next(u for u in node.users if u not in grouped)
+            raise MeshcValueError(f"tp sharding: {spec.fqn} is held whole by tp rank {spec.placements[AXIS].coord} "
+                                  f"(its heads' branches), but {user.format_node()} ({where(user)}) reads it outside "
+                                  "them (a graph break inside the heads?); keep those heads replicated with "
+                                  "Plan(tp={'<module glob>': 'replicate'})")
 
 
 def _place(program, node, ctx, red, origin) -> None:
