@@ -19,6 +19,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -71,9 +72,25 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     for r in missing:
         failures[r] = f"no result within {timeout:.0f} s (killed)"
     if failures:
+        for ok, payload in outcome.values():
+            if ok and isinstance(payload, str):  # a result left in a file, never to be read
+                os.unlink(payload)
         text = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures))
         raise RankFailure(f"{len(failures)} of {world_size} ranks failed:\n{text}")
-    return [torch.load(io.BytesIO(outcome[r][1]), weights_only=False) for r in range(world_size)]
+    return [_result(outcome[r][1]) for r in range(world_size)]
+
+
+_INLINE = 16 << 20  # bytes of a rank's result sent through the queue itself
+
+
+def _result(payload: bytes | str) -> Any:
+    """A rank's result: its bytes, or the file it wrote them to (removed once read)."""
+    if isinstance(payload, str):
+        try:
+            return torch.load(payload, weights_only=False)
+        finally:
+            os.unlink(payload)
+    return torch.load(io.BytesIO(payload), weights_only=False)
 
 
 def _stop(procs) -> None:
@@ -97,7 +114,14 @@ def _child(fn, rank, world_size, port, args, kwargs, env, results) -> None:
         value = fn(*args, **kwargs)
         buf = io.BytesIO()
         torch.save(value, buf)
-        results.put((rank, True, buf.getvalue()))
+        if buf.tell() > _INLINE:  # a large result goes through a file: pickled into the queue's pipe by its feeder
+            fd, path = tempfile.mkstemp(prefix=f"meshc-rank{rank}-", suffix=".pt",  # thread, a failure there (out of
+                                        dir=os.environ.get("TMPDIR") or None)
+            with os.fdopen(fd, "wb") as f:  # memory) would never reach the parent, which would wait out its timeout
+                f.write(buf.getbuffer())
+            results.put((rank, True, path))
+        else:
+            results.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - every failure is reported with its rank
         results.put((rank, False, traceback.format_exc()))
     finally:
