@@ -102,8 +102,8 @@ FAMILIES = {
                                                "tie_word_embeddings": False, "layer_types": ["conv", "full_attention"]},
              "tokens"),
     "rwkv": ("RwkvConfig", "RwkvForCausalLM", dict(vocab_size=VOCAB, hidden_size=64, attention_hidden_size=64,
-                                                   intermediate_size=128, num_hidden_layers=2, context_length=SEQ,
-                                                   use_cache=False), "tokens"),
+                                                   intermediate_size=256, num_hidden_layers=2, context_length=SEQ,
+                                                   use_cache=False), "tokens"),  # its FFN 4x its width, as RWKV's
     "dory": ("DoryConfig", "DoryForCausalLM", {**SMALL, **LM, "num_hidden_layers": 3, "num_key_value_heads": 2,
                                                "head_dim": 16, "n_input_layers": 1, "n_recurrent_layers": 1,
                                                "n_output_layers": 1, "sliding_window": SEQ}, "tokens"),

@@ -501,11 +501,12 @@ def zamba(seed: int = 0, layers: int = 2) -> torch.nn.Module:
 def rwkv(seed: int = 0, layers: int = 2) -> torch.nn.Module:
     """Hugging Face RWKV (v4): time mixing as a loop over time steps that writes each step's output into a buffer made
     like the key projection's output (`out = zeros_like(k); out[:, t] = ...`), reading the value projection's; channel
-    mixing gates the value layer's output by a sigmoid of a third projection (receptance)."""
+    mixing gates the value layer's output by a sigmoid of a third projection (receptance). Its FFN 4x its width, as in
+    RWKV's own configs (the share of its blocks' bytes sharded depends on it)."""
     from transformers import RwkvConfig, RwkvForCausalLM
 
     torch.manual_seed(seed)
-    cfg = RwkvConfig(num_hidden_layers=layers, hidden_size=32, attention_hidden_size=32, intermediate_size=64,
+    cfg = RwkvConfig(num_hidden_layers=layers, hidden_size=32, attention_hidden_size=32, intermediate_size=128,
                      vocab_size=VOCAB, context_length=SEQ, use_cache=False, bos_token_id=0, eos_token_id=0)
     return RwkvForCausalLM(cfg)
 

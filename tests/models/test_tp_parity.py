@@ -232,9 +232,12 @@ SHARDED = [(m, 2, p, 0.9) for m, p in SHARDED] + [(m, 4, {}, 0.9) for m in ("gpt
                                                                           "gpt_oss", "llama4_moe", "scan_plain",
                                                                           "widening_plain")]
 # RWKV: the value projection's flow writes into a buffer made like the key projection's output, so the two are tried
-# together; the channel mixing's receptance (a gate on the value layer's reduced output) stays whole, as Megatron
-# would hold it: 8192 of this config's 9216 block weights' elements sharded (0.89; 0.78 with value whole too)
-SHARDED += [("rwkv", 2, {}, 0.85), ("rwkv", 2, {"sequence_parallel": True}, 0.85)]
+# together; the channel mixing's receptance (a gate on the value layer's reduced output) stays whole: 12/13 of the
+# block weights' bytes sharded at RWKV's own FFN of 4x its width (0.89 at 2x; 0.78 with value whole too). SGD: after
+# 5 AdamW steps the one-process run itself is 3.0e-5 off its fp64 twin on attention.receptance.weight (AdamW scales
+# small gradients' rounding into steps of lr), and the ranks' run 5.7e-5 off it, beyond parity's 5e-5 in noise alone
+SHARDED += [("rwkv", 2, {}, 0.9), ("rwkv", 2, {"sequence_parallel": True}, 0.9)]
+OPTIMIZERS = {"rwkv": "sgd"}
 # xLSTM's mLSTM blocks trained chunkwise: a norm per head (var over the head dim), gates through log_sigmoid, cats written
 # torch.concatenate; k, v and the input and forget gates write their chunks' states, normalizers and maxima into
 # buffers made by torch.zeros, which are sharded by head with them (passes/sharding/buffers.py): every block weight
@@ -267,8 +270,10 @@ SHARDED += [("mamba2", 2, {}, 0.9), ("mamba2", 2, {"sequence_parallel": True}, 0
 @pytest.mark.parametrize("case", SHARDED, ids=[_id((m, {"tp": tp}, p)) for m, tp, p, _ in SHARDED])
 def test_tp_shards_fused_projections_and_matches(case):
     model, tp, plan, floor = case
-    ref = parity.reference(model, STEPS, BATCH)
-    results = run_ranks(parity.meshc_rank, tp, model, STEPS, BATCH, {"tp": tp}, {**FAST, **plan}, timeout=240)
+    optimizer = OPTIMIZERS.get(model, "adamw")
+    ref = parity.reference(model, STEPS, BATCH, optimizer)
+    results = run_ranks(parity.meshc_rank, tp, model, STEPS, BATCH, {"tp": tp}, {**FAST, **plan}, optimizer,
+                        timeout=240)
     for rank, out in enumerate(results):
         assert parity.block_coverage(out["local_shapes"], zoo.build(model), tp) >= floor, out["report"]
         parity.assert_matches(rank, out, ref, STEPS)
