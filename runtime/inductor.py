@@ -160,7 +160,7 @@ class InductorPrograms:
         try:
             # compile_fx may rewrite the graph it is handed; the program's own graph stays as the passes left it
             bound = any(compat.recomputed(node) for node in gm.graph.nodes)
-            graph = rename_groups(copy.deepcopy(gm), self.aliases)
+            graph = views_as_reshapes(rename_groups(copy.deepcopy(gm), self.aliases))
             options = OVERLAP_MEMORY_BOUND if bound else OVERLAP
             with compiling_once(graph_key(graph, args, (options, deferred is not None, torch.is_grad_enabled()))), \
                     no_context():  # the step's ZeRO context serves gathers run as FX code, not the traced ones
@@ -174,6 +174,28 @@ class InductorPrograms:
                                     "run it as FX code with Plan(inductor=False) and report the failure") from error
         self.stats.programs += 1
         return fn
+
+
+def views_as_reshapes(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` (in place) with each aten.view that nothing writes through, nor into its base, made a reshape: the same
+    view where the strides allow one, a copy where they do not. The trace's strides need not hold in Inductor's
+    trace: its decomposition of a cat whose other inputs are empty returns a clone of the one left, in that one's
+    layout (torch 2.13), where the trace's cat was contiguous, and a view of it then fails to compile (a rotary over
+    the whole head, its pass-through part empty: GPT-NeoX-Japanese; plain torch.compile fails on such code too)."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.view.default or \
+                not isinstance(node.args[0], fx.Node):
+            continue
+        base = node.args[0]
+        while fx_ops.is_alias(base) and base.args and isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+        if fx_ops.written_in_place(base) is None and fx_ops.written_in_place(node) is None:
+            node.target = torch.ops.aten.reshape.default
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
 
 
 def with_masters(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
