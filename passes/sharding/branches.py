@@ -66,7 +66,7 @@ def _group(nodes, order, join: fx.Node) -> Branches | None:
     shapes = {tuple(str(d) for d in r.meta.get("meshc.shape") or ()) for r in results}
     if len(shapes) != 1 or not next(iter(shapes)):
         return None
-    own = _own_placeholders(results)
+    own = _own_placeholders(results, order)
     if own is None:
         return None
     seeds = {p: g for g, ps in enumerate(own) for p in ps}
@@ -88,7 +88,7 @@ def _group(nodes, order, join: fx.Node) -> Branches | None:
     return Branches(join, bodies, own)
 
 
-def _own_placeholders(results: list[fx.Node]) -> list[list[fx.Node]] | None:
+def _own_placeholders(results: list[fx.Node], order: dict[fx.Node, int]) -> list[list[fx.Node]] | None:
     """Per result, the parameter and buffer placeholders it is computed from that no other result is; None unless
     every result has the same number of them, a trainable parameter among them."""
     first = _ancestors(results[0], stop=set())
@@ -100,7 +100,6 @@ def _own_placeholders(results: list[fx.Node]) -> list[list[fx.Node]] | None:
         for x in met:
             shared |= _ancestors(x, stop=shared) | {x}
     walked[0] = first - shared
-    order = {x: i for i, x in enumerate(results[0].graph.nodes)}
     own = [sorted((x for x in w if x.op == "placeholder" and x.meta.get(ROLE) in ("param", "buffer")), key=order.get)
            for w in walked]
     if len({len(ps) for ps in own}) != 1 or len({p for ps in own for p in ps}) != sum(map(len, own)) or \
