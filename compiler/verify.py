@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from meshc.compiler.ir.errors import MeshcInternalError
-from meshc.compiler.ir.placement import Owned, Shard, local_length
+from meshc.compiler.ir.placement import Shard, local_length, owned_elsewhere
 from meshc.compiler.ir.program import META_KEYS, Program
 from meshc.compiler.ir.sizes import sizes_of
 
@@ -96,7 +96,7 @@ def _local_values(program: Program):
             want = [d if isinstance(d, int) else None for d in sizes_of(s)]
             if isinstance(p, Shard):
                 want[p.dim] = local_length(p, want[p.dim], n)
-            if isinstance(p, Owned) and p.coord != program.mesh.coord("tp", program.rank) and want:
+            if owned_elsewhere(p, program.mesh.coord("tp", program.rank)) and want:
                 want[0] = 0  # another rank's whole
             if isinstance(expert, Shard):
                 want[expert.dim] //= ep

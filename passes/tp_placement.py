@@ -36,7 +36,7 @@ from meshc.compiler.ir.coverage import block_weights, coverage
 from meshc.compiler.ir.errors import MeshcValueError, MeshcWarning, warn
 from meshc.compiler.ir.logits import logits_end
 from meshc.compiler.ir.fx_ops import get_arg, is_grouped_mm, is_model_input, op_name, written_in_place
-from meshc.compiler.ir.placement import Owned, Partial, Replicate, Shard, Whole, as_chunks, in_parts
+from meshc.compiler.ir.placement import Owned, Partial, Replicate, Shard, Whole, as_chunks, in_parts, owned_elsewhere
 from meshc.compiler.ir.plan import Decision
 from meshc.compiler.ir.program import FQN, ROLE, TP_FACTORY, Program
 from meshc.compiler.ir.sizes import bounded_sizes
@@ -472,8 +472,7 @@ def _mark_held(program: Program) -> None:
     """Which parameters this program's rank holds: all but those another tp rank owns."""
     coord = program.mesh.coord(AXIS, program.rank)
     for spec in program.params.values():
-        p = spec.placements.get(AXIS)
-        spec.held = not isinstance(p, Owned) or p.coord == coord
+        spec.held = not owned_elsewhere(spec.placements.get(AXIS), coord)
 
 
 def _applied_alike(program: Program, w: Weight, node: fx.Node) -> bool:

@@ -8,7 +8,7 @@ import torch
 
 from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcValueError
-from meshc.compiler.ir.placement import FlatShard, Owned, Partial, Shard
+from meshc.compiler.ir.placement import FlatShard, Owned, Partial, Shard, owned_elsewhere
 from meshc.compiler.ir.program import ParamSpec
 
 from meshc.runtime.ops.collectives import gather_shard, slice_shard
@@ -33,7 +33,7 @@ def local_shard(full: torch.Tensor, spec: ParamSpec, mesh, rank: int | None = No
             raise MeshcValueError(f"{spec.fqn}: a stored tensor cannot be Partial on {axis}")
         if isinstance(p, Shard) and mesh.sizes[axis] > 1:
             out = slice_shard(out, p.dim, p.chunks, mesh.sizes[axis], coords[axis])
-        if isinstance(p, Owned) and coords[axis] != p.coord:  # another rank's: none of it here
+        if owned_elsewhere(p, coords[axis]):  # another rank's: none of it here
             out = out[:0]
     for axis, p in spec.placements.items():  # a flat shard applies to what the dim shards leave
         if isinstance(p, FlatShard):
@@ -62,7 +62,7 @@ def read_local(read, spec: ParamSpec, mesh) -> torch.Tensor:
             raise MeshcValueError(f"{spec.fqn}: a stored tensor cannot be Partial on {axis}")
         if isinstance(p, Shard) and mesh.sizes[axis] > 1:
             indices[p.dim] = slice_shard(indices[p.dim], 0, p.chunks, mesh.sizes[axis], coords[axis])
-        if isinstance(p, Owned) and coords[axis] != p.coord and indices:
+        if owned_elsewhere(p, coords[axis]) and indices:
             indices[0] = indices[0][:0]
     flats = [axis for axis, p in spec.placements.items() if isinstance(p, FlatShard)]
     if not flats:
@@ -108,7 +108,7 @@ def full_tensor(local: torch.Tensor, spec: ParamSpec, mesh) -> torch.Tensor:
         if isinstance(p, Shard) and mesh.sizes[axis] > 1:
             out = gather_shard(out, p.dim, p.chunks, mesh.sizes[axis], mesh.group_name(axis))
         if isinstance(p, Owned) and mesh.sizes[axis] > 1:  # from its owner, to every rank of the axis
-            whole = out if out.shape[:1] == tuple(spec.shape[:1]) else out.new_empty(spec.shape)
+            whole = out.new_empty(spec.shape) if owned_elsewhere(p, mesh.coords()[axis]) else out
             out = whole.contiguous()
             torch.distributed.broadcast(out, src=mesh.group_ranks(axis)[p.coord], group=mesh.group(axis))
     return out.contiguous()

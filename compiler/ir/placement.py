@@ -150,6 +150,11 @@ def data_axis(placements: dict) -> str:
     return "dps" if isinstance(placements.get("dps"), FlatShard) else "dp"
 
 
+def owned_elsewhere(p, coord: int) -> bool:
+    """Is `p` another rank's whole (Owned by a coordinate of the axis other than `coord`): none of it held here?"""
+    return isinstance(p, Owned) and p.coord != coord
+
+
 def split_over(p) -> bool:
     """Does `p` split the tensor's elements between the axis' ranks (each holds part: S(d), a flat shard, an owner's
     whole)? What a gradient norm sums and a checkpoint writes once per rank, not once per axis."""

@@ -46,8 +46,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from meshc.compiler.ir import torch_compat as compat
 from meshc.compiler.ir.errors import MeshcInternalError, MeshcValueError
-from meshc.compiler.ir.placement import (FlatShard, Owned, Shard, Whole, block_sizes, data_axis, local_blocks, local_length,
-                                         split_over)
+from meshc.compiler.ir.placement import (FlatShard, Shard, Whole, block_sizes, data_axis, local_blocks, local_length,
+                                         owned_elsewhere, split_over)
 
 from meshc.runtime.monitor import failures
 
@@ -73,7 +73,7 @@ def pieces(local: torch.Tensor, shape: tuple, placements: dict, sizes: dict, coo
     the boxes of blocks every rank of an axis holds whole (Whole chunks) only on that axis' rank 0, so that the
     ranks' boxes tile the tensor once."""
     shape = tuple(shape)
-    if math.prod(shape) == 0 or any(isinstance(p, Owned) and coords[a] != p.coord for a, p in placements.items()):
+    if math.prod(shape) == 0 or any(owned_elsewhere(p, coords[a]) for a, p in placements.items()):
         return []  # nothing, or another rank's whole
     steps, dims, lengths = [], list(shape), []
     for axis, p in placements.items():  # the slices local_shard applies, in its order
